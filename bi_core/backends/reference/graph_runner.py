@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
+
+
+class EagerRunnerImpl:
+    def run(self, step, input_ids, ctx):
+        return step(input_ids, ctx)
+
+
+class ReferenceGraphRunnerBuilder(GraphRunnerBuilder):
+    def check(self, spec: GraphRunnerSpec, policy) -> list[str]:
+        if spec.use_graphs:
+            return ["runs eagerly and cannot capture CUDA graphs (set graph.enabled: false)"]
+        return []
+
+    def build(self, spec: GraphRunnerSpec) -> EagerRunnerImpl:
+        return EagerRunnerImpl()

@@ -1,0 +1,302 @@
+"""Engine configuration: attrs classes that mirror the YAML, with validation that names key paths.
+
+Each field carries a ``parse`` function in its metadata; :func:`_parse_section` walks a dict,
+rejects unknown keys and reports the first problem as ``ConfigError("a.b.c", "...")``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from bi_core.errors import ConfigError
+
+Parser = Callable[[Any, str], Any]
+
+DTYPES = ("float32", "bfloat16")
+OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "graph_runner")
+INVARIANT_ENV = "BI_ENABLE_BATCH_INVARIANT"
+
+
+# ---------------------------------------------------------------------------------- parsers
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(minimum: int | None = None, maximum: int | None = None) -> Parser:
+    def parse(value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an int, got {_type_name(value)} {value!r}")
+        if minimum is not None and value < minimum:
+            what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+            raise ConfigError(path, f"expected {what}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(path, f"expected an int <= {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(minimum: float | None = None, maximum: float | None = None) -> Parser:
+    def parse(value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise ConfigError(path, f"expected a number in [{minimum}, {maximum}], got {value}")
+        return float(value)
+
+    return parse
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(path, f"expected true or false, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(path, f"expected a non-empty string, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _choice(*choices: str) -> Parser:
+    def parse(value: Any, path: str) -> str:
+        if value not in choices:
+            raise ConfigError(path, f"expected one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    return parse
+
+
+def _optional(inner: Parser) -> Parser:
+    return lambda value, path: None if value is None else inner(value, path)
+
+
+def _auto_or(inner: Parser) -> Parser:
+    return lambda value, path: "auto" if value == "auto" else inner(value, path)
+
+
+def _str_list(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ConfigError(path, f"expected a non-empty list of names, got {_type_name(value)} {value!r}")
+    return tuple(_str(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _op_preferences(value: Any, path: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"expected a mapping of op name to backend list, got {_type_name(value)}")
+    out = {}
+    for op, names in value.items():
+        if op not in OP_NAMES:
+            raise ConfigError(f"{path}.{op}", f"unknown op; expected one of {', '.join(OP_NAMES)}")
+        out[op] = _str_list(names, f"{path}.{op}")
+    return out
+
+
+def _prompts(value: Any, path: str) -> tuple[str | tuple[int, ...], ...]:
+    if not isinstance(value, list):
+        raise ConfigError(path, f"expected a list of prompts, got {_type_name(value)}")
+    out: list[str | tuple[int, ...]] = []
+    for i, p in enumerate(value):
+        if isinstance(p, str) and p:
+            out.append(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+            out.append(tuple(p))
+        else:
+            raise ConfigError(f"{path}[{i}]", "expected a non-empty string or a non-empty list of token ids")
+    return tuple(out)
+
+
+def _section(cls: type) -> Parser:
+    return lambda value, path: _parse_section(cls, value, path)
+
+
+def _field(parse: Parser, default: Any = attrs.NOTHING, factory: Any = None, doc: str = "") -> Any:
+    if factory is not None:
+        return attrs.field(factory=factory, metadata={"parse": parse, "doc": doc})
+    return attrs.field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+def _parse_section(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path or "<root>", f"expected a mapping, got {_type_name(data)} {data!r}")
+    fields = {f.name: f for f in attrs.fields(cls)}
+    for key in data:
+        if key not in fields:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(where, f"unknown key; allowed keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = f.metadata["parse"](data[name], f"{path}.{name}" if path else name)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path}.{e.path}" if path and e.path else (e.path or path), e.reason) from None
+
+
+# ---------------------------------------------------------------------------------- sections
+
+
+@attrs.frozen(kw_only=True)
+class RandomModelConfig:
+    """A model built from a preset with random weights: no checkpoint, no download."""
+
+    preset: str = _field(_str, "tiny-dense", doc="tiny-dense | tiny-moe | a real-shape preset name")
+    seed: int = _field(_int(0), 0)
+    num_hidden_layers: int | None = _field(_optional(_int(1)), None, doc="override the preset's depth")
+
+    def __attrs_post_init__(self) -> None:
+        from bi_core.models.presets import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ConfigError("preset", f"unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    path: str | None = _field(_optional(_str), None, doc="Hugging Face checkpoint directory")
+    random: RandomModelConfig | None = _field(_optional(_section(RandomModelConfig)), None)
+    dtype: str = _field(_choice(*DTYPES), "bfloat16")
+    device: str = _field(_str, "auto", doc="auto | cpu | cuda | cuda:N")
+    tokenizer: str | None = _field(_optional(_str), None, doc="tokenizer directory (default: model.path)")
+    max_model_len: int | None = _field(_optional(_int(1)), None, doc="default: max_position_embeddings")
+
+    def __attrs_post_init__(self) -> None:
+        if (self.path is None) == (self.random is None):
+            raise ConfigError("", "set exactly one of model.path (a checkpoint) or model.random (a preset)")
+        if self.device != "auto" and not (self.device in ("cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("device", f"expected auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.path is not None:
+            p = Path(self.path)
+            if not p.is_dir():
+                raise ConfigError("path", f"checkpoint directory {self.path} does not exist")
+            if not (p / "config.json").is_file():
+                raise ConfigError("path", f"no config.json in {self.path}")
+            if not any(p.glob("*.safetensors")):
+                raise ConfigError("path", f"no *.safetensors files in {self.path}")
+
+
+@attrs.frozen(kw_only=True)
+class PolicyConfig:
+    batch_invariant: bool = _field(_bool, False)
+    ops: dict[str, tuple[str, ...]] = _field(_op_preferences, factory=dict, doc="per-op backend order")
+    expert_parallel_size: int = _field(_int(1), 1)
+    eplb: bool = _field(_bool, False, doc="expert-parallel load balancing")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = _field(_int(1), 64)
+    max_num_batched_tokens: int = _field(_int(1), 8192)
+    prefill_chunk_size: int | None = _field(_optional(_int(1)), None, doc="default: max_num_batched_tokens")
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ConfigError("prefill_chunk_size", "must not exceed scheduler.max_num_batched_tokens")
+
+    @property
+    def chunk_size(self) -> int:
+        return self.prefill_chunk_size or self.max_num_batched_tokens
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    block_size: int = _field(_int(1, 1024), 16)
+    num_blocks: int | str = _field(_auto_or(_int(1)), "auto")
+    kv_cache_dtype: str = _field(_choice("auto", "fp8"), "auto", doc="auto = model dtype")
+    gpu_memory_utilization: float = _field(_float(0.05, 0.99), 0.9)
+
+
+@attrs.frozen(kw_only=True)
+class GraphConfig:
+    enabled: bool = _field(_bool, False, doc="capture decode steps in CUDA graphs")
+    max_batch_size: int | None = _field(_optional(_int(1)), None, doc="default: scheduler.max_num_seqs")
+
+
+@attrs.frozen(kw_only=True)
+class StrategyConfig:
+    name: str = _field(_str, "ar", doc="ar | mtp | a plugin strategy")
+    num_speculative_tokens: int | None = _field(_optional(_int(1, 4)), None)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingConfig:
+    """Defaults for the CLI's requests (the Python API takes SamplingParams)."""
+
+    max_new_tokens: int = _field(_int(1), 32)
+    temperature: float = _field(_float(0.0, 100.0), 0.0)
+    top_k: int = _field(_int(0), 0, doc="0 = off")
+    top_p: float = _field(_float(0.0, 1.0), 1.0)
+    seed: int | None = _field(_optional(_int(0)), None)
+    logprobs: int | None = _field(_optional(_int(0, 20)), None)
+    ignore_eos: bool = _field(_bool, False)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """The whole engine, as in the YAML file."""
+
+    model: ModelConfig = _field(_section(ModelConfig))
+    policy: PolicyConfig = _field(_section(PolicyConfig), factory=PolicyConfig)
+    backend: str = _field(_str, "auto", doc="auto | reference | cuda_default | cuda_hopper_invariant | plugin")
+    scheduler: SchedulerConfig = _field(_section(SchedulerConfig), factory=SchedulerConfig)
+    cache: CacheConfig = _field(_section(CacheConfig), factory=CacheConfig)
+    graph: GraphConfig = _field(_section(GraphConfig), factory=GraphConfig)
+    strategy: StrategyConfig = _field(_section(StrategyConfig), factory=StrategyConfig)
+    sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
+    prompts: tuple = _field(_prompts, factory=tuple)
+    seed: int = _field(_int(0), 0, doc="seeds requests that have no seed of their own")
+
+    @classmethod
+    def from_dict(cls, data: dict, *, apply_env: bool = True) -> EngineConfig:
+        if not isinstance(data, dict) or "model" not in data:
+            raise ConfigError("model", "missing required section (model.path or model.random)")
+        config = _parse_section(cls, data, "")
+        return config.with_env() if apply_env else config
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, *, apply_env: bool = True) -> EngineConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("", f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError("", f"{path} is not valid YAML: {e}") from None
+        return cls.from_dict(data if data is not None else {}, apply_env=apply_env)
+
+    def with_env(self) -> EngineConfig:
+        """``BI_ENABLE_BATCH_INVARIANT=1`` turns invariance on (``0`` turns it off)."""
+        value = os.environ.get(INVARIANT_ENV)
+        if value is None or value == "":
+            return self
+        if value not in ("0", "1"):
+            raise ConfigError(INVARIANT_ENV, f"expected 0 or 1, got {value!r}")
+        return self.replace(policy={"batch_invariant": value == "1"})
+
+    def replace(self, **sections: Any) -> EngineConfig:
+        """Copy with some sections changed; dict values update the section field by field."""
+        changes = {}
+        for name, value in sections.items():
+            current = getattr(self, name)
+            if isinstance(value, dict) and attrs.has(type(current)):
+                changes[name] = attrs.evolve(current, **value)
+            else:
+                changes[name] = value
+        return attrs.evolve(self, **changes)
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self, recurse=True, retain_collection_types=False)

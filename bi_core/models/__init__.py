@@ -1,0 +1,1 @@
+"""Qwen3.5 model definition, checkpoint loading, presets and tokenizers."""

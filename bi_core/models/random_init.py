@@ -1,0 +1,34 @@
+"""Random weights for preset models, drawn on the target device from a seed.
+
+Scaled so activations stay O(1) through the depth (weights ~ N(0, 1/fan_in)), norms near their
+identity, GDN decays in a realistic range; outputs are then far from uniform and ties are rare.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device=model.device)
+    gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        shape = p.shape
+        if name.endswith("A_log"):
+            vals = torch.empty(shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            vals = torch.empty(shape, device=p.device).uniform_(-1.0, 1.0, generator=gen)
+        elif name.endswith("norm_weight"):  # gated norm: plain weight around 1
+            vals = 1.0 + 0.1 * torch.randn(shape, device=p.device, generator=gen)
+        elif p.dim() == 1:  # zero-centred norms store scale - 1
+            vals = 0.1 * torch.randn(shape, device=p.device, generator=gen)
+        elif name.endswith("conv1d"):
+            vals = torch.randn(shape, device=p.device, generator=gen) / math.sqrt(shape[-1])
+        elif name == "embed_tokens":
+            vals = torch.randn(shape, device=p.device, generator=gen)
+        else:  # linear [out, in] or experts [E, out, in]
+            vals = torch.randn(shape, device=p.device, generator=gen) / math.sqrt(shape[-1])
+        p.copy_(vals.to(p.dtype))

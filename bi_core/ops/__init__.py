@@ -1,0 +1,19 @@
+"""Abstract op builders, one module per op family; backends implement them."""
+
+from bi_core.ops.attention import AttentionBuilder, AttentionSpec
+from bi_core.ops.base import OpBuilder, OpSpec
+from bi_core.ops.context import ForwardContext
+from bi_core.ops.gdn import GdnBuilder, GdnSpec
+from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
+from bi_core.ops.linear import LinearBuilder, LinearSpec
+from bi_core.ops.moe import MoEBuilder, MoESpec
+from bi_core.ops.norm import NormBuilder, NormSpec
+from bi_core.ops.sampling import SamplingBatch, SamplingBuilder, SamplingSpec
+from bi_core.ops.topk import TopKBuilder, TopKSpec
+
+__all__ = [
+    "AttentionBuilder", "AttentionSpec", "ForwardContext", "GdnBuilder", "GdnSpec",
+    "GraphRunnerBuilder", "GraphRunnerSpec", "LinearBuilder", "LinearSpec", "MoEBuilder", "MoESpec",
+    "NormBuilder", "NormSpec", "OpBuilder", "OpSpec", "SamplingBatch", "SamplingBuilder",
+    "SamplingSpec", "TopKBuilder", "TopKSpec",
+]

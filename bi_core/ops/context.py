@@ -1,0 +1,43 @@
+"""The one explicit forward context: everything a step's kernels need to know about the batch.
+
+Tensors live on the model's device; ``*_host`` lists are the same facts on the host for eager
+paths (the reference backend loops over sequences). Built by the runtime for every step.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.define
+class ForwardContext:
+    """A flat (ragged) batch: the tokens of B sequences laid end to end, T tokens in all."""
+
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, token offsets of each sequence in the flat batch
+    context_lens: torch.Tensor  # [B] int32, KV length after this step (past + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, KV pages of each sequence (-1 = none)
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot (page * block_size + offset) of each token
+    state_slots: torch.Tensor  # [B] int64, GDN state slot of each sequence
+    logits_indices: torch.Tensor  # [B'] int64, rows whose logits are needed (last token of a seq)
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+    state_slots_host: list[int]
+    is_recurrent_host: list[bool]  # GDN: recurrent (one-token) form for this sequence, else chunked
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def past_len(self, i: int) -> int:
+        return self.context_lens_host[i] - self.query_lens_host[i]
+
+    def token_range(self, i: int) -> tuple[int, int]:
+        start = sum(self.query_lens_host[:i])
+        return start, start + self.query_lens_host[i]

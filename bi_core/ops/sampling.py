@@ -1,0 +1,54 @@
+"""Sampling: greedy, temperature, top-k, top-p, with per-request (seed, position) randomness,
+plus the log-probabilities of the model's raw distribution."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+import torch
+
+from bi_core.ops.base import OpBuilder, OpSpec
+
+
+@attrs.frozen(kw_only=True)
+class SamplingSpec(OpSpec):
+    vocab_size: int
+
+
+@attrs.define
+class SamplingBatch:
+    """Per-row parameters; row i's draw depends only on (seeds[i], positions[i]) and its logits."""
+
+    temperatures: torch.Tensor  # [B] float32; 0 = greedy
+    top_ks: torch.Tensor  # [B] int64; 0 = off
+    top_ps: torch.Tensor  # [B] float32; 1 = off
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, position of the token being sampled
+    num_logprobs: int  # top-N logprobs to return (0 = only the sampled token's)
+
+
+@attrs.define
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, log p(token) under the raw (temperature 1) distribution
+    top_ids: torch.Tensor  # [B, N] int64
+    top_logprobs: torch.Tensor  # [B, N] float32
+
+
+class SamplerImpl(Protocol):
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits [B, V]`` (any float dtype) -> one token per row."""
+
+
+class SamplingBuilder(OpBuilder[SamplingSpec]):
+    op = "sampling"
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit seed from (request seed, position): splitmix64, so neighbours are unrelated."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1

@@ -1,0 +1,53 @@
+"""Config checks that run before anything is loaded: each raises one clear error."""
+
+from __future__ import annotations
+
+import torch
+
+from bi_core.config import EngineConfig
+from bi_core.errors import ConfigError, PolicyError
+from bi_core.policies.base import Policy
+from bi_core.registry import Registry
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device", f"{spec} requested but CUDA is not available on this machine")
+    return device
+
+
+def check_config(config: EngineConfig, policy: Policy, registry: Registry, device: torch.device) -> None:
+    """Raise the first problem found; order: strategy, backends named, mode-specific refusals."""
+    strategy = config.strategy
+    if strategy.name not in registry.strategies:
+        raise ConfigError(
+            "strategy.name", f"unknown strategy {strategy.name!r}; registered: {', '.join(sorted(registry.strategies))}"
+        )
+    if strategy.num_speculative_tokens is not None and not registry.strategies[strategy.name].is_speculative:
+        raise ConfigError("strategy.num_speculative_tokens", f"only for speculative strategies, not {strategy.name!r}")
+    if config.cache.kv_cache_dtype != "auto":
+        if policy.batch_invariant:
+            raise PolicyError("cache.kv_cache_dtype: a quantized KV cache is refused in batch-invariant mode "
+                              "(scales computed over a batch would couple requests)")
+        raise ConfigError("cache.kv_cache_dtype", "fp8 KV cache is not implemented yet; use auto")
+    if not policy.batch_invariant:
+        return
+    if config.policy.expert_parallel_size > 1:
+        raise PolicyError("policy.expert_parallel_size: batch-invariant mode needs 1 (expert parallelism "
+                          "moves a token's experts between GPUs depending on the batch)")
+    if config.policy.eplb:
+        raise PolicyError("policy.eplb: batch-invariant mode refuses EPLB (expert placement would change "
+                          "with load, and with it the arithmetic of a row)")
+    named = {name for op in policy.preferences for name in policy.order(op)}
+    for name in sorted(named):
+        if name in registry.backends:
+            registry.backends[name].validate(policy)
+    if device.type != "cuda":
+        raise PolicyError(f"batch-invariant mode needs an SM90 (Hopper) GPU; model.device resolves to {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise PolicyError(f"batch-invariant mode needs an SM90 (Hopper) GPU; {device} is SM{major}{minor} "
+                          "(its kernels' reduction orders were validated on SM90 only)")

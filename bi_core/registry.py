@@ -1,0 +1,75 @@
+"""What plugins register: backends (a name and one builder per op they serve) and strategies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from bi_core.config import OP_NAMES
+from bi_core.errors import BatchInvarianceUnsupported, PluginError
+from bi_core.ops.base import OpBuilder
+
+if TYPE_CHECKING:
+    from bi_core.policies.base import Policy
+    from bi_core.strategies.base import Strategy
+
+
+@attrs.frozen(kw_only=True)
+class Backend:
+    """A named set of op builders. A backend may serve only some ops (the policy picks per op).
+
+    ``invariance_refusal``: set when the whole backend can never be batch-invariant; asking it
+    for invariance then raises :class:`BatchInvarianceUnsupported` with this reason.
+    """
+
+    name: str
+    builders: tuple[OpBuilder, ...]
+    description: str = ""
+    invariance_refusal: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        ops = [b.op for b in self.builders]
+        for op in ops:
+            if op not in OP_NAMES:
+                raise PluginError(f"backend '{self.name}': builder for unknown op '{op}'")
+        if len(set(ops)) != len(ops):
+            raise PluginError(f"backend '{self.name}': more than one builder for an op ({ops})")
+
+    def builder(self, op: str) -> OpBuilder | None:
+        return next((b for b in self.builders if b.op == op), None)
+
+    def validate(self, policy: Policy) -> None:
+        if policy.batch_invariant and self.invariance_refusal is not None:
+            raise BatchInvarianceUnsupported(self.name, self.invariance_refusal)
+
+
+@attrs.define
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    is_builtin: bool
+
+
+@attrs.define
+class Registry:
+    backends: dict[str, Backend] = attrs.field(factory=dict)
+    strategies: dict[str, type[Strategy]] = attrs.field(factory=dict)
+    plugins: list[PluginInfo] = attrs.field(factory=list)
+    owners: dict[str, str] = attrs.field(factory=dict)  # backend/strategy name -> plugin name
+
+    def add_backend(self, backend: Backend, owner: str) -> None:
+        if backend.name in self.backends:
+            raise PluginError(
+                f"backend '{backend.name}' registered twice (by {self.owners[backend.name]} and {owner})"
+            )
+        self.backends[backend.name] = backend
+        self.owners[backend.name] = owner
+
+    def add_strategy(self, strategy: type[Strategy], owner: str) -> None:
+        name = strategy.name
+        if name in self.strategies:
+            raise PluginError(f"strategy '{name}' registered twice (by {self.owners['s:' + name]} and {owner})")
+        self.strategies[name] = strategy
+        self.owners["s:" + name] = owner

@@ -1,0 +1,1 @@
+"""Runtime: sequences, scheduler, KV/state cache, and the engine's step loop."""

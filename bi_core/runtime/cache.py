@@ -1,0 +1,86 @@
+"""KV pages for full-attention layers and per-sequence state slots for GDN layers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bi_core.config import CacheConfig
+from bi_core.errors import ConfigError
+from bi_core.models.args import ModelArgs
+from bi_core.models.qwen3_5 import ModelCaches
+
+CPU_AUTO_BUDGET = 1 << 30  # bytes of KV pages when num_blocks is auto on the CPU
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free), "caller checks num_free first"
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int) -> None:
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def allocate(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+class CacheManager:
+    """Owns the cache tensors (main model and MTP head) and hands out pages and slots."""
+
+    def __init__(self, args: ModelArgs, config: CacheConfig, *, num_slots: int, max_model_len: int,
+                 dtype: torch.dtype, device: torch.device, with_mtp: bool) -> None:
+        self.block_size = config.block_size
+        num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
+        page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * dtype.itemsize * num_attn
+        if config.num_blocks == "auto":
+            self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, device)
+        else:
+            self.num_blocks = config.num_blocks
+        kv_shape = (self.num_blocks, self.block_size, args.num_key_value_heads, args.head_dim)
+        kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
+        num_gdn = len(args.gdn_layers)
+        conv = [torch.zeros(num_slots, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+                for _ in range(num_gdn)]
+        rec_shape = (num_slots, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        rec = [torch.zeros(rec_shape, dtype=torch.float32, device=device) for _ in range(num_gdn)]
+        n_main = len(args.full_attention_layers)
+        self.main = ModelCaches(k=kv[0:n_main], v=kv[n_main:2 * n_main], conv=conv, recurrent=rec)
+        self.mtp = ModelCaches(k=[kv[2 * n_main]], v=[kv[2 * n_main + 1]], conv=[], recurrent=[]) if with_mtp else None
+        self.blocks = BlockAllocator(self.num_blocks)
+        self.slots = SlotAllocator(num_slots)
+
+    def _auto_blocks(self, page_bytes: int, num_slots: int, max_model_len: int, config: CacheConfig,
+                     device: torch.device) -> int:
+        wanted = num_slots * math.ceil(max_model_len / self.block_size)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            budget = int(total * config.gpu_memory_utilization) - used
+        else:
+            budget = CPU_AUTO_BUDGET
+        affordable = budget // page_bytes
+        if affordable < 1:
+            raise ConfigError("cache.num_blocks", f"no memory left for KV pages (budget {budget} bytes); lower "
+                              "scheduler.max_num_seqs or raise cache.gpu_memory_utilization")
+        return int(max(1, min(wanted, affordable)))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)

@@ -1,0 +1,214 @@
+"""The engine: builds model, caches, scheduler and strategy from an EngineConfig and runs steps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+
+import torch
+from tqdm import tqdm
+
+from bi_core.config import EngineConfig
+from bi_core.errors import BiEngineError, ConfigError, PromptTooLongError, RequestError
+from bi_core.models.args import ModelArgs
+from bi_core.models.loader import CheckpointIndex, load_weights, read_config
+from bi_core.models.presets import preset_args
+from bi_core.models.qwen3_5 import Qwen35Model
+from bi_core.models.random_init import init_random_weights
+from bi_core.models.tokenizer import ByteTokenizer, load_tokenizer
+from bi_core.ops.graph_runner import GraphRunnerSpec
+from bi_core.ops.sampling import SamplingBatch, mix_seed
+from bi_core.plugins import load_registry
+from bi_core.policies import check_config, make_policy, resolve_device
+from bi_core.registry import Registry
+from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.scheduler import Scheduler
+from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
+from bi_core.selector import OpFactory
+
+log = logging.getLogger(__name__)
+Prompt = str | Seq[int]
+
+
+def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | None]:
+    if config.model.random is not None:
+        r = config.model.random
+        return preset_args(r.preset, r.num_hidden_layers), None
+    return ModelArgs.from_hf_config(read_config(config.model.path)), CheckpointIndex(config.model.path)
+
+
+def prepare(config: EngineConfig, registry: Registry | None):
+    """The steps every entry point shares: registry, policy, device, config checks, op factory."""
+    registry = registry or load_registry()
+    policy = make_policy(batch_invariant=config.policy.batch_invariant, backend=config.backend,
+                         op_overrides=config.policy.ops)
+    device = resolve_device(config.model.device)
+    check_config(config, policy, registry, device)
+    return registry, policy, OpFactory(registry, policy, device, getattr(torch, config.model.dtype))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        self.config = config
+        self.registry, self.policy, self.factory = prepare(config, registry)
+        self.device, self.dtype = self.factory.base["device"], self.factory.base["dtype"]
+        args, index = resolve_model(config)
+        self.args = args
+        self.max_model_len = config.model.max_model_len or args.max_position_embeddings
+        if self.max_model_len > args.max_position_embeddings:
+            raise ConfigError("model.max_model_len", f"{self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {args.max_position_embeddings}")
+        with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
+        self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp)
+        if index is not None:
+            load_weights(self.model, index)
+        else:
+            init_random_weights(self.model, config.model.random.seed)
+        self.model.eval()
+        max_batch = config.graph.max_batch_size or config.scheduler.max_num_seqs
+        self.runner = self.factory.build("graph_runner", GraphRunnerSpec(
+            **self.factory.base, use_graphs=config.graph.enabled, max_batch_size=max_batch))
+        strategy_cls = self.registry.strategies[config.strategy.name]
+        self.cache = CacheManager(args, config.cache, num_slots=config.scheduler.max_num_seqs,
+                                  max_model_len=self.max_model_len + strategy_cls.lookahead,
+                                  dtype=self.dtype, device=self.device, with_mtp=with_mtp)
+        capacity = self.cache.num_blocks * self.cache.block_size
+        if capacity < self.max_model_len + strategy_cls.lookahead:
+            raise ConfigError("cache.num_blocks", f"the KV cache holds {capacity} tokens, fewer than one sequence "
+                              f"of model.max_model_len={self.max_model_len}; raise cache.num_blocks or lower "
+                              "model.max_model_len")
+        self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
+                                   lookahead=strategy_cls.lookahead)
+        strategy_cls.check(self)
+        self.strategy = strategy_cls(self)
+        tok_path = config.model.tokenizer or config.model.path
+        self.tokenizer = load_tokenizer(tok_path) if tok_path else ByteTokenizer()
+        self.eos_ids = args.eos_token_ids
+        self.on_logits = None  # debugging hook: called with (sequences, logits) before sampling
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def model_step(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        return self.model(input_ids, ctx, self.cache.main)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """Queue one request; raises RequestError / PromptTooLongError for a bad one."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt is text but this checkpoint has no tokenizer; pass a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.args.vocab_size)]
+        if bad:
+            raise RequestError(f"prompt has token ids outside the vocabulary [0, {self.args.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
+                                     f"{self.max_model_len} including at least one generated token")
+        rid = self._next_id
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
+        seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed,
+                       max_total_len=min(len(ids) + params.max_new_tokens, self.max_model_len))
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
+        with torch.inference_mode():
+            self.strategy.step(scheduled)
+        done = [s.seq for s in scheduled if s.seq.status is Status.FINISHED]
+        for seq in done:
+            self.scheduler.finish(seq)
+        return done
+
+    def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        if self.on_logits is not None:
+            self.on_logits(seqs, logits)
+        n = max((s.params.logprobs or 0) for s in seqs)
+        out = self.model.sampler.forward(logits, self.sampling_batch(seqs, [s.num_tokens for s in seqs], n))
+        tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
+        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        for i, seq in enumerate(seqs):
+            top = None
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                top = dict(zip(top_ids[i][:k], top_lps[i][:k]))
+                top[tokens[i]] = lps[i]
+            seq.append(tokens[i], lps[i], top, self.eos_ids)
+
+    def sampling_batch(self, seqs: list[Sequence], positions: list[int], num_logprobs: int) -> SamplingBatch:
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return SamplingBatch(
+            temperatures=t([s.params.temperature for s in seqs], torch.float32),
+            top_ks=t([s.params.top_k for s in seqs], torch.int64),
+            top_ps=t([s.params.top_p for s in seqs], torch.float32),
+            seeds=t([s.seed for s in seqs], torch.int64),
+            positions=t(positions, torch.int64),
+            num_logprobs=num_logprobs,
+        )
+
+    # ------------------------------------------------------------------ batch API
+
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; results come back in prompt order. A request that cannot be
+        served (too long, bad ids) gets ``finish_reason='error'`` while the others go on."""
+        params = params or SamplingParams()
+        per_request = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_request) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(per_request)} SamplingParams")
+        seqs: list[Sequence | tuple[list[int], str]] = []
+        for prompt, p in zip(prompts, per_request):
+            try:
+                seqs.append(self.add_request(prompt, p))
+            except RequestError as e:
+                ids = list(prompt) if not isinstance(prompt, str) else []
+                seqs.append((ids, str(e)))
+        live = [s for s in seqs if isinstance(s, Sequence)]
+        bar = tqdm(total=len(live), desc="generate", unit="req", disable=not progress)
+        while self.scheduler.has_work():
+            bar.update(len(self.step()))
+        bar.close()
+        return [self._output(s) for s in seqs]
+
+    def _output(self, s: Sequence | tuple[list[int], str]) -> RequestOutput:
+        if not isinstance(s, Sequence):
+            ids, error = s
+            return RequestOutput(request_id=-1, prompt_token_ids=ids, token_ids=[], text=None, token_logprobs=[],
+                                 logprobs=None, finish_reason="error", error=error)
+        return RequestOutput(
+            request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids),
+            text=self.tokenizer.decode(s.output_ids) if self.tokenizer else None,
+            token_logprobs=list(s.token_logprobs),
+            logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
+            finish_reason=s.finish_reason, error=s.error,
+            num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens)
+
+
+def explain(config: EngineConfig, registry: Registry | None = None) -> str:
+    """Which builder serves each op and why the others were refused, without loading weights."""
+    from bi_core.errors import BackendSelectionError
+
+    _, _, factory = prepare(config, registry)
+    args, index = resolve_model(config)
+    with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
+    failure = None
+    try:
+        Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp)
+        factory.build("graph_runner", GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled,
+                                                      max_batch_size=config.scheduler.max_num_seqs))
+    except BackendSelectionError as e:
+        failure = str(e)
+    text = factory.explain()
+    return text + ("\n\nSELECTION FAILED:\n" + failure if failure else "")
+
+

@@ -1,0 +1,119 @@
+"""Continuous batching: admit, prefill in fixed chunks, decode, finish; preempt when pages run out.
+
+Chunk boundaries of a prompt depend only on its own length and ``prefill_chunk_size`` (a chunk
+never shrinks to fit leftover budget; it waits), so the arithmetic a request sees does not
+depend on what else is queued. In invariant mode a request reserves its worst-case pages on
+admission, so it is never preempted (recompute would re-run its decode tokens as a prefill).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import attrs
+
+from bi_core.config import SchedulerConfig
+from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Scheduled:
+    seq: Sequence
+    num_tokens: int  # tokens of this sequence processed in this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step processes the sequence's last known token (so a new one is sampled)."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, *, reserve_full: bool,
+                 lookahead: int = 0) -> None:
+        self.config = config
+        self.cache = cache
+        self.reserve_full = reserve_full
+        self.lookahead = lookahead  # extra KV slots a step may write past the known tokens (drafts)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        if self.reserve_full:
+            return self.cache.blocks_for(seq.max_total_len + self.lookahead) - len(seq.blocks)
+        return max(0, self.cache.blocks_for(num_tokens + self.lookahead) - len(seq.blocks))
+
+    def _chunk(self, seq: Sequence) -> int:
+        return min(self.config.chunk_size, seq.num_tokens - seq.num_computed)
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.config.max_num_batched_tokens
+        out: list[Scheduled] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue
+            n = self._chunk(seq)
+            if n > budget:
+                continue
+            if not self._ensure_pages(seq, seq.num_computed + n, out):
+                continue
+            out.append(Scheduled(seq, n))
+            budget -= n
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq)
+            need = self._pages_needed(seq, seq.num_computed + n)
+            if n > budget or need > self.cache.blocks.num_free:
+                break
+            slot = self.cache.slots.allocate()
+            if slot is None:
+                break
+            self.waiting.popleft()
+            seq.state_slot, seq.status = slot, Status.RUNNING
+            seq.blocks += self.cache.blocks.allocate(need)
+            self.running.append(seq)
+            out.append(Scheduled(seq, n))
+            budget -= n
+        return out
+
+    def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:
+        need = self._pages_needed(seq, num_tokens)
+        while need > self.cache.blocks.num_free:
+            victim = next((s for s in reversed(self.running) if s is not seq and
+                           all(x.seq is not s for x in scheduled)), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        seq.blocks += self.cache.blocks.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption (default mode only): drop its cache, re-queue it first."""
+        assert not self.reserve_full
+        log.warning("KV cache full: preempting request %d (it will be recomputed)", seq.request_id)
+        self.num_preemptions += 1
+        self._release(seq)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.blocks.release(seq.blocks)
+        seq.blocks = []
+        if seq.state_slot is not None:
+            self.cache.slots.release(seq.state_slot)
+            seq.state_slot = None
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self._release(seq)

@@ -1,0 +1,103 @@
+"""Requests as the user sees them (SamplingParams, RequestOutput) and as the engine tracks them."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from bi_core.errors import RequestError
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise RequestError(f"SamplingParams: {message}")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How one request is decoded. ``seed`` keys its randomness: draws depend only on (seed, position)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # top-N logprobs per step (vLLM style); None = only the sampled token's
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0, got {self.top_k!r}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), f"seed must be an int >= 0, got {self.seed!r}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    token_logprobs: list[float]  # log p of each generated token (raw distribution)
+    logprobs: list[dict[int, float]] | None  # per step: top-N and the sampled token
+    finish_reason: str | None  # stop | length | error
+    error: str | None = None
+    num_accepted_draft_tokens: int = 0
+    num_draft_tokens: int = 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_total_len: int  # prompt + generated tokens never exceed this
+    output_ids: list[int] = attrs.field(factory=list)
+    token_logprobs: list[float] = attrs.field(factory=list)
+    top_logprobs: list[dict[int, float]] = attrs.field(factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV / GDN state is in the cache
+    blocks: list[int] = attrs.field(factory=list)
+    state_slot: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == self.num_tokens - 1 and bool(self.output_ids)
+
+    def append(self, token: int, logprob: float, top: dict[int, float] | None, eos_ids: tuple[int, ...]) -> None:
+        self.output_ids.append(token)
+        self.token_logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        stops = self.params.stop_token_ids + (() if self.params.ignore_eos else eos_ids)
+        if token in stops:
+            self.finish("stop")
+        elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_total_len:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error

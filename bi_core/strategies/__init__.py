@@ -1,0 +1,1 @@
+"""Decoding strategies (registered through the plugin hooks like third-party ones)."""
