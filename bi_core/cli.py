@@ -1,0 +1,140 @@
+"""``bi-engine``: run | explain | plugins. Errors print as one line (exit 2), never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bi_core.config import EngineConfig
+from bi_core.errors import BiEngineError
+
+SUBCOMMANDS = ("run", "explain", "plugins")
+INVARIANT_HELP = (
+    "override policy.batch_invariant. Invariant mode makes every request's tokens and logprobs bitwise "
+    "independent of the batch; it runs only on SM90 (Hopper) GPUs with the cuda_hopper_invariant backend, "
+    "and refuses expert parallelism > 1, EPLB, quantized KV caches and the reference backend (its PyTorch "
+    "kernels pick reduction orders by shape)."
+)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="engine YAML file (see configs/)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None, help=INVARIANT_HELP)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bi-engine", description="Batch-invariant Qwen3.5 inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate for the configured prompts (the default command)")
+    _add_config_args(run)
+    run.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    run.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids")
+    run.add_argument("--max-new-tokens", type=int, help="override sampling.max_new_tokens")
+    run.add_argument("--temperature", type=float, help="override sampling.temperature")
+    run.add_argument("--seed", type=int, help="override sampling.seed")
+    run.add_argument("--logprobs", type=int, help="top-N logprobs per step")
+    run.add_argument("--json", action="store_true", help="machine-readable output")
+    explain = sub.add_parser("explain", help="which backend serves each op, and why others were refused")
+    _add_config_args(explain)
+    sub.add_parser("plugins", help="list loaded plugins, backends and strategies")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig.from_yaml(args.config)
+    if args.batch_invariant is not None:
+        config = config.replace(policy={"batch_invariant": args.batch_invariant})
+    return config
+
+
+def _prompts(args: argparse.Namespace, config: EngineConfig) -> list:
+    prompts: list = list(args.prompt)
+    for i, text in enumerate(args.prompt_ids):
+        try:
+            prompts.append([int(t) for t in text.split(",") if t.strip()])
+        except ValueError:
+            raise BiEngineError(f"--prompt-ids[{i}]: expected comma-separated integers, got {text!r}") from None
+    prompts = prompts or [list(p) if isinstance(p, tuple) else p for p in config.prompts]
+    if not prompts:
+        raise BiEngineError("no prompts: add a 'prompts' list to the config or pass --prompt / --prompt-ids")
+    return prompts
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import attrs
+
+    from bi_core import SamplingParams, build_engine
+
+    config = load_config(args)
+    s = config.sampling
+    overrides = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
+                                   ("seed", args.seed), ("logprobs", args.logprobs)) if v is not None}
+    s = attrs.evolve(s, **overrides)
+    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                            top_p=s.top_p, seed=s.seed, logprobs=s.logprobs, ignore_eos=s.ignore_eos)
+    prompts = _prompts(args, config)
+    engine = build_engine(config)
+    outputs = engine.generate(prompts, params, progress=len(prompts) >= 8 and not args.json)
+    if args.json:
+        print(json.dumps([_as_dict(o) for o in outputs], indent=1))
+        return 0
+    for i, (prompt, o) in enumerate(zip(prompts, outputs)):
+        shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+        if o.error:
+            print(f"[{i}] {shown!r} -> ERROR: {o.error}")
+            continue
+        text = f"{o.text!r} " if o.text is not None else ""
+        print(f"[{i}] {shown!r} -> {text}{o.token_ids} ({o.finish_reason}, {len(o.token_ids)} tokens)")
+    return 0
+
+
+def _as_dict(o) -> dict:
+    import attrs
+
+    d = attrs.asdict(o)
+    if d["logprobs"] is not None:
+        d["logprobs"] = [{str(k): v for k, v in step.items()} for step in d["logprobs"]]
+    return d
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from bi_core.runtime.engine import explain
+
+    print(explain(load_config(args)))
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from bi_core.plugins import load_registry
+
+    reg = load_registry()
+    print("plugins:")
+    for p in reg.plugins:
+        print(f"  {p.name:<40} {p.distribution} {p.version}{'  (built-in)' if p.is_builtin else ''}")
+    print("backends:")
+    for name, b in sorted(reg.backends.items()):
+        ops = ", ".join(x.op for x in b.builders)
+        print(f"  {name:<24} from {reg.owners[name]}: {ops}")
+    print("strategies:")
+    for name in sorted(reg.strategies):
+        print(f"  {name:<24} from {reg.owners['s:' + name]}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "run")
+    args = _parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "explain": cmd_explain, "plugins": cmd_plugins}[args.command](args)
+    except BiEngineError as e:
+        print(f"bi-engine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The CLI: run (text and JSON), explain, plugins; errors are one line, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIG = str(Path(__file__).parents[2] / "configs" / "cpu_reference.yaml")
+
+
+def cli(*args, env=None):
+    import os
+
+    e = {**os.environ, **(env or {})}
+    e.pop("BI_ENABLE_BATCH_INVARIANT", None) if not env else None
+    return subprocess.run([sys.executable, "-m", "bi_core.cli", *args], capture_output=True, text=True, env=e)
+
+
+def test_run_default_command_json():
+    r = cli("--config", CONFIG, "--json", "--max-new-tokens", "5", "--prompt-ids", "1,2,3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out) == 1 and len(out[0]["token_ids"]) == 5 and out[0]["finish_reason"] == "length"
+    assert len(out[0]["logprobs"]) == 5
+
+
+def test_run_text_output():
+    r = cli("run", "--config", CONFIG, "--max-new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("(length, 3 tokens)") == 3
+
+
+def test_explain_and_plugins():
+    r = cli("explain", "--config", CONFIG)
+    assert r.returncode == 0 and "attention     -> reference" in r.stdout
+    r = cli("plugins")
+    assert r.returncode == 0 and "reference" in r.stdout and "ar" in r.stdout
+
+
+def test_errors_are_one_line_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {random: {preset: tiny-dense}}\nscheduler: {max_num_seqs: -3}\n")
+    r = cli("--config", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "bi-engine: error: scheduler.max_num_seqs: expected a positive int, got -3"
+    r = cli("--config", CONFIG, "--batch-invariant")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "backend 'reference' does not support batch-invariant mode" in r.stderr
+    r = cli("--config", CONFIG, "--prompt-ids", "1,x")
+    assert r.returncode == 2 and "--prompt-ids[0]: expected comma-separated integers" in r.stderr

@@ -1,0 +1,88 @@
+"""Every config error class gives one error that names the key path."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_config
+
+from bi_core import ConfigError, EngineConfig
+
+
+def err(data) -> str:
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_dict(data)
+    return str(e.value)
+
+
+def test_valid_config_roundtrip():
+    cfg = EngineConfig.from_dict(tiny_config())
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.model.random.preset == "tiny-dense"
+    assert cfg.policy.batch_invariant is False
+
+
+@pytest.mark.parametrize("data,message", [
+    (tiny_config(scheduler={"max_num_seqs": -3}), "scheduler.max_num_seqs: expected a positive int, got -3"),
+    (tiny_config(scheduler={"max_num_seqs": "8"}), "scheduler.max_num_seqs: expected an int, got str '8'"),
+    (tiny_config(scheduler={"max_num_seqs": True}), "scheduler.max_num_seqs: expected an int, got bool"),
+    (tiny_config(schedular={}), "schedular: unknown key; allowed keys here: model, policy, backend"),
+    (tiny_config(cache={"blok_size": 16}), "cache.blok_size: unknown key; allowed keys here: block_size"),
+    (tiny_config(model={"dtype": "float16"}), "model.dtype: expected one of float32, bfloat16; got 'float16'"),
+    (tiny_config(model={"random": {"preset": "huge"}}), "model.random.preset: unknown preset 'huge'"),
+    (tiny_config(model={"path": "/x"}), "model: set exactly one of model.path"),
+    (tiny_config(model={"device": "tpu"}), "model.device: expected auto, cpu, cuda or cuda:N; got 'tpu'"),
+    (tiny_config(policy={"batch_invariant": "yes"}), "policy.batch_invariant: expected true or false"),
+    (tiny_config(policy={"ops": {"atention": ["reference"]}}), "policy.ops.atention: unknown op; expected one of"),
+    (tiny_config(policy={"ops": {"norm": []}}), "policy.ops.norm: expected a non-empty list of names"),
+    (tiny_config(cache={"num_blocks": 0}), "cache.num_blocks: expected a positive int, got 0"),
+    (tiny_config(cache={"num_blocks": "many"}), "cache.num_blocks: expected an int, got str 'many'"),
+    (tiny_config(scheduler={"prefill_chunk_size": 1000}), "scheduler.prefill_chunk_size: must not exceed"),
+    (tiny_config(strategy={"num_speculative_tokens": 9}), "strategy.num_speculative_tokens: expected an int <= 4, got 9"),
+    (tiny_config(sampling={"top_p": 1.5}), "sampling.top_p: expected a number in [0.0, 1.0], got 1.5"),
+    (tiny_config(prompts=["ok", []]), "prompts[1]: expected a non-empty string or a non-empty list of token ids"),
+    (tiny_config(prompts="hello"), "prompts: expected a list of prompts, got str"),
+    ({"backend": "reference"}, "model: missing required section"),
+    (tiny_config(model=None), "model: missing required section"),
+])
+def test_config_errors_name_the_key(data, message):
+    if data.get("model") is None:
+        data = {k: v for k, v in data.items() if k != "model"}
+    assert message in err(data)
+
+
+def test_missing_checkpoint_files(tmp_path):
+    base = tiny_config()
+    base["model"] = {"path": str(tmp_path / "nope")}
+    assert "model.path: checkpoint directory" in err(base) and "does not exist" in err(base)
+    base["model"] = {"path": str(tmp_path)}
+    assert err(base) == f"model.path: no config.json in {tmp_path}"
+    (tmp_path / "config.json").write_text("{}")
+    assert err(base) == f"model.path: no *.safetensors files in {tmp_path}"
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        EngineConfig.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        EngineConfig.from_yaml(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="model: missing required section"):
+        EngineConfig.from_yaml(top)
+
+
+def test_env_turns_invariance_on_and_rejects_garbage(monkeypatch):
+    monkeypatch.setenv("BI_ENABLE_BATCH_INVARIANT", "1")
+    assert EngineConfig.from_dict(tiny_config()).policy.batch_invariant is True
+    monkeypatch.setenv("BI_ENABLE_BATCH_INVARIANT", "0")
+    assert EngineConfig.from_dict(tiny_config(policy={"batch_invariant": True})).policy.batch_invariant is False
+    monkeypatch.setenv("BI_ENABLE_BATCH_INVARIANT", "yes")
+    assert "BI_ENABLE_BATCH_INVARIANT: expected 0 or 1, got 'yes'" in err(tiny_config())
+
+
+def test_shipped_configs_parse():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
+        EngineConfig.from_yaml(path)

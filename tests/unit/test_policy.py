@@ -1,0 +1,105 @@
+"""Mode refusals happen before anything is loaded, each with one clear message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from bi_core import (
+    BackendSelectionError,
+    BatchInvarianceUnsupported,
+    ConfigError,
+    EngineConfig,
+    PolicyError,
+    build_engine,
+)
+from bi_core.ops.base import OpBuilder
+from bi_core.plugins import load_registry
+from bi_core.registry import Backend
+
+
+def build(**overrides):
+    return build_engine(EngineConfig.from_dict(tiny_config(**overrides)))
+
+
+def test_reference_refuses_invariance_with_dedicated_error():
+    with pytest.raises(BatchInvarianceUnsupported) as e:
+        build(policy={"batch_invariant": True})
+    assert e.value.backend == "reference"
+    assert str(e.value).startswith("backend 'reference' does not support batch-invariant mode:")
+
+
+def test_env_invariance_reaches_the_reference_refusal(monkeypatch):
+    monkeypatch.setenv("BI_ENABLE_BATCH_INVARIANT", "1")
+    with pytest.raises(BatchInvarianceUnsupported, match="'reference'"):
+        build()
+
+
+@pytest.mark.parametrize("policy,message", [
+    ({"batch_invariant": True, "expert_parallel_size": 2}, "policy.expert_parallel_size: batch-invariant mode needs 1"),
+    ({"batch_invariant": True, "eplb": True}, "policy.eplb: batch-invariant mode refuses EPLB"),
+])
+def test_invariance_refuses_ep_and_eplb(policy, message):
+    with pytest.raises(PolicyError, match=message):
+        build(policy=policy, backend="auto")
+
+
+def test_invariance_refuses_quantized_kv():
+    with pytest.raises(PolicyError, match="cache.kv_cache_dtype: a quantized KV cache is refused"):
+        build(policy={"batch_invariant": True}, cache={"kv_cache_dtype": "fp8"})
+    with pytest.raises(ConfigError, match="cache.kv_cache_dtype: fp8 KV cache is not implemented yet"):
+        build(cache={"kv_cache_dtype": "fp8"})
+
+
+class _InvariantNorm(OpBuilder):
+    op = "norm"
+    is_batch_invariant = True
+
+    def build(self, spec):
+        raise AssertionError("never built in these tests")
+
+
+def _invariant_plugin():
+    from bi_core.hookspecs import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def bi_register_backends(self, register):
+            register(Backend(name="fake_invariant", builders=(_InvariantNorm(),)))
+
+    return Plugin()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without an SM90 GPU")
+def test_invariance_needs_hopper():
+    registry = load_registry(extra_plugins=(_invariant_plugin(),))
+    cfg = EngineConfig.from_dict(tiny_config(backend="fake_invariant", policy={"batch_invariant": True}))
+    with pytest.raises(PolicyError, match=r"batch-invariant mode needs an SM90 \(Hopper\) GPU; model.device resolves to cpu"):
+        build_engine(cfg, registry)
+
+
+def test_unregistered_backend_fails_with_selector_table():
+    with pytest.raises(BackendSelectionError) as e:
+        build(backend="cuda_default")
+    msg = str(e.value)
+    assert "no backend can serve op" in msg and "cuda_default: backend not registered (registered: " in msg and "reference" in msg
+
+
+def test_graphs_on_reference_are_refused_with_reason():
+    with pytest.raises(BackendSelectionError, match="reference: runs eagerly and cannot capture CUDA graphs"):
+        build(graph={"enabled": True})
+
+
+def test_unknown_strategy_and_misplaced_option():
+    with pytest.raises(ConfigError, match="strategy.name: unknown strategy 'beam'; registered: ar"):
+        build(strategy={"name": "beam"})
+    with pytest.raises(ConfigError, match="strategy.num_speculative_tokens: only for speculative strategies"):
+        build(strategy={"name": "ar", "num_speculative_tokens": 2})
+
+
+def test_max_model_len_beyond_model_and_cache_too_small():
+    with pytest.raises(ConfigError, match="model.max_model_len: 99999 exceeds the model's max_position_embeddings 4096"):
+        build(model={"max_model_len": 99999})
+    with pytest.raises(ConfigError, match="cache.num_blocks: the KV cache holds 32 tokens"):
+        build(cache={"num_blocks": 2})
