@@ -20,6 +20,8 @@ from bi_core.registry import PluginInfo, Registry
 ENTRY_POINT_GROUP = "bi_engine.plugins"
 BUILTIN_PLUGINS = (
     "bi_core.backends.reference",
+    "bi_core.backends.cuda_default",
+    "bi_core.backends.cuda_hopper_invariant",
     "bi_core.strategies.ar",
 )
 

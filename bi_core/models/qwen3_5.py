@@ -251,6 +251,8 @@ class Qwen35Model(nn.Module):
             "linear", LinearSpec(**factory.base, in_features=args.hidden_size, out_features=args.vocab_size))
         self.sampler = factory.build("sampling", SamplingSpec(**factory.base, vocab_size=args.vocab_size))
         self.mtp = MtpHead(args, factory, self.rope, dtype, device) if with_mtp and args.mtp_num_hidden_layers else None
+        impls = {id(m.attn): m.attn for m in self.modules() if isinstance(m, Attention)}
+        self._step_planners = [i for i in impls.values() if hasattr(i, "prepare")]
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         """Flat batch of token ids ``[T]`` -> hidden states after the final norm ``[T, H]``."""
@@ -258,6 +260,11 @@ class Qwen35Model(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, ctx, caches)
         return self.norm(x, residual)[0]
+
+    def prepare_step(self, ctx: ForwardContext) -> None:
+        """Host-side per-step planning of impls that need it (e.g. FlashInfer), outside any graph."""
+        for impl in self._step_planners:
+            impl.prepare(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

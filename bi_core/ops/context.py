@@ -25,7 +25,10 @@ class ForwardContext:
     context_lens_host: list[int]
     state_slots_host: list[int]
     is_recurrent_host: list[bool]  # GDN: recurrent (one-token) form for this sequence, else chunked
+    recurrent_ids: torch.Tensor  # [B_rec] int32, indices of the sequences with is_recurrent_host
+    block_tables_host: list[list[int]]
     block_size: int
+    extras: dict = attrs.field(factory=dict)  # per-step metadata impls compute once and share across layers
 
     @property
     def num_seqs(self) -> int:

@@ -18,11 +18,16 @@ StepFn = Callable[[torch.Tensor, ForwardContext], torch.Tensor]
 class GraphRunnerSpec(OpSpec):
     use_graphs: bool
     max_batch_size: int
+    max_blocks_per_seq: int = 0
+    scratch_page: int = 0  # KV page that padding rows write to (never given to a sequence)
+    scratch_slot: int = 0  # GDN state slot of padding rows (never given to a sequence)
 
 
 class GraphRunnerImpl(Protocol):
-    def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Run ``step(input_ids, ctx)`` (a full model forward), returning its output."""
+    def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext,
+            prepare: Callable[[ForwardContext], None] | None = None) -> torch.Tensor:
+        """Run ``step(input_ids, ctx)`` (a full model forward), returning its output; ``prepare(ctx)``
+        does host-side per-step planning and always runs outside any captured graph."""
 
 
 class GraphRunnerBuilder(OpBuilder[GraphRunnerSpec]):

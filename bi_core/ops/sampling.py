@@ -18,14 +18,17 @@ class SamplingSpec(OpSpec):
 
 @attrs.define
 class SamplingBatch:
-    """Per-row parameters; row i's draw depends only on (seeds[i], positions[i]) and its logits."""
+    """Per-row parameters (host lists); row i's randomness comes only from ``keys[i]``, which is
+    ``mix_seed(request seed, position of the token being sampled)``."""
 
-    temperatures: torch.Tensor  # [B] float32; 0 = greedy
-    top_ks: torch.Tensor  # [B] int64; 0 = off
-    top_ps: torch.Tensor  # [B] float32; 1 = off
-    seeds: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64, position of the token being sampled
+    temperatures: list[float]  # 0 = greedy
+    top_ks: list[int]  # 0 = off
+    top_ps: list[float]  # 1 = off
+    keys: list[int]
     num_logprobs: int  # top-N logprobs to return (0 = only the sampled token's)
+
+    def needs_filter(self, i: int) -> bool:
+        return self.temperatures[i] > 0 and (self.top_ks[i] > 0 or self.top_ps[i] < 1.0)
 
 
 @attrs.define

@@ -49,6 +49,8 @@ def build_context(
         context_lens_host=context_lens,
         state_slots_host=list(state_slots),
         is_recurrent_host=list(is_recurrent),
+        recurrent_ids=t([i for i, r in enumerate(is_recurrent) if r], torch.int32),
+        block_tables_host=[list(b) for b in blocks],
         block_size=block_size,
     )
     return t(flat, torch.int64), ctx

@@ -54,12 +54,14 @@ class CacheManager:
             self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, device)
         else:
             self.num_blocks = config.num_blocks
-        kv_shape = (self.num_blocks, self.block_size, args.num_key_value_heads, args.head_dim)
+        # One extra page and one extra state slot are reserved for padding rows (CUDA-graph buckets).
+        self.scratch_page, self.scratch_slot = self.num_blocks, num_slots
+        kv_shape = (self.num_blocks + 1, self.block_size, args.num_key_value_heads, args.head_dim)
         kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
         num_gdn = len(args.gdn_layers)
-        conv = [torch.zeros(num_slots, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        conv = [torch.zeros(num_slots + 1, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
-        rec_shape = (num_slots, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        rec_shape = (num_slots + 1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
         rec = [torch.zeros(rec_shape, dtype=torch.float32, device=device) for _ in range(num_gdn)]
         n_main = len(args.full_attention_layers)
         self.main = ModelCaches(k=kv[0:n_main], v=kv[n_main:2 * n_main], conv=conv, recurrent=rec)

@@ -65,9 +65,6 @@ class LLMEngine:
         else:
             init_random_weights(self.model, config.model.random.seed)
         self.model.eval()
-        max_batch = config.graph.max_batch_size or config.scheduler.max_num_seqs
-        self.runner = self.factory.build("graph_runner", GraphRunnerSpec(
-            **self.factory.base, use_graphs=config.graph.enabled, max_batch_size=max_batch))
         strategy_cls = self.registry.strategies[config.strategy.name]
         self.cache = CacheManager(args, config.cache, num_slots=config.scheduler.max_num_seqs,
                                   max_model_len=self.max_model_len + strategy_cls.lookahead,
@@ -77,6 +74,11 @@ class LLMEngine:
             raise ConfigError("cache.num_blocks", f"the KV cache holds {capacity} tokens, fewer than one sequence "
                               f"of model.max_model_len={self.max_model_len}; raise cache.num_blocks or lower "
                               "model.max_model_len")
+        max_batch = config.graph.max_batch_size or config.scheduler.max_num_seqs
+        self.runner = self.factory.build("graph_runner", GraphRunnerSpec(
+            **self.factory.base, use_graphs=config.graph.enabled, max_batch_size=max_batch,
+            max_blocks_per_seq=self.cache.blocks_for(self.max_model_len + strategy_cls.lookahead),
+            scratch_page=self.cache.scratch_page, scratch_slot=self.cache.scratch_slot))
         self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
                                    lookahead=strategy_cls.lookahead)
         strategy_cls.check(self)
@@ -91,6 +93,10 @@ class LLMEngine:
 
     def model_step(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         return self.model(input_ids, ctx, self.cache.main)
+
+    def run_model(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """The main model over one step's tokens, through the graph runner."""
+        return self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Queue one request; raises RequestError / PromptTooLongError for a bad one."""
@@ -144,15 +150,11 @@ class LLMEngine:
             seq.append(tokens[i], lps[i], top, self.eos_ids)
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int], num_logprobs: int) -> SamplingBatch:
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
         return SamplingBatch(
-            temperatures=t([s.params.temperature for s in seqs], torch.float32),
-            top_ks=t([s.params.top_k for s in seqs], torch.int64),
-            top_ps=t([s.params.top_p for s in seqs], torch.float32),
-            seeds=t([s.seed for s in seqs], torch.int64),
-            positions=t(positions, torch.int64),
+            temperatures=[s.params.temperature for s in seqs],
+            top_ks=[s.params.top_k for s in seqs],
+            top_ps=[s.params.top_p for s in seqs],
+            keys=[mix_seed(s.seed, p) for s, p in zip(seqs, positions)],
             num_logprobs=num_logprobs,
         )
 

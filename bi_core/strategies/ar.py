@@ -21,11 +21,11 @@ class ARStrategy(Strategy):
             [s.num_computed for s in seqs],
             [s.blocks for s in seqs],
             [s.state_slot for s in seqs],
-            [s.num_tokens == 1 and s.seq.num_computed > 0 for s in scheduled],
+            [s.num_tokens == 1 and s.seq.num_computed > 0 for s in scheduled],  # decode rows: recurrent GDN
             block_size=eng.cache.block_size,
             device=eng.device,
         )
-        hidden = eng.runner.run(eng.model_step, input_ids, ctx)
+        hidden = eng.run_model(input_ids, ctx)
         sampling = [i for i, s in enumerate(scheduled) if s.samples]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens

@@ -6,7 +6,7 @@ tolerance here; the bitwise checks live with the invariant backend."""
 from __future__ import annotations
 
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata as md
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from bi_core import EngineConfig, PluginError, SamplingParams, build_engine, hookimpl
 from bi_core.plugins import ENTRY_POINT_GROUP, load_registry

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from bi_core import ConfigError, EngineConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from bi_core import (
     BackendSelectionError,
@@ -81,9 +81,17 @@ def test_invariance_needs_hopper():
 
 def test_unregistered_backend_fails_with_selector_table():
     with pytest.raises(BackendSelectionError) as e:
-        build(backend="cuda_default")
+        build(backend="cuda_future")
     msg = str(e.value)
-    assert "no backend can serve op" in msg and "cuda_default: backend not registered (registered: " in msg and "reference" in msg
+    assert "no backend can serve op" in msg and "cuda_future: backend not registered (registered: " in msg
+    assert "reference" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("backend", ["cuda_default", "cuda_hopper_invariant"])
+def test_cuda_backends_refuse_the_cpu_with_reasons(backend):
+    with pytest.raises(BackendSelectionError, match=f"{backend}: needs a CUDA device, spec is on cpu"):
+        build(backend=backend)
 
 
 def test_graphs_on_reference_are_refused_with_reason():

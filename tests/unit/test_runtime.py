@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from bi_core import EngineConfig, PromptTooLongError, RequestError, SamplingParams, build_engine
 from bi_core.config import CacheConfig, SchedulerConfig

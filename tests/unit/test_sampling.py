@@ -9,10 +9,10 @@ from bi_core.ops.sampling import SamplingBatch, mix_seed
 
 
 def batch(n, temp=1.0, top_k=0, top_p=1.0, seeds=None, positions=None, num_logprobs=0):
-    return SamplingBatch(
-        temperatures=torch.full((n,), temp), top_ks=torch.full((n,), top_k), top_ps=torch.full((n,), top_p),
-        seeds=torch.tensor(seeds if seeds is not None else [0] * n),
-        positions=torch.tensor(positions if positions is not None else [0] * n), num_logprobs=num_logprobs)
+    seeds = seeds if seeds is not None else [0] * n
+    positions = positions if positions is not None else [0] * n
+    return SamplingBatch(temperatures=[temp] * n, top_ks=[top_k] * n, top_ps=[top_p] * n,
+                         keys=[mix_seed(s, p) for s, p in zip(seeds, positions)], num_logprobs=num_logprobs)
 
 
 def test_mix_seed_spreads_and_is_63_bit():

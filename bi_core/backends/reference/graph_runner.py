@@ -4,7 +4,9 @@ from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
 
 
 class EagerRunnerImpl:
-    def run(self, step, input_ids, ctx):
+    def run(self, step, input_ids, ctx, prepare=None):
+        if prepare is not None:
+            prepare(ctx)
         return step(input_ids, ctx)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from bi_core.backends.reference.common import check_dtype
-from bi_core.ops.sampling import SamplerOutput, SamplingBatch, SamplingBuilder, SamplingSpec, mix_seed
+from bi_core.ops.sampling import SamplerOutput, SamplingBatch, SamplingBuilder, SamplingSpec
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -19,10 +19,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def gumbel_noise(seed: int, position: int, size: int, device: torch.device) -> torch.Tensor:
-    """Noise that depends only on (seed, position): the row's own generator, never a shared one."""
+def gumbel_noise(key: int, size: int, device: torch.device) -> torch.Tensor:
+    """Noise that depends only on the row's key: its own generator, never a shared one."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(mix_seed(seed, position))
+    gen.manual_seed(key)
     u = torch.rand(size, generator=gen, device=device, dtype=torch.float32)
     return -torch.log(-torch.log(u.clamp_(min=1e-20, max=1.0 - 1e-7)))
 
@@ -32,14 +32,13 @@ class ReferenceSamplerImpl:
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits, dim=-1)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        temps, top_ks, top_ps = batch.temperatures.tolist(), batch.top_ks.tolist(), batch.top_ps.tolist()
-        seeds, positions = batch.seeds.tolist(), batch.positions.tolist()
+        temps, top_ks, top_ps = batch.temperatures, batch.top_ks, batch.top_ps
         for i in range(logits.shape[0]):
             if temps[i] == 0.0:
                 tokens[i] = torch.argmax(logits[i])
                 continue
             row = filter_logits(logits[i] / temps[i], top_ks[i], top_ps[i])
-            noise = gumbel_noise(seeds[i], positions[i], row.shape[0], row.device)
+            noise = gumbel_noise(batch.keys[i], row.shape[0], row.device)
             tokens[i] = torch.argmax(row + noise)
         top = torch.topk(logprobs_all, batch.num_logprobs, dim=-1)
         return SamplerOutput(

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device run: unpack GPU deps, run GPU + kernel tests, then timing scripts. Logs under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+mkdir -p /tmp/site && tar -xJf .gpu-deps/flashinfer.tar.xz -C /tmp/site && \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-deps/wheels/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+for step in "$@"; do
+  case "$step" in
+    tests) timeout 420 python3 -m pytest -q -rf -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests-all) timeout 500 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    *) echo "== $step"; timeout 540 python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
+  esac
+done

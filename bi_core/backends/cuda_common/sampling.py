@@ -1,0 +1,32 @@
+"""GPU sampler: one Triton program per row (greedy or Gumbel-max with Philox keyed by the row's
+key); rows with top-k/top-p get their logits filtered row by row first."""
+
+from __future__ import annotations
+
+import torch
+
+from bi_core.backends.reference.sampling import filter_logits
+from bi_core.ops.sampling import SamplerOutput, SamplingBatch
+
+
+class CudaSamplerImpl:
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        from bi_core.kernels.sampling import sample
+
+        dev = logits.device
+        logits = logits.float()
+        keys = torch.tensor(batch.keys, dtype=torch.int64, device=dev)
+        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
+        tokens, lse = sample(logits, keys, temps)
+        filtered = [i for i in range(logits.shape[0]) if batch.needs_filter(i)]
+        if filtered:
+            # Row by row, so a row's filtering never runs a batched kernel whose shape depends on the batch.
+            rows = torch.stack([filter_logits(logits[i] / batch.temperatures[i], batch.top_ks[i], batch.top_ps[i])
+                                for i in filtered])
+            idx = torch.tensor(filtered, device=dev)
+            ones = torch.ones(len(filtered), dtype=torch.float32, device=dev)
+            tokens[idx] = sample(rows, keys[idx], ones)[0]
+        logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse
+        top = torch.topk(logits, batch.num_logprobs, dim=-1)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_ids=top.indices,
+                             top_logprobs=top.values - lse[:, None])

@@ -1,0 +1,102 @@
+"""Builders of the cuda_default backend: what each op needs, and which impl serves it."""
+
+from __future__ import annotations
+
+import torch
+
+from bi_core.backends.cuda_common import ops
+from bi_core.backends.cuda_common.checks import cuda_reasons
+from bi_core.ops import (
+    AttentionBuilder,
+    GdnBuilder,
+    GraphRunnerBuilder,
+    LinearBuilder,
+    MoEBuilder,
+    NormBuilder,
+    SamplingBuilder,
+    TopKBuilder,
+)
+
+BF16_FP32 = (torch.bfloat16, torch.float32)
+
+
+class DefaultAttentionBuilder(AttentionBuilder):
+    def check(self, spec, policy):
+        reasons = cuda_reasons(spec, modules=("flashinfer",))
+        if spec.head_dim not in (64, 128, 256):
+            reasons.append(f"FlashInfer supports head_dim 64/128/256, not {spec.head_dim}")
+        return reasons
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.attention import FlashInferAttentionImpl
+
+        return FlashInferAttentionImpl(spec)
+
+
+class DefaultLinearBuilder(LinearBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+
+    def build(self, spec):
+        return ops.CublasLinearImpl()
+
+
+class DefaultNormBuilder(NormBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32)
+
+    def build(self, spec):
+        return ops.TritonGatedRMSNormImpl(spec.eps) if spec.kind == "rms_gated" else ops.TritonRMSNormImpl(spec.eps)
+
+
+class DefaultTopKBuilder(TopKBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32)
+
+    def build(self, spec):
+        return ops.TritonTopKImpl(spec.top_k)
+
+
+class DefaultMoEBuilder(MoEBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32)
+
+    def build(self, spec):
+        return ops.TritonMoEImpl()
+
+
+class DefaultGdnBuilder(GdnBuilder):
+    pin_autotune = False
+
+    def check(self, spec, policy):
+        reasons = cuda_reasons(spec, modules=("triton", "fla"), hopper=self.is_batch_invariant)
+        if spec.conv_kernel != 4:
+            reasons.append(f"the conv kernel is written for width 4, not {spec.conv_kernel}")
+        if spec.num_v_heads % spec.num_k_heads:
+            reasons.append("num_v_heads must be a multiple of num_k_heads")
+        return reasons
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.gdn import CudaGdnImpl
+
+        return CudaGdnImpl(spec, pin_autotune=self.pin_autotune)
+
+
+class DefaultSamplingBuilder(SamplingBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32)
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.sampling import CudaSamplerImpl
+
+        return CudaSamplerImpl()
+
+
+class DefaultGraphRunnerBuilder(GraphRunnerBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+
+        return CudaGraphRunnerImpl(spec)

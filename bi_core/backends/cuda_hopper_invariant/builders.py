@@ -1,0 +1,81 @@
+"""Builders of the cuda_hopper_invariant backend. Each declares ``is_batch_invariant`` and
+requires an SM90 GPU; the impls are the shared Triton ones (fixed configs, row-wise work)."""
+
+from __future__ import annotations
+
+from bi_core.backends.cuda_common import ops
+from bi_core.backends.cuda_common.checks import cuda_reasons
+from bi_core.backends.cuda_default import builders as d
+from bi_core.ops import AttentionBuilder, LinearBuilder
+
+
+def _hopper(spec) -> list[str]:
+    return cuda_reasons(spec, hopper=True)
+
+
+class InvariantAttentionBuilder(AttentionBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        reasons = _hopper(spec)
+        group = spec.num_heads // max(spec.num_kv_heads, 1)
+        if spec.num_heads % spec.num_kv_heads or 64 % group:
+            reasons.append(f"GQA group {spec.num_heads}/{spec.num_kv_heads} must divide 64")
+        if spec.head_dim & (spec.head_dim - 1) or spec.head_dim > 256:
+            reasons.append(f"head_dim must be a power of two <= 256, not {spec.head_dim}")
+        return reasons
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
+
+        return TritonPagedAttentionImpl(spec)
+
+
+class InvariantLinearBuilder(LinearBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)
+
+    def build(self, spec):
+        return ops.TritonLinearImpl()
+
+
+class InvariantNormBuilder(d.DefaultNormBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)
+
+
+class InvariantTopKBuilder(d.DefaultTopKBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)
+
+
+class InvariantMoEBuilder(d.DefaultMoEBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)
+
+
+class InvariantGdnBuilder(d.DefaultGdnBuilder):
+    is_batch_invariant = True
+    pin_autotune = True
+
+
+class InvariantSamplingBuilder(d.DefaultSamplingBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)
+
+
+class InvariantGraphRunnerBuilder(d.DefaultGraphRunnerBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)

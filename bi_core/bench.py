@@ -1,0 +1,127 @@
+"""Benchmarks: decode step latency at fixed batch sizes, offline throughput, prefill throughput,
+peak memory, and the memory-bandwidth floor of a decode step (bytes that must be read or written
+per step over the copy bandwidth measured on this device)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import attrs
+import torch
+
+from bi_core.runtime.engine import LLMEngine
+from bi_core.runtime.sequence import SamplingParams
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times)
+
+
+def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
+    """Fewest bytes one decode step of ``batch`` rows at ``context_len`` must move: every weight
+    read once (routed experts: the expected number hit by batch*k draws), KV read, GDN state
+    read and written, logits rows written."""
+    a, isz = engine.args, engine.dtype.itemsize
+    total = 0
+    for name, p in engine.model.named_parameters():
+        if name.startswith("mtp.") or name == "embed_tokens":
+            continue
+        if name.endswith(("mlp.w13", "mlp.w2")):
+            hit = a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** batch)
+            total += int(p.numel() * p.element_size() * hit / a.num_experts)
+        else:
+            total += p.numel() * p.element_size()
+    if a.tie_word_embeddings:
+        total += a.vocab_size * a.hidden_size * isz
+    total += batch * a.hidden_size * isz  # embedding rows
+    kv = 2 * a.num_key_value_heads * a.head_dim * isz * len(a.full_attention_layers)
+    total += batch * context_len * kv
+    state = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+    conv = a.conv_dim * (a.linear_conv_kernel_dim - 1) * isz
+    total += batch * len(a.gdn_layers) * 2 * (state + conv)
+    total += batch * a.vocab_size * 4
+    return total
+
+
+@attrs.frozen
+class DecodeResult:
+    batch: int
+    context_len: int
+    ms_per_step: float
+    tokens_per_s: float
+    floor_ms: float
+
+    @property
+    def over_floor(self) -> float:
+        return self.ms_per_step / self.floor_ms
+
+
+def _prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, engine.args.vocab_size, (n, length), generator=g).tolist()
+
+
+def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
+                 seed: int = 0) -> DecodeResult:
+    """Prefill ``batch`` prompts of ``context_len`` tokens, then time ``steps`` full engine steps
+    (schedule + forward + sample) once every row decodes."""
+    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in _prompts(engine, batch, context_len, seed)]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()  # warm up (and capture the graph of this bucket)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    while engine.scheduler.has_work():
+        engine.step()
+    ms = statistics.median(times) * 1e3
+    floor = decode_bytes(engine, batch, context_len + 4) / bandwidth * 1e3
+    return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor)
+
+
+def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, output_len: int, seed: int = 1) -> dict:
+    prompts = _prompts(engine, num_requests, input_len, seed)
+    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+    engine.generate(prompts[: min(4, num_requests)], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    generated = sum(len(o.token_ids) for o in out)
+    return {"requests": num_requests, "input_len": input_len, "output_len": output_len, "seconds": dt,
+            "output_tokens_per_s": generated / dt, "total_tokens_per_s": (generated + num_requests * input_len) / dt,
+            "requests_per_s": num_requests / dt}
+
+
+def bench_prefill(engine: LLMEngine, batch: int, length: int, seed: int = 2) -> dict:
+    prompts = _prompts(engine, batch, length, seed)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate(prompts[:1], params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"batch": batch, "length": length, "seconds": dt, "prefill_tokens_per_s": batch * length / dt}

@@ -1,0 +1,20 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+
+def tiny_config(**overrides) -> dict:
+    """A config dict for the tiny random preset on the reference backend, float32 on the CPU."""
+    base = {
+        "model": {"random": {"preset": "tiny-dense", "seed": 0}, "dtype": "float32", "device": "cpu",
+                  "max_model_len": 512},
+        "backend": "reference",
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+        "cache": {"block_size": 16, "num_blocks": 256},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
