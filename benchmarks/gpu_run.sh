@@ -9,9 +9,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "$@"; do
+  [ -n "${step%% *}" ] || continue
   case "$step" in
     tests) timeout 420 python3 -m pytest -q -rf -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    tests-all) timeout 500 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    *) echo "== $step"; timeout 540 python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
+    tests-all) timeout 330 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    *.sh*) echo "== $step"; timeout 300 bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
+    *) echo "== $step"; timeout 240 python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
   esac
 done

@@ -9,7 +9,7 @@ import sys
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
 
-SUBCOMMANDS = ("run", "explain", "plugins")
+SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench")
 INVARIANT_HELP = (
     "override policy.batch_invariant. Invariant mode makes every request's tokens and logprobs bitwise "
     "independent of the batch; it runs only on SM90 (Hopper) GPUs with the cuda_hopper_invariant backend, "
@@ -38,14 +38,76 @@ def _parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="which backend serves each op, and why others were refused")
     _add_config_args(explain)
     sub.add_parser("plugins", help="list loaded plugins, backends and strategies")
+    verify = sub.add_parser("verify", help="batch-invariance audit: each prompt alone vs in many batches")
+    _add_config_args(verify)
+    verify.add_argument("--num-prompts", type=int, default=32)
+    verify.add_argument("--batch-sizes", default=",".join(map(str, (1, 2, 3, 7, 8, 15, 16, 17, 32, 64, 128, 256))))
+    verify.add_argument("--max-new-tokens", type=int, default=32)
+    verify.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (seeded temperature 0.8)")
+    verify.add_argument("--num-layers", type=int, help="cut a random preset to this many layers (faster audits)")
+    verify.add_argument("--negative-control", action="store_true",
+                        help="run the same audit on the default backend; it must find mismatches")
+    verify.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="decode latency, throughput, prefill; several configs side by side")
+    bench.add_argument("--config", action="append", required=True, help="repeat to compare configs in one run")
+    bench.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None, help=INVARIANT_HELP)
+    bench.add_argument("--num-layers", type=int, help="cut a random preset to this many layers")
+    bench.add_argument("--batch-sizes", default="1,8,64")
+    bench.add_argument("--context-len", type=int, default=512)
+    bench.add_argument("--steps", type=int, default=30)
+    bench.add_argument("--throughput", default="256x512x256", help="REQUESTSxINPUTxOUTPUT, or 'none'")
+    bench.add_argument("--prefill", default="8x2048", help="BATCHxLENGTH, or 'none'")
+    bench.add_argument("--transformers", action="store_true", help="add transformers' generate as a baseline")
+    bench.add_argument("--json", help="write all results to this file")
     return parser
 
 
-def load_config(args: argparse.Namespace) -> EngineConfig:
-    config = EngineConfig.from_yaml(args.config)
+def load_config(args: argparse.Namespace, path: str | None = None) -> EngineConfig:
+    config = EngineConfig.from_yaml(path or args.config)
     if args.batch_invariant is not None:
         config = config.replace(policy={"batch_invariant": args.batch_invariant})
+    layers = getattr(args, "num_layers", None)
+    if layers is not None:
+        if config.model.random is None:
+            raise BiEngineError("--num-layers applies to model.random presets only")
+        config = config.replace(model={"random": config.model.random.__class__(
+            preset=config.model.random.preset, seed=config.model.random.seed, num_hidden_layers=layers)})
     return config
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BiEngineError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from bi_core import build_engine
+    from bi_core.verify import audit, count, negative_control_config, summary
+
+    config = load_config(args)
+    if args.negative_control:
+        config = negative_control_config(config)
+        print(f"negative control: backend {config.backend}, batch_invariant=false (mismatches expected)")
+    engine = build_engine(config)
+    cases = audit(engine, num_prompts=args.num_prompts, batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
+                  max_new_tokens=args.max_new_tokens, modes=tuple(args.modes.split(",")), seed=args.seed)
+    print(summary(cases))
+    found = count(cases)
+    if args.negative_control:
+        print("negative control " + ("PASSED: the audit sees mismatches without invariance" if found else
+                                     "FAILED: no mismatch found, so this audit cannot prove invariance here"))
+        return 0 if found else 1
+    print("PASS: bitwise batch-invariant" if not found else "FAIL: outputs depend on the batch")
+    return 1 if found else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bi_core.bench_report import run_bench
+
+    configs = [load_config(args, path) for path in args.config]
+    return run_bench(args, configs)
 
 
 def _prompts(args: argparse.Namespace, config: EngineConfig) -> list:
@@ -128,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         argv.insert(0, "run")
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "explain": cmd_explain, "plugins": cmd_plugins}[args.command](args)
+        commands = {"run": cmd_run, "explain": cmd_explain, "plugins": cmd_plugins, "verify": cmd_verify,
+                    "bench": cmd_bench}
+        return commands[args.command](args)
     except BiEngineError as e:
         print(f"bi-engine: error: {e}", file=sys.stderr)
         return 2

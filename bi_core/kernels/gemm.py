@@ -38,13 +38,23 @@ def _gemm_kernel(A, B, C, M, N, K, stride_am, stride_bn, stride_cm, BLOCK_M: tl.
     tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+BLOCK_K = 64  # the K reduction order: fixed for every shape and batch
+TARGET_PROGRAMS = 264  # about two programs per SM keep a memory-bound GEMV near bandwidth
+
+
 def block_m_for(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
-def gemm_config(n: int, k: int) -> dict:
-    """Tile shape from (N, K) only: the K order (BLOCK_K) never changes with the batch."""
-    return {"BLOCK_N": 128 if n >= 128 else max(16, triton.next_power_of_2(n)), "BLOCK_K": 64}
+def gemm_config(m: int, n: int) -> dict:
+    """BLOCK_M and BLOCK_N follow the shape for speed (small N gets narrow tiles so a decode GEMV
+    still spreads over the SMs); neither changes a row's K order, which BLOCK_K alone fixes."""
+    bm = block_m_for(m)
+    bn = 128
+    while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < TARGET_PROGRAMS:
+        bn //= 2
+    bn = min(bn, max(16, triton.next_power_of_2(n)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "num_stages": 4 if bm <= 32 else 3}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,9 +69,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     c = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return c.view(*shape[:-1], n)
-    cfg = gemm_config(n, k)
-    bm = block_m_for(m)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _gemm_kernel[grid](a, weight, c, m, n, k, a.stride(0), weight.stride(0), c.stride(0), BLOCK_M=bm,
-                       GROUP_M=8, DOT=dot_mode(x.dtype), num_warps=4, num_stages=3, **cfg)
+    cfg = gemm_config(m, n)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _gemm_kernel[grid](a, weight, c, m, n, k, a.stride(0), weight.stride(0), c.stride(0), GROUP_M=8,
+                       DOT=dot_mode(x.dtype), num_warps=4, **cfg)
     return c.view(*shape[:-1], n)

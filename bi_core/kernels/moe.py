@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma
+from bi_core.kernels.elementwise import moe_combine, silu_mul
 from bi_core.kernels.gemm import block_m_for
 
 
@@ -33,7 +33,8 @@ def align(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     max_rows = min(num_pairs * bm, num_pairs + num_experts * (bm - 1))
     max_rows = triton.cdiv(max_rows, bm) * bm
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max back to the host (no CUDA-graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + bm - 1) // bm * bm
     padded_end = torch.cumsum(padded, 0)
     expert_of = flat[order]
@@ -91,10 +92,5 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     num_tokens, top_k = topk_ids.shape
     routing = align(topk_ids, w13.shape[0])
     h = grouped_gemm(x, w13, routing, a_row_div=top_k)
-    gate, up = h.chunk(2, dim=-1)
-    y = grouped_gemm(F.silu(gate) * up, w2, routing, a_row_div=1).view(num_tokens, top_k, -1)
-    weights = topk_weights.to(x.dtype)
-    out = (y[:, 0] * weights[:, 0, None]).float()
-    for j in range(1, top_k):
-        out += (y[:, j] * weights[:, j, None]).float()
-    return out.to(x.dtype)
+    y = grouped_gemm(silu_mul(h), w2, routing, a_row_div=1)
+    return moe_combine(y, topk_weights)

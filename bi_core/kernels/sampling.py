@@ -8,10 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+CHUNK = 8192  # vocabulary slice per program; the split is fixed by the vocabulary size alone
+
 
 @triton.jit
-def _sample_kernel(L, SEEDS, TEMPS, TOKENS, LSE, V, stride_l, BLOCK_V: tl.constexpr):
+def _sample_partial_kernel(L, SEEDS, TEMPS, PART_M, PART_S, PART_BEST, PART_IDX, V, stride_l, num_chunks,
+                           CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     seed = tl.load(SEEDS + row)
     temp = tl.load(TEMPS + row)
     inv_t = 1.0 / tl.where(temp > 0.0, temp, 1.0)
@@ -19,12 +23,13 @@ def _sample_kernel(L, SEEDS, TEMPS, TOKENS, LSE, V, stride_l, BLOCK_V: tl.conste
     s = 0.0
     best = float("-inf")
     best_idx = 0
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = cols < V
         x = tl.load(L + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), axis=0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.where(mask, tl.exp(x - m_safe), 0.0), axis=0)
         m = m_new
         if temp > 0.0:
             u = tl.rand(seed, cols)
@@ -38,17 +43,47 @@ def _sample_kernel(L, SEEDS, TEMPS, TOKENS, LSE, V, stride_l, BLOCK_V: tl.conste
         take = cand > best
         best_idx = tl.where(take, cand_idx, best_idx)
         best = tl.where(take, cand, best)
-    tl.store(TOKENS + row, best_idx.to(tl.int64))
-    tl.store(LSE + row, m + tl.log(s))
+    out = row * num_chunks + c
+    tl.store(PART_M + out, m)
+    tl.store(PART_S + out, s)
+    tl.store(PART_BEST + out, best)
+    tl.store(PART_IDX + out, best_idx)
+
+
+@triton.jit
+def _sample_combine_kernel(PART_M, PART_S, PART_BEST, PART_IDX, TOKENS, LSE, num_chunks, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    mask = c < num_chunks
+    base = row * num_chunks
+    m = tl.load(PART_M + base + c, mask=mask, other=float("-inf"))
+    s = tl.load(PART_S + base + c, mask=mask, other=0.0)
+    best = tl.load(PART_BEST + base + c, mask=mask, other=float("-inf"))
+    idx = tl.load(PART_IDX + base + c, mask=mask, other=0)
+    m_all = tl.max(m, axis=0)
+    total = tl.sum(tl.where(mask, s * tl.exp(m - m_all), 0.0), axis=0)
+    b = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == b, c, BLOCK_C), axis=0)  # lowest chunk among ties = lowest index
+    tl.store(TOKENS + row, tl.sum(tl.where(c == first, idx, 0), axis=0).to(tl.int64))
+    tl.store(LSE + row, m_all + tl.log(total))
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (token ids ``[B]``, log-sum-exp of the raw logits ``[B]``); ``seeds`` are the
-    per-row mixed (request seed, position) seeds (int64, < 2**63)."""
+    per-row mixed (request seed, position) keys (int64, < 2**63). Each row is split into fixed
+    vocabulary chunks combined in chunk order, so a row's result never depends on the batch."""
     rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows:
-        _sample_kernel[(rows,)](logits, seeds, temperatures, tokens, lse, vocab, logits.stride(0),
-                                BLOCK_V=min(4096, triton.next_power_of_2(vocab)), num_warps=8)
+    dev = logits.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    if rows == 0:
+        return tokens, lse
+    chunk = min(CHUNK, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    part = [torch.empty(rows * num_chunks, dtype=dt, device=dev)
+            for dt in (torch.float32, torch.float32, torch.float32, torch.int32)]
+    _sample_partial_kernel[(rows, num_chunks)](logits, seeds, temperatures, *part, vocab, logits.stride(0),
+                                               num_chunks, CHUNK=chunk, BLOCK_V=min(2048, chunk), num_warps=4)
+    _sample_combine_kernel[(rows,)](*part, tokens, lse, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks),
+                                    num_warps=1)
     return tokens, lse

@@ -20,6 +20,7 @@ from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, mix_seed
 from bi_core.plugins import load_registry
 from bi_core.policies import check_config, make_policy, resolve_device
+from bi_core.policies.apply import applied, check_environment
 from bi_core.registry import Registry
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.scheduler import Scheduler
@@ -44,6 +45,7 @@ def prepare(config: EngineConfig, registry: Registry | None):
                          op_overrides=config.policy.ops)
     device = resolve_device(config.model.device)
     check_config(config, policy, registry, device)
+    check_environment(policy, device)
     return registry, policy, OpFactory(registry, policy, device, getattr(torch, config.model.dtype))
 
 
@@ -124,10 +126,12 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it."""
+        if not self.scheduler.has_work():
+            return []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
-        with torch.inference_mode():
+        with torch.inference_mode(), applied(self.policy):
             self.strategy.step(scheduled)
         done = [s.seq for s in scheduled if s.seq.status is Status.FINISHED]
         for seq in done:

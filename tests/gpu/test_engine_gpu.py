@@ -29,36 +29,34 @@ def prompts(n, seed=0, vocab=256):
 
 
 @pytest.mark.parametrize("backend", ["cuda_default", "cuda_hopper_invariant"])
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["qwen3.5-0.8b", "qwen3.5-35b-a3b"])
 def test_cuda_backend_matches_reference(backend, preset):
-    ps = prompts(6)
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    logits = {}
-
-    def capture(name):
-        def observe(seqs, rows):
-            for s, r in zip(seqs, rows):
-                if not s.output_ids:
-                    logits[(name, s.request_id)] = r.float()
-        return observe
-
-    outs = {}
-    for name in (backend, "reference"):
-        eng = build_engine(gpu_config(name, preset, invariant=name == "cuda_hopper_invariant"))
-        eng.on_logits = capture(name)
-        outs[name] = eng.generate(ps, params)
-    agree = 0
-    for o, r in zip(outs[backend], outs["reference"]):
-        a, b = logits[(backend, o.request_id)], logits[("reference", r.request_id)]
-        assert float((a - b).norm() / b.norm()) < 3e-2
-        agree += o.token_ids[:2] == r.token_ids[:2]
-    assert agree >= 4  # bf16 rounding may flip a near-tie now and then
+    """bf16 logits of the first step: the backend's error against an fp32 reference run stays
+    within twice the bf16 reference backend's own error (i.e. within bf16 tolerance)."""
+    ps = prompts(6, vocab=248320)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    logits, outs = {}, {}
+    for name, dtype in ((backend, "bfloat16"), ("reference", "bfloat16"), ("reference", "float32")):
+        cfg = gpu_config(name, preset, layers=4, invariant=name == "cuda_hopper_invariant")
+        eng = build_engine(cfg.replace(model={"dtype": dtype}))
+        eng.on_logits = lambda seqs, rows, key=(name, dtype): [
+            logits.setdefault((key, s.request_id), r.float()) for s, r in zip(seqs, rows)]
+        outs[(name, dtype)] = eng.generate(ps, params)
+        del eng
+    truth = ("reference", "float32")
+    for i in range(len(ps)):
+        t = logits[(truth, i)]
+        ours = float((logits[((backend, "bfloat16"), i)] - t).norm() / t.norm())
+        ref = float((logits[(("reference", "bfloat16"), i)] - t).norm() / t.norm())
+        assert ours < max(2 * ref, 1e-2), (i, ours, ref)
+    agree = sum(o.token_ids[0] == r.token_ids[0] for o, r in zip(outs[(backend, "bfloat16")], outs[truth]))
+    assert agree >= 5  # bf16 may flip a near-tie now and then
 
 
 def invariance_run(config, needle, fillers, params):
     eng = build_engine(config)
     seqs = [eng.add_request(p, params) for p in fillers[: len(fillers) // 2]]
-    eng.step()
+    eng.step()  # fillers already running when the needle arrives
     n = eng.add_request(needle, params)
     seqs += [eng.add_request(p, params) for p in fillers[len(fillers) // 2:]]
     while eng.scheduler.has_work():
@@ -68,13 +66,16 @@ def invariance_run(config, needle, fillers, params):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_invariant_engine_bitwise_and_default_is_not(graphs):
-    params = SamplingParams(max_new_tokens=24, temperature=0.7, seed=3, ignore_eos=True)
-    needle = prompts(1, seed=9)[0]
-    cfg = gpu_config("cuda_hopper_invariant", "qwen3.5-0.8b", layers=4, graphs=graphs, invariant=True)
+    """A long needle (so split-KV heuristics matter) at the 9B width (K=N=4096, where cuBLAS picks
+    kernels by M): bitwise the same in batches of 3..63 on the invariant engine; the default
+    engine (negative control) must show a difference somewhere."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=3, ignore_eos=True)
+    needle = torch.randint(0, 248320, (1500,), generator=torch.Generator().manual_seed(9)).tolist()
+    cfg = gpu_config("cuda_hopper_invariant", "qwen3.5-9b", layers=2, graphs=graphs, invariant=True)
     alone = invariance_run(cfg, needle, [], params)
     for n in (3, 17, 63):
         assert invariance_run(cfg, needle, prompts(n, seed=n, vocab=248320), params) == alone
-    default = gpu_config("cuda_default", "qwen3.5-0.8b", layers=4, graphs=graphs)
+    default = gpu_config("cuda_default", "qwen3.5-9b", layers=2, graphs=graphs)
     d_alone = invariance_run(default, needle, [], params)
     assert any(invariance_run(default, needle, prompts(n, seed=n, vocab=248320), params) != d_alone
                for n in (17, 63))
@@ -82,9 +83,9 @@ def test_invariant_engine_bitwise_and_default_is_not(graphs):
 
 def test_graph_replay_equals_eager_invariant():
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    ps = prompts(13, seed=4)
-    eager = build_engine(gpu_config("cuda_hopper_invariant", "tiny-moe", invariant=True)).generate(ps, params)
-    eng = build_engine(gpu_config("cuda_hopper_invariant", "tiny-moe", graphs=True, invariant=True))
+    ps = prompts(13, seed=4, vocab=248320)
+    eager = build_engine(gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, invariant=True)).generate(ps, params)
+    eng = build_engine(gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True))
     graphed = eng.generate(ps, params)
     assert eng.runner.num_replays > 0
     for a, b in zip(eager, graphed):

@@ -151,8 +151,8 @@ def test_topk_and_fused_moe(device):
 def test_sampler(device):
     from bi_core.kernels.sampling import sample
 
-    logits = torch.randn(6, 5000, device=device)
-    logits[2, 17] = logits[2, 4000] = 50.0  # greedy tie -> lower index
+    logits = torch.randn(6, 20000, device=device)  # three vocabulary chunks
+    logits[2, 17] = logits[2, 15000] = 50.0  # greedy tie across chunks -> lower index
     seeds = torch.tensor([11, 12, 13, 14, 15, 16], device=device)
     greedy = torch.zeros(6, device=device)
     tokens, lse = sample(logits, seeds, greedy)

@@ -49,6 +49,9 @@ class CudaGdnImpl:
         if key not in ctx.extras:
             dev = ctx.positions.device
             seqs = [i for i, r in enumerate(ctx.is_recurrent_host) if not r]
+            if not seqs:  # decode-only step (also every captured graph): nothing to build
+                ctx.extras[key] = (None, None, None, None, 0)
+                return ctx.extras[key]
             tokens, cu = [], [0]
             for i in seqs:
                 a, b = ctx.token_range(i)

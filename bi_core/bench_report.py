@@ -1,0 +1,139 @@
+"""``bi-engine bench``: runs each config in turn in one process (same GPU, same session), plus an
+optional transformers baseline, and prints one table with ratios against the first config."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import time
+
+import torch
+
+from bi_core.bench import bench_decode, bench_prefill, bench_throughput, measure_bandwidth
+from bi_core.config import EngineConfig
+from bi_core.errors import BiEngineError
+
+
+def _label(cfg: EngineConfig) -> str:
+    model = cfg.model.random.preset if cfg.model.random else cfg.model.path
+    layers = f"/{cfg.model.random.num_hidden_layers}L" if cfg.model.random and cfg.model.random.num_hidden_layers else ""
+    mode = "invariant" if cfg.policy.batch_invariant else "default"
+    return f"{model}{layers} {cfg.backend} {mode} graphs={'on' if cfg.graph.enabled else 'off'}"
+
+
+def _triple(text: str, flag: str, n: int) -> list[int] | None:
+    if text == "none":
+        return None
+    try:
+        parts = [int(x) for x in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) != n:
+        raise BiEngineError(f"{flag}: expected {'x'.join(['N'] * n)} or 'none', got {text!r}")
+    return parts
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
+    from bi_core import build_engine
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    tput = _triple(args.throughput, "--throughput", 3)
+    pre = _triple(args.prefill, "--prefill", 2)
+    engine = build_engine(cfg)
+    out: dict = {"label": _label(cfg), "backend": cfg.backend, "invariant": cfg.policy.batch_invariant,
+                 "graphs": cfg.graph.enabled, "decode": []}
+    for b in batch_sizes:
+        r = bench_decode(engine, b, args.context_len, args.steps, bandwidth)
+        out["decode"].append({"batch": b, "context_len": r.context_len, "ms_per_step": r.ms_per_step,
+                              "tokens_per_s": r.tokens_per_s, "floor_ms": r.floor_ms, "over_floor": r.over_floor})
+        print(f"  decode B={b:<4} {r.ms_per_step:8.3f} ms/step  floor {r.floor_ms:7.3f} ms  x{r.over_floor:5.2f}  "
+              f"{r.tokens_per_s:9.1f} tok/s", flush=True)
+    if tput:
+        out["throughput"] = bench_throughput(engine, *tput)
+        print(f"  throughput {tput[0]} req x {tput[1]} in / {tput[2]} out: "
+              f"{out['throughput']['output_tokens_per_s']:.1f} output tok/s, "
+              f"{out['throughput']['requests_per_s']:.2f} req/s", flush=True)
+    if pre:
+        out["prefill"] = bench_prefill(engine, *pre)
+        print(f"  prefill {pre[0]} x {pre[1]}: {out['prefill']['prefill_tokens_per_s']:.0f} tok/s", flush=True)
+    out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del engine
+    _free()
+    return out
+
+
+def bench_transformers(cfg: EngineConfig, batch_sizes=(1, 16), prompt_len: int = 64, new_tokens: int = 32) -> dict:
+    """transformers' own generate on the same model shape (random weights drawn by transformers,
+    since two copies of a large model do not fit together), greedy, bf16, on the GPU."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from bi_core.runtime.engine import resolve_model
+
+    args, _ = resolve_model(cfg)
+    if cfg.model.path:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.bfloat16, device_map="cuda")
+    else:
+        fields = {k: v for k, v in args.to_hf_text_config().items() if k != "model_type"}
+        cls, conf = (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig) if args.is_moe else (Qwen3_5ForCausalLM, Qwen3_5TextConfig)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = cls(conf(**fields))
+        finally:
+            torch.set_default_dtype(previous)
+    model.eval()
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for b in batch_sizes:
+        ids = torch.randint(0, args.vocab_size, (b, prompt_len), generator=g).cuda()
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True)
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        out[b] = {"tokens_per_s": b * new_tokens / dt, "seconds": dt}
+        print(f"  transformers generate B={b:<3} {b * new_tokens / dt:8.1f} tok/s ({new_tokens} new tokens, "
+              f"prompt {prompt_len})", flush=True)
+    del model
+    _free()
+    return out
+
+
+def run_bench(args, configs: list[EngineConfig]) -> int:
+    if not torch.cuda.is_available():
+        raise BiEngineError("bench needs a CUDA GPU (it measures against the device's memory bandwidth)")
+    device = torch.device("cuda")
+    bandwidth = measure_bandwidth(device)
+    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(device),
+              "copy_bandwidth_tb_s": bandwidth / 1e12, "configs": []}
+    print(f"{report['gpu']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    for cfg in configs:
+        print(f"== {_label(cfg)}", flush=True)
+        report["configs"].append(bench_engine(cfg, args, bandwidth))
+    if args.transformers:
+        print("== transformers baseline", flush=True)
+        report["transformers"] = bench_transformers(configs[0])
+    base = report["configs"][0]
+    for other in report["configs"][1:]:
+        print(f"== {other['label']} vs {base['label']}")
+        for a, b in zip(other["decode"], base["decode"]):
+            print(f"  decode B={a['batch']:<4} {a['ms_per_step'] / b['ms_per_step']:.3f}x time")
+        if "throughput" in other and "throughput" in base:
+            ratio = base["throughput"]["seconds"] / other["throughput"]["seconds"]
+            print(f"  throughput {ratio:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0

@@ -1,0 +1,116 @@
+"""``bi-engine verify``: the batch-invariance audit a user runs on their own machine and model.
+
+Each prompt runs alone first (the reference). Then, for every batch size, the same prompts run
+as needles at random positions among filler requests of random lengths, half of the fillers
+already decoding when the needles arrive (so prefill and decode rows mix), greedy and seeded
+sampling. A needle's tokens and logprobs must be bitwise equal to its run alone."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from bi_core.config import EngineConfig
+from bi_core.runtime.engine import LLMEngine
+from bi_core.runtime.sequence import SamplingParams
+
+DEFAULT_BATCH_SIZES = (1, 2, 3, 7, 8, 15, 16, 17, 32, 64, 128, 256)
+
+
+@attrs.frozen
+class Case:
+    batch_size: int
+    mode: str  # greedy | sampled
+    num_needles: int
+    mismatches: tuple[tuple[int, int, str], ...]  # (prompt index, first differing step, what differed)
+
+
+def _prompts(n: int, vocab: int, rng: random.Random, lo: int = 1, hi: int = 600) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _params(mode: str, index: int, max_new: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    return SamplingParams(max_new_tokens=max_new, temperature=0.8, top_p=1.0, seed=1000 + index, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[list[int]], mode: str,
+         max_new: int, rng: random.Random) -> dict[int, tuple[list[int], list[float]]]:
+    early, late = fillers[: len(fillers) // 2], fillers[len(fillers) // 2:]
+    for p in early:
+        engine.add_request(p, SamplingParams(max_new_tokens=rng.randint(1, 2 * max_new), ignore_eos=True))
+    for _ in range(2 if early else 0):
+        engine.step()
+    arrivals: list[tuple[int | None, list[int]]] = [(None, p) for p in late] + list(needles)
+    rng.shuffle(arrivals)
+    seqs = {}
+    for index, p in arrivals:
+        if index is None:
+            engine.add_request(p, SamplingParams(max_new_tokens=rng.randint(1, 2 * max_new), ignore_eos=True))
+        else:
+            seqs[index] = engine.add_request(p, _params(mode, index, max_new))
+    while engine.scheduler.has_work():
+        engine.step()
+    return {i: (s.output_ids, s.token_logprobs) for i, s in seqs.items()}
+
+
+def _diff(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> tuple[int, str] | None:
+    for step, (ta, tb, la, lb) in enumerate(zip(a[0], b[0], a[1], b[1])):
+        if ta != tb:
+            return step, f"token {ta} vs {tb}"
+        if la != lb:  # exact float equality: bitwise for finite values
+            return step, f"logprob {la!r} vs {lb!r}"
+    if len(a[0]) != len(b[0]):
+        return min(len(a[0]), len(b[0])), "length"
+    return None
+
+
+def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH_SIZES, max_new_tokens: int = 32,
+          modes=("greedy", "sampled"), seed: int = 0, log=print) -> list[Case]:
+    rng = random.Random(seed)
+    vocab = engine.args.vocab_size
+    prompts = _prompts(num_prompts, vocab, rng)
+    cases = []
+    for mode in modes:
+        alone = {}
+        for i, p in enumerate(prompts):
+            alone.update(_run(engine, [(i, p)], [], mode, max_new_tokens, rng))
+        cursor = 0
+        for b in batch_sizes:
+            if b > engine.config.scheduler.max_num_seqs:
+                log(f"skip batch size {b}: above scheduler.max_num_seqs")
+                continue
+            k = min(b, 8, num_prompts)
+            chosen = [(cursor + j) % num_prompts for j in range(k)]
+            cursor += k
+            fillers = _prompts(b - k, vocab, rng, hi=1024)
+            got = _run(engine, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng)
+            bad = tuple((i, *d) for i in chosen if (d := _diff(got[i], alone[i])) is not None)
+            cases.append(Case(b, mode, k, bad))
+            log(f"{mode:<8} batch {b:>4}: {k} needles, {len(bad)} mismatched" +
+                ("" if not bad else f" (first: prompt {bad[0][0]} at step {bad[0][1]}: {bad[0][2]})"))
+    return cases
+
+
+def summary(cases: list[Case]) -> str:
+    lines = [f"{'mode':<8} {'batch':>5} {'needles':>7} {'mismatches':>10}  first"]
+    for c in cases:
+        first = f"prompt {c.mismatches[0][0]}, step {c.mismatches[0][1]}: {c.mismatches[0][2]}" if c.mismatches else ""
+        lines.append(f"{c.mode:<8} {c.batch_size:>5} {c.num_needles:>7} {len(c.mismatches):>10}  {first}")
+    total = sum(len(c.mismatches) for c in cases)
+    lines.append(f"total: {sum(c.num_needles for c in cases)} needle runs, {total} mismatched")
+    return "\n".join(lines)
+
+
+def negative_control_config(config: EngineConfig) -> EngineConfig:
+    """The same model and scheduler on the default backend with invariance off."""
+    return config.replace(backend="cuda_default" if config.model.device != "cpu" else "reference",
+                          policy={"batch_invariant": False})
+
+
+def count(cases: list[Case]) -> int:
+    return sum(len(c.mismatches) for c in cases)
+
+

@@ -1,0 +1,17 @@
+"""The audit behind ``bi-engine verify`` can see batch dependence: on the reference backend (no
+invariance promise) it must report mismatches; alone-vs-alone it must report none."""
+
+from __future__ import annotations
+
+from helpers import tiny_config
+
+from bi_core import EngineConfig, build_engine
+from bi_core.verify import audit, count
+
+
+def test_audit_sees_mismatches_without_invariance():
+    engine = build_engine(EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 16})))
+    cases = audit(engine, num_prompts=4, batch_sizes=(1, 8, 16), max_new_tokens=6, log=lambda *_: None)
+    assert {c.batch_size for c in cases} == {1, 8, 16}
+    assert count([c for c in cases if c.batch_size == 1]) == 0  # alone vs alone: same bits
+    assert count(cases) > 0
