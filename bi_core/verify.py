@@ -71,7 +71,8 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
           modes=("greedy", "sampled"), seed: int = 0, log=print) -> list[Case]:
     rng = random.Random(seed)
     vocab = engine.args.vocab_size
-    prompts = _prompts(num_prompts, vocab, rng)
+    longest = max(2, engine.max_model_len - 2 * max_new_tokens - 1)  # fillers may generate 2x max_new_tokens
+    prompts = _prompts(num_prompts, vocab, rng, hi=min(600, longest))
     cases = []
     for mode in modes:
         alone = {}
@@ -85,7 +86,7 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
             k = min(b, 8, num_prompts)
             chosen = [(cursor + j) % num_prompts for j in range(k)]
             cursor += k
-            fillers = _prompts(b - k, vocab, rng, hi=1024)
+            fillers = _prompts(b - k, vocab, rng, hi=min(1024, longest))
             got = _run(engine, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng)
             bad = tuple((i, *d) for i in chosen if (d := _diff(got[i], alone[i])) is not None)
             cases.append(Case(b, mode, k, bad))
