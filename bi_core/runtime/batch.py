@@ -34,23 +34,29 @@ def build_context(
     for q in query_lens:
         cu.append(cu[-1] + q)
 
-    def t(x, dtype):
-        return torch.tensor(x, dtype=dtype, device=device)
+    recurrent = [i for i, r in enumerate(is_recurrent) if r]
+    # One host-to-device copy for every integer field, then typed views.
+    fields = [flat, positions, cu, context_lens, [x for row in table for x in row], slots, list(state_slots),
+              logits_rows, recurrent]
+    packed = torch.tensor([x for f in fields for x in f], dtype=torch.int64, device="cpu")
+    packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
+    parts = list(torch.split(packed, [len(f) for f in fields]))
+    ids, pos, cu_t, ctx_t, table_t, slots_t, state_t, logits_t, rec_t = parts
 
     ctx = ForwardContext(
-        positions=t(positions, torch.int64),
-        cu_seqlens_q=t(cu, torch.int32),
-        context_lens=t(context_lens, torch.int32),
-        block_tables=t(table, torch.int32),
-        slot_mapping=t(slots, torch.int64),
-        state_slots=t(state_slots, torch.int64),
-        logits_indices=t(logits_rows, torch.int64),
+        positions=pos,
+        cu_seqlens_q=cu_t.to(torch.int32),
+        context_lens=ctx_t.to(torch.int32),
+        block_tables=table_t.to(torch.int32).view(len(blocks), max_blocks),
+        slot_mapping=slots_t,
+        state_slots=state_t,
+        logits_indices=logits_t,
         query_lens_host=query_lens,
         context_lens_host=context_lens,
         state_slots_host=list(state_slots),
         is_recurrent_host=list(is_recurrent),
-        recurrent_ids=t([i for i, r in enumerate(is_recurrent) if r], torch.int32),
+        recurrent_ids=rec_t.to(torch.int32),
         block_tables_host=[list(b) for b in blocks],
         block_size=block_size,
     )
-    return t(flat, torch.int64), ctx
+    return ids, ctx

@@ -143,8 +143,11 @@ class LLMEngine:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
         out = self.model.sampler.forward(logits, self.sampling_batch(seqs, [s.num_tokens for s in seqs], n))
-        tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
-        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        # one device-to-host transfer (token ids < 2**53 are exact in float64)
+        packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
+                            out.top_ids.double(), out.top_logprobs.double()], dim=1).cpu()
+        tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
+        top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
         for i, seq in enumerate(seqs):
             top = None
             if seq.params.logprobs is not None:

