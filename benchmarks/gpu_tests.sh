@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+# All GPU tests (kernels on the GPU, kernel invariance, engine invariance, graphs, reference match).
+python3 -m pytest -q -rf --timeout 280 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tail -15
