@@ -204,3 +204,38 @@ def test_sampler_invariant():
     for m in (1, 3, 64, 255):
         t, lse = sample(logits[:m], keys[:m], temps[:m])
         assert torch.equal(t, ref_t[:m]) and torch.equal(lse, ref_l[:m])
+
+
+def test_gdn_negative_control():
+    """Choosing the GDN form by batch shape breaks invariance: the chunked kernel (fla) and the
+    recurrent kernel give different bits for the same 4 tokens (why verify must use recurrent)."""
+    pytest.importorskip("fla")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from bi_core.kernels.gdn_recurrent import gdn_recurrent
+
+    torch.manual_seed(0)
+    t, hk, hv, d = 4, 16, 32, 128
+    q, k = (torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(t, hv, d, device="cuda", dtype=torch.bfloat16)
+    g, beta = -torch.rand(t, hv, device="cuda"), torch.rand(t, hv, device="cuda", dtype=torch.bfloat16)
+    s0 = torch.randn(1, hv, d, d, device="cuda")
+    ctx, _ = _ragged([t], [8])
+    state = s0.clone()
+    rec = gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots)
+    chunk, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=d**-0.5,
+                                      initial_state=s0.clone(), output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=torch.tensor([0, t], device="cuda"))
+    assert not torch.equal(rec, chunk[0])
+
+
+def test_sampler_negative_control():
+    """A generator shared by the batch (torch.multinomial) makes a row's draw depend on its place."""
+    probs = torch.softmax(torch.randn(256, 1000, device="cuda"), -1)
+
+    def draw(p):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        return torch.multinomial(p, 1, generator=gen)[:, 0]
+
+    assert not rows_invariant(draw, lambda m: probs[:m], sizes=(1, 64, 256))
