@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--negative-control", action="store_true",
                         help="run the same audit on the default backend; it must find mismatches")
     verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--strategies", default="ar",
+                        help="ar, or ar,mtp: also check that MTP speculative decoding emits the AR outputs bitwise")
     bench = sub.add_parser("bench", help="decode latency, throughput, prefill; several configs side by side")
     bench.add_argument("--config", action="append", required=True, help="repeat to compare configs in one run")
     bench.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None, help=INVARIANT_HELP)
@@ -90,9 +92,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.negative_control:
         config = negative_control_config(config)
         print(f"negative control: backend {config.backend}, batch_invariant=false (mismatches expected)")
-    engine = build_engine(config)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if strategies not in (["ar"], ["ar", "mtp"]):
+        raise BiEngineError(f"--strategies: expected 'ar' or 'ar,mtp', got {args.strategies!r}")
+    engine = build_engine(config.replace(strategy={"name": "ar", "num_speculative_tokens": None}))
+    mtp = None
+    if "mtp" in strategies:
+        n = config.strategy.num_speculative_tokens or 3
+        mtp = build_engine(config.replace(strategy={"name": "mtp", "num_speculative_tokens": n}))
     cases = audit(engine, num_prompts=args.num_prompts, batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
-                  max_new_tokens=args.max_new_tokens, modes=tuple(args.modes.split(",")), seed=args.seed)
+                  max_new_tokens=args.max_new_tokens, modes=tuple(args.modes.split(",")), seed=args.seed,
+                  mtp_engine=mtp)
     print(summary(cases))
     found = count(cases)
     if args.negative_control:

@@ -36,8 +36,25 @@ def _params(mode: str, index: int, max_new: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new, temperature=0.8, top_p=1.0, seed=1000 + index, ignore_eos=True)
 
 
+def _forced_drafts(engine: LLMEngine, truth: dict[int, list[int]], owner: dict[int, int], rng: random.Random):
+    """MTP drafts for needles: their AR tokens up to a random point, then wrong ones (random
+    weights accept almost nothing by themselves); fillers keep the head's own drafts."""
+    def hook(seq, proposed):
+        index = owner.get(seq.request_id)
+        if index is None:
+            return proposed
+        right = truth[index][len(seq.output_ids): len(seq.output_ids) + len(proposed)]
+        cut = rng.randint(0, len(right))
+        return right[:cut] + [(t + 1) % engine.args.vocab_size for t in right[cut:]]
+    return hook
+
+
 def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[list[int]], mode: str,
-         max_new: int, rng: random.Random) -> dict[int, tuple[list[int], list[float]]]:
+         max_new: int, rng: random.Random, truth: dict[int, list[int]] | None = None
+         ) -> dict[int, tuple[list[int], list[float]]]:
+    owner: dict[int, int] = {}
+    if truth is not None:
+        engine.strategy.draft_hook = _forced_drafts(engine, truth, owner, rng)
     early, late = fillers[: len(fillers) // 2], fillers[len(fillers) // 2:]
     for p in early:
         engine.add_request(p, SamplingParams(max_new_tokens=rng.randint(1, 2 * max_new), ignore_eos=True))
@@ -51,6 +68,7 @@ def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[
             engine.add_request(p, SamplingParams(max_new_tokens=rng.randint(1, 2 * max_new), ignore_eos=True))
         else:
             seqs[index] = engine.add_request(p, _params(mode, index, max_new))
+            owner[seqs[index].request_id] = index
     while engine.scheduler.has_work():
         engine.step()
     return {i: (s.output_ids, s.token_logprobs) for i, s in seqs.items()}
@@ -68,7 +86,9 @@ def _diff(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) ->
 
 
 def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH_SIZES, max_new_tokens: int = 32,
-          modes=("greedy", "sampled"), seed: int = 0, log=print) -> list[Case]:
+          modes=("greedy", "sampled"), seed: int = 0, log=print, mtp_engine: LLMEngine | None = None) -> list[Case]:
+    """``mtp_engine``: also run every batch through speculative decoding (drafts forced from the
+    AR outputs up to random points) and compare with the AR runs alone (guarantee G3)."""
     rng = random.Random(seed)
     vocab = engine.args.vocab_size
     longest = max(2, engine.max_model_len - 2 * max_new_tokens - 1)  # fillers may generate 2x max_new_tokens
@@ -87,19 +107,23 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
             chosen = [(cursor + j) % num_prompts for j in range(k)]
             cursor += k
             fillers = _prompts(b - k, vocab, rng, hi=min(1024, longest))
-            got = _run(engine, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng)
-            bad = tuple((i, *d) for i in chosen if (d := _diff(got[i], alone[i])) is not None)
-            cases.append(Case(b, mode, k, bad))
-            log(f"{mode:<8} batch {b:>4}: {k} needles, {len(bad)} mismatched" +
-                ("" if not bad else f" (first: prompt {bad[0][0]} at step {bad[0][1]}: {bad[0][2]})"))
+            runs = [("ar", engine, None)] + ([("mtp", mtp_engine, {i: alone[i][0] for i in chosen})]
+                                             if mtp_engine is not None else [])
+            for strategy, eng, truth in runs:
+                got = _run(eng, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng, truth)
+                bad = tuple((i, *d) for i in chosen if (d := _diff(got[i], alone[i])) is not None)
+                label = mode if strategy == "ar" else f"{mode}+mtp"
+                cases.append(Case(b, label, k, bad))
+                log(f"{label:<11} batch {b:>4}: {k} needles, {len(bad)} mismatched" +
+                    ("" if not bad else f" (first: prompt {bad[0][0]} at step {bad[0][1]}: {bad[0][2]})"))
     return cases
 
 
 def summary(cases: list[Case]) -> str:
-    lines = [f"{'mode':<8} {'batch':>5} {'needles':>7} {'mismatches':>10}  first"]
+    lines = [f"{'mode':<11} {'batch':>5} {'needles':>7} {'mismatches':>10}  first"]
     for c in cases:
         first = f"prompt {c.mismatches[0][0]}, step {c.mismatches[0][1]}: {c.mismatches[0][2]}" if c.mismatches else ""
-        lines.append(f"{c.mode:<8} {c.batch_size:>5} {c.num_needles:>7} {len(c.mismatches):>10}  {first}")
+        lines.append(f"{c.mode:<11} {c.batch_size:>5} {c.num_needles:>7} {len(c.mismatches):>10}  {first}")
     total = sum(len(c.mismatches) for c in cases)
     lines.append(f"total: {sum(c.num_needles for c in cases)} needle runs, {total} mismatched")
     return "\n".join(lines)

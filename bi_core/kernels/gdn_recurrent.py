@@ -3,8 +3,9 @@
 One program per (sequence, value head, block of value dims) keeps its [Dk, BV] fp32 state tile
 in registers and walks the sequence's tokens one by one: the same arithmetic for a one-token
 decode step and for each token of a multi-token (verify) call. q/k L2 norm, q scaling and GVA
-(value head h reads key head h // group) are done in-kernel. Optionally the state after every
-token is stored (speculative verify commits the state of the last accepted token)."""
+(value head h reads key head h // group) are done in-kernel. The state is read from the
+sequence's read slot and stored to its last token's slot, or, with ``per_token``, after every
+token to that token's slot (speculative verify then keeps the state of every draft)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, OUT, CU, CTX, SLOTS, SEQ_IDS, TOKEN_STATES,
+def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, OUT, CU, CTX, SLOTS, SEQ_IDS, TOKEN_SLOTS,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_gt, stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_ts,
+                          stride_gt, stride_bt, stride_ot, stride_oh, stride_ss, stride_sh,
                           scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                          STORE_TOKEN_STATES: tl.constexpr):
+                          PER_TOKEN: tl.constexpr):
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -29,8 +30,8 @@ def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, OUT, CU, CTX, SLOTS, SEQ_IDS,
     slot = tl.load(SLOTS + s).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
-    state_ptr = STATE + slot * stride_ss + hv * stride_sh + dk[:, None] * DV + dv[None, :]
-    h = tl.load(state_ptr, mask=(dk[:, None] < DK) & (past > 0), other=0.0).to(tl.float32)
+    tile = hv * stride_sh + dk[:, None] * DV + dv[None, :]
+    h = tl.load(STATE + slot * stride_ss + tile, mask=(dk[:, None] < DK) & (past > 0), other=0.0).to(tl.float32)
     for t in range(start, end):
         q = tl.load(Q + t * stride_qt + hk * stride_qh + dk).to(tl.float32)
         k = tl.load(K + t * stride_kt + hk * stride_kh + dk).to(tl.float32)
@@ -44,18 +45,19 @@ def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, OUT, CU, CTX, SLOTS, SEQ_IDS,
         h = h + k[:, None] * u[None, :]
         o = tl.sum(h * q[:, None], axis=0)
         tl.store(OUT + t * stride_ot + hv * stride_oh + dv, o.to(OUT.dtype.element_ty))
-        if STORE_TOKEN_STATES:
-            tl.store(TOKEN_STATES + t * stride_ts + hv * stride_sh + dk[:, None] * DV + dv[None, :], h)
-    tl.store(state_ptr, h)
+        if PER_TOKEN:
+            tl.store(STATE + tl.load(TOKEN_SLOTS + t) * stride_ss + tile, h)
+    if not PER_TOKEN:
+        tl.store(STATE + tl.load(TOKEN_SLOTS + end - 1) * stride_ss + tile, h)
 
 
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, slots: torch.Tensor,
-                  seq_ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  token_states: torch.Tensor | None = None, block_v: int = 32) -> torch.Tensor:
+                  token_slots: torch.Tensor, *, per_token: bool = False, seq_ids: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, block_v: int = 32) -> torch.Tensor:
     """q, k ``[T, Hk, Dk]``; v ``[T, Hv, Dv]``; g (log decay, fp32), beta ``[T, Hv]``;
-    state ``[slots, Hv, Dk, Dv]`` fp32, updated in place; ``token_states [T, Hv, Dk, Dv]`` fp32
-    receives the state after each token when given. Returns o ``[T, Hv, Dv]``."""
+    state ``[slots, Hv, Dk, Dv]`` fp32: read from ``slots[seq]``, written to ``token_slots[t]``
+    (every token with ``per_token``, else the last). Returns o ``[T, Hv, Dv]``."""
     num_tokens, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -67,11 +69,9 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and state.is_contiguous()
     block_v = min(block_v, dv)
     grid = (seq_ids.shape[0], num_v_heads, triton.cdiv(dv, block_v))
-    ts = token_states if token_states is not None else state
     _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, state, out, cu_seqlens, context_lens, slots, seq_ids, ts,
+        q, k, v, g, beta, state, out, cu_seqlens, context_lens, slots, seq_ids, token_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1), state.stride(0), state.stride(1), ts.stride(0), dk**-0.5,
-        GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BV=block_v, STORE_TOKEN_STATES=token_states is not None,
-        num_warps=4)
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), dk**-0.5,
+        GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BV=block_v, PER_TOKEN=per_token, num_warps=4)
     return out

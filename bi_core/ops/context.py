@@ -19,11 +19,14 @@ class ForwardContext:
     context_lens: torch.Tensor  # [B] int32, KV length after this step (past + new tokens)
     block_tables: torch.Tensor  # [B, max_blocks] int32, KV pages of each sequence (-1 = none)
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot (page * block_size + offset) of each token
-    state_slots: torch.Tensor  # [B] int64, GDN state slot of each sequence
+    state_slots: torch.Tensor  # [B] int64, GDN state slot each sequence reads (its state before this step)
     logits_indices: torch.Tensor  # [B'] int64, rows whose logits are needed (last token of a seq)
     query_lens_host: list[int]
     context_lens_host: list[int]
     state_slots_host: list[int]
+    token_state_slots: torch.Tensor  # [T] int64, GDN state slot that receives the state after each token
+    token_state_slots_host: list[int]
+    state_ring: int  # state slots per sequence (1 + speculative tokens); > 1: store the state after every token
     is_recurrent_host: list[bool]  # GDN: recurrent (one-token) form for this sequence, else chunked
     recurrent_ids: torch.Tensor  # [B_rec] int32, indices of the sequences with is_recurrent_host
     block_tables_host: list[list[int]]

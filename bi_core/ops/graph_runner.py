@@ -21,6 +21,7 @@ class GraphRunnerSpec(OpSpec):
     max_blocks_per_seq: int = 0
     scratch_page: int = 0  # KV page that padding rows write to (never given to a sequence)
     scratch_slot: int = 0  # GDN state slot of padding rows (never given to a sequence)
+    state_ring: int = 1  # GDN state slots per sequence
 
 
 class GraphRunnerImpl(Protocol):

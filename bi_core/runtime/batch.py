@@ -11,21 +11,27 @@ def build_context(
     token_ids: list[list[int]],  # per sequence, the tokens this step processes
     past_lens: list[int],  # per sequence, tokens already in the cache
     blocks: list[list[int]],
-    state_slots: list[int],
+    state_slots: list[int],  # per sequence, its GDN state slot (the base of its ring)
     is_recurrent: list[bool],
     *,
     block_size: int,
     device: torch.device,
+    ring: int = 1,
 ) -> tuple[torch.Tensor, ForwardContext]:
+    """``ring`` > 1 (speculative decoding): a sequence owns ``ring`` consecutive state slots; at
+    past length L it reads slot ``L % ring`` and the state after its t-th new token goes to slot
+    ``(L + t + 1) % ring``, so rejecting drafts is just a shorter length, never a copy."""
     query_lens = [len(t) for t in token_ids]
     context_lens = [p + q for p, q in zip(past_lens, query_lens)]
-    positions, slots, logits_rows, flat = [], [], [], []
+    positions, slots, logits_rows, flat, token_states = [], [], [], [], []
+    read_states = [base * ring + past % ring for base, past in zip(state_slots, past_lens)]
     offset = 0
-    for ids, past, blk in zip(token_ids, past_lens, blocks):
+    for ids, past, blk, base in zip(token_ids, past_lens, blocks, state_slots):
         flat += ids
-        for pos in range(past, past + len(ids)):
+        for t, pos in enumerate(range(past, past + len(ids))):
             positions.append(pos)
             slots.append(blk[pos // block_size] * block_size + pos % block_size)
+            token_states.append(base * ring + (past + t + 1) % ring)
         offset += len(ids)
         logits_rows.append(offset - 1)
     max_blocks = max(len(b) for b in blocks)
@@ -36,12 +42,12 @@ def build_context(
 
     recurrent = [i for i, r in enumerate(is_recurrent) if r]
     # One host-to-device copy for every integer field, then typed views.
-    fields = [flat, positions, cu, context_lens, [x for row in table for x in row], slots, list(state_slots),
-              logits_rows, recurrent]
+    fields = [flat, positions, cu, context_lens, [x for row in table for x in row], slots, read_states,
+              logits_rows, recurrent, token_states]
     packed = torch.tensor([x for f in fields for x in f], dtype=torch.int64, device="cpu")
     packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
     parts = list(torch.split(packed, [len(f) for f in fields]))
-    ids, pos, cu_t, ctx_t, table_t, slots_t, state_t, logits_t, rec_t = parts
+    ids, pos, cu_t, ctx_t, table_t, slots_t, state_t, logits_t, rec_t, token_state_t = parts
 
     ctx = ForwardContext(
         positions=pos,
@@ -53,7 +59,10 @@ def build_context(
         logits_indices=logits_t,
         query_lens_host=query_lens,
         context_lens_host=context_lens,
-        state_slots_host=list(state_slots),
+        state_slots_host=read_states,
+        token_state_slots=token_state_t,
+        token_state_slots_host=token_states,
+        state_ring=ring,
         is_recurrent_host=list(is_recurrent),
         recurrent_ids=rec_t.to(torch.int32),
         block_tables_host=[list(b) for b in blocks],

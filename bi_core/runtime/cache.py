@@ -46,7 +46,7 @@ class CacheManager:
     """Owns the cache tensors (main model and MTP head) and hands out pages and slots."""
 
     def __init__(self, args: ModelArgs, config: CacheConfig, *, num_slots: int, max_model_len: int,
-                 dtype: torch.dtype, device: torch.device, with_mtp: bool) -> None:
+                 dtype: torch.dtype, device: torch.device, with_mtp: bool, state_ring: int = 1) -> None:
         self.block_size = config.block_size
         num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
         page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * dtype.itemsize * num_attn
@@ -55,13 +55,16 @@ class CacheManager:
         else:
             self.num_blocks = config.num_blocks
         # One extra page and one extra state slot are reserved for padding rows (CUDA-graph buckets).
-        self.scratch_page, self.scratch_slot = self.num_blocks, num_slots
+        # GDN state: each sequence slot owns ``state_ring`` consecutive slots (speculative decoding).
+        self.state_ring = state_ring
+        self.scratch_page, self.scratch_slot = self.num_blocks, num_slots * state_ring
+        num_states = num_slots * state_ring + 1
         kv_shape = (self.num_blocks + 1, self.block_size, args.num_key_value_heads, args.head_dim)
         kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
         num_gdn = len(args.gdn_layers)
-        conv = [torch.zeros(num_slots + 1, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
-        rec_shape = (num_slots + 1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        rec_shape = (num_states, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
         rec = [torch.zeros(rec_shape, dtype=torch.float32, device=device) for _ in range(num_gdn)]
         n_main = len(args.full_attention_layers)
         self.main = ModelCaches(k=kv[0:n_main], v=kv[n_main:2 * n_main], conv=conv, recurrent=rec)

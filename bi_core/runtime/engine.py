@@ -68,21 +68,23 @@ class LLMEngine:
             init_random_weights(self.model, config.model.random.seed)
         self.model.eval()
         strategy_cls = self.registry.strategies[config.strategy.name]
+        lookahead = strategy_cls.lookahead_for(config)
         self.cache = CacheManager(args, config.cache, num_slots=config.scheduler.max_num_seqs,
-                                  max_model_len=self.max_model_len + strategy_cls.lookahead,
-                                  dtype=self.dtype, device=self.device, with_mtp=with_mtp)
+                                  max_model_len=self.max_model_len + lookahead, dtype=self.dtype,
+                                  device=self.device, with_mtp=with_mtp, state_ring=strategy_cls.state_ring_for(config))
         capacity = self.cache.num_blocks * self.cache.block_size
-        if capacity < self.max_model_len + strategy_cls.lookahead:
+        if capacity < self.max_model_len + lookahead:
             raise ConfigError("cache.num_blocks", f"the KV cache holds {capacity} tokens, fewer than one sequence "
                               f"of model.max_model_len={self.max_model_len}; raise cache.num_blocks or lower "
                               "model.max_model_len")
         max_batch = config.graph.max_batch_size or config.scheduler.max_num_seqs
         self.runner = self.factory.build("graph_runner", GraphRunnerSpec(
             **self.factory.base, use_graphs=config.graph.enabled, max_batch_size=max_batch,
-            max_blocks_per_seq=self.cache.blocks_for(self.max_model_len + strategy_cls.lookahead),
-            scratch_page=self.cache.scratch_page, scratch_slot=self.cache.scratch_slot))
+            max_blocks_per_seq=self.cache.blocks_for(self.max_model_len + lookahead),
+            scratch_page=self.cache.scratch_page, scratch_slot=self.cache.scratch_slot,
+            state_ring=self.cache.state_ring))
         self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
-                                   lookahead=strategy_cls.lookahead)
+                                   lookahead=lookahead)
         strategy_cls.check(self)
         self.strategy = strategy_cls(self)
         tok_path = config.model.tokenizer or config.model.path
@@ -138,23 +140,33 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return done
 
-    def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def sample_rows(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor):
+        """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
+        ``positions[i]`` (its randomness is keyed by that request's seed and that position).
+        Returns per row (token, logprob, top-N dict or None)."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        out = self.model.sampler.forward(logits, self.sampling_batch(seqs, [s.num_tokens for s in seqs], n))
+        out = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n))
         # one device-to-host transfer (token ids < 2**53 are exact in float64)
         packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
                             out.top_ids.double(), out.top_logprobs.double()], dim=1).cpu()
         tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
         top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
+        rows = []
         for i, seq in enumerate(seqs):
             top = None
             if seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 top = dict(zip(top_ids[i][:k], top_lps[i][:k]))
                 top[tokens[i]] = lps[i]
-            seq.append(tokens[i], lps[i], top, self.eos_ids)
+            rows.append((tokens[i], lps[i], top))
+        return rows
+
+    def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """One new token per sequence (autoregressive step)."""
+        for seq, (token, lp, top) in zip(seqs, self.sample_rows(seqs, [s.num_tokens for s in seqs], logits)):
+            seq.append(token, lp, top, self.eos_ids)
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int], num_logprobs: int) -> SamplingBatch:
         return SamplingBatch(

@@ -24,6 +24,7 @@ class ARStrategy(Strategy):
             [s.num_tokens == 1 and s.seq.num_computed > 0 for s in scheduled],  # decode rows: recurrent GDN
             block_size=eng.cache.block_size,
             device=eng.device,
+            ring=eng.cache.state_ring,
         )
         hidden = eng.run_model(input_ids, ctx)
         sampling = [i for i, s in enumerate(scheduled) if s.samples]

@@ -6,6 +6,7 @@ import abc
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from bi_core.config import EngineConfig
     from bi_core.runtime.engine import LLMEngine
     from bi_core.runtime.scheduler import Scheduled
 
@@ -13,10 +14,19 @@ if TYPE_CHECKING:
 class Strategy(abc.ABC):
     name: ClassVar[str]
     is_speculative: ClassVar[bool] = False
-    lookahead: ClassVar[int] = 0  # KV slots past the known tokens a step may write
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+
+    @classmethod
+    def lookahead_for(cls, config: EngineConfig) -> int:
+        """KV positions past a sequence's known tokens that a step may write (drafts)."""
+        return 0
+
+    @classmethod
+    def state_ring_for(cls, config: EngineConfig) -> int:
+        """GDN state slots per sequence (1 + drafts verified per step)."""
+        return 1
 
     @classmethod
     def check(cls, engine: LLMEngine) -> None:

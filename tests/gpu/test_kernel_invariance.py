@@ -184,8 +184,9 @@ def test_conv_and_gdn_recurrent_invariant():
     def step(m):
         ctx, _ = _ragged([1] * m, [5] * m)
         cs, ss = conv0.clone(), s0.clone()
-        y = causal_conv1d(x[:m], w, cs, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots)
-        o = gdn_recurrent(q[:m], k[:m], v[:m], g[:m], beta[:m], ss, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots)
+        y = causal_conv1d(x[:m], w, cs, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots)
+        o = gdn_recurrent(q[:m], k[:m], v[:m], g[:m], beta[:m], ss, ctx.cu_seqlens_q, ctx.context_lens,
+                          ctx.state_slots, ctx.token_state_slots)
         return y, o, ss[:m]
 
     ref = step(n)
@@ -222,7 +223,8 @@ def test_gdn_negative_control():
     s0 = torch.randn(1, hv, d, d, device="cuda")
     ctx, _ = _ragged([t], [8])
     state = s0.clone()
-    rec = gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots)
+    rec = gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
+                        ctx.token_state_slots)
     chunk, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=d**-0.5,
                                       initial_state=s0.clone(), output_final_state=True,
                                       use_qk_l2norm_in_kernel=True,

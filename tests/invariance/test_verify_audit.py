@@ -15,3 +15,18 @@ def test_audit_sees_mismatches_without_invariance():
     assert {c.batch_size for c in cases} == {1, 8, 16}
     assert count([c for c in cases if c.batch_size == 1]) == 0  # alone vs alone: same bits
     assert count(cases) > 0
+
+
+def test_audit_checks_mtp_against_ar():
+    """With an MTP engine the audit compares speculative runs with AR runs alone; on the
+    reference backend greedy tokens agree (logprobs differ in the last bits, so mismatches are
+    reported as logprob-only)."""
+    cfg = EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 8}))
+    engine = build_engine(cfg)
+    mtp = build_engine(cfg.replace(strategy={"name": "mtp", "num_speculative_tokens": 2}))
+    cases = audit(engine, num_prompts=3, batch_sizes=(1, 4), max_new_tokens=6, modes=("greedy",),
+                  log=lambda *_: None, mtp_engine=mtp)
+    labels = {c.mode for c in cases}
+    assert labels == {"greedy", "greedy+mtp"}
+    for c in cases:
+        assert all("token" not in what for _, _, what in c.mismatches)

@@ -71,7 +71,8 @@ def test_conv1d_ragged_with_state(device):
     w = torch.randn(c, 4, device=device)
     state = torch.randn(4, c, 3, device=device)
     state_ref = state.clone()
-    out = causal_conv1d(x, w, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, block_c=16)
+    out = causal_conv1d(x, w, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
+                        block_c=16)
     want = ReferenceGdnImpl(spec).conv(x, w, state_ref, ctx)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, state_ref)
@@ -90,13 +91,40 @@ def test_gdn_recurrent_ragged_with_state(device):
     g, beta = -torch.rand(t, 4, device=device), torch.rand(t, 4, device=device)
     state = torch.randn(3, 4, 16, 32, device=device)
     state_ref = state.clone()
-    token_states = torch.empty(t, 4, 16, 32, device=device)
     out = gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                        token_states=token_states, block_v=16)
+                        ctx.token_state_slots, block_v=16)
     want = ReferenceGdnImpl(spec).delta_rule(q, k, v, g, beta, state_ref, ctx)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(token_states[t - 1], state[2])  # the state after the last token is the final one
+
+
+def test_gdn_ring_keeps_the_state_after_every_token(device):
+    """Speculative layout: ring of 4 slots per sequence; slot (L + t + 1) % 4 gets the state after
+    token t, in the conv and the recurrent kernels, equal to running the tokens one by one."""
+    from bi_core.kernels.conv1d import causal_conv1d
+    from bi_core.kernels.gdn_recurrent import gdn_recurrent
+
+    ring, past, n = 4, 5, 3
+    _, ctx = build_context([[0] * n], [past], [[0]], [1], [True], block_size=16, device=device, ring=ring)
+    assert ctx.state_slots_host == [1 * ring + past % ring]
+    assert ctx.token_state_slots_host == [ring + (past + t + 1) % ring for t in range(n)]
+    q, k = torch.randn(n, 2, 16, device=device), torch.randn(n, 2, 16, device=device)
+    v, g, beta = torch.randn(n, 4, 32, device=device), -torch.rand(n, 4, device=device), torch.rand(n, 4, device=device)
+    x, w = torch.randn(n, 24, device=device), torch.randn(24, 4, device=device)
+    state, conv = torch.randn(2 * ring, 4, 16, 32, device=device), torch.randn(2 * ring, 24, 3, device=device)
+    s_one, c_one = state.clone(), conv.clone()
+    gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
+                  ctx.token_state_slots, per_token=True, block_v=16)
+    causal_conv1d(x, w, conv, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
+                  per_token=True, block_c=8)
+    for t in range(n):  # one token at a time (decode steps) reach the same states
+        _, c1 = build_context([[0]], [past + t], [[0]], [1], [True], block_size=16, device=device, ring=ring)
+        gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s_one, c1.cu_seqlens_q,
+                      c1.context_lens, c1.state_slots, c1.token_state_slots, per_token=True, block_v=16)
+        causal_conv1d(x[t:t + 1], w, c_one, c1.cu_seqlens_q, c1.context_lens, c1.state_slots, c1.token_state_slots,
+                      per_token=True, block_c=8)
+        slot = ctx.token_state_slots_host[t]
+        assert torch.equal(state[slot], s_one[slot]) and torch.equal(conv[slot], c_one[slot])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -42,7 +42,8 @@ class CudaGdnImpl:
     def conv(self, x, weight, conv_state, ctx: ForwardContext) -> torch.Tensor:
         from bi_core.kernels.conv1d import causal_conv1d
 
-        return causal_conv1d(x, weight, conv_state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots)
+        return causal_conv1d(x, weight, conv_state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
+                             ctx.token_state_slots, per_token=ctx.state_ring > 1)
 
     def _chunk_meta(self, ctx: ForwardContext):
         key = "gdn_chunk"
@@ -50,7 +51,7 @@ class CudaGdnImpl:
             dev = ctx.positions.device
             seqs = [i for i, r in enumerate(ctx.is_recurrent_host) if not r]
             if not seqs:  # decode-only step (also every captured graph): nothing to build
-                ctx.extras[key] = (None, None, None, None, 0)
+                ctx.extras[key] = (None, None, None, None, 0, None)
                 return ctx.extras[key]
             tokens, cu = [], [0]
             for i in seqs:
@@ -58,12 +59,14 @@ class CudaGdnImpl:
                 tokens += range(a, b)
                 cu.append(cu[-1] + b - a)
             has_past = [ctx.past_len(i) > 0 for i in seqs]
+            last_token_slots = [ctx.token_state_slots_host[ctx.token_range(i)[1] - 1] for i in seqs]
             ctx.extras[key] = (
                 torch.tensor(tokens, dtype=torch.int64, device=dev),
                 torch.tensor(cu, dtype=torch.int64, device=dev),
                 torch.tensor([ctx.state_slots_host[i] for i in seqs], dtype=torch.int64, device=dev),
                 torch.tensor(has_past, dtype=torch.bool, device=dev),
                 len(seqs),
+                torch.tensor(last_token_slots, dtype=torch.int64, device=dev),
             )
         return ctx.extras[key]
 
@@ -73,8 +76,8 @@ class CudaGdnImpl:
         out = torch.empty_like(v)
         if ctx.recurrent_ids.shape[0]:
             gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                          seq_ids=ctx.recurrent_ids, out=out)
-        tokens, cu, slots, has_past, num = self._chunk_meta(ctx)
+                          ctx.token_state_slots, per_token=ctx.state_ring > 1, seq_ids=ctx.recurrent_ids, out=out)
+        tokens, cu, slots, has_past, num, final_slots = self._chunk_meta(ctx)
         if num:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -83,6 +86,6 @@ class CudaGdnImpl:
                 q[tokens][None], k[tokens][None], v[tokens][None], g=g[tokens][None], beta=beta[tokens][None],
                 scale=self.scale, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
                 cu_seqlens=cu)
-            state.index_copy_(0, slots, final.to(state.dtype))
+            state.index_copy_(0, final_slots, final.to(state.dtype))
             out.index_copy_(0, tokens, o[0].to(out.dtype))
         return out

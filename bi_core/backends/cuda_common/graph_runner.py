@@ -30,7 +30,7 @@ class CudaGraphRunnerImpl:
 
     def run(self, step, input_ids, ctx: ForwardContext, prepare=None) -> torch.Tensor:
         b = ctx.num_seqs
-        decode_only = ctx.num_tokens == b and all(ctx.is_recurrent_host)
+        decode_only = ctx.num_tokens == b and all(ctx.is_recurrent_host) and ctx.state_ring == self.spec.state_ring
         if not (self.spec.use_graphs and decode_only and b <= self.buckets[-1]):
             if prepare is not None:
                 prepare(ctx)
@@ -59,6 +59,7 @@ class CudaGraphRunnerImpl:
             "block_tables": torch.full((n, width), self.spec.scratch_page, dtype=torch.int32, device=dev),
             "slot_mapping": torch.full((n,), self.spec.scratch_page * ctx.block_size, dtype=torch.int64, device=dev),
             "state_slots": torch.full((n,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
+            "token_state_slots": torch.full((n,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
             "ids": torch.arange(n, dtype=torch.int32, device=dev),
         }
 
@@ -69,7 +70,9 @@ class CudaGraphRunnerImpl:
             context_lens=b["context_lens"][:bucket], block_tables=b["block_tables"][:bucket],
             slot_mapping=b["slot_mapping"][:bucket], state_slots=b["state_slots"][:bucket],
             logits_indices=b["ids"][:bucket].long(), query_lens_host=[1] * bucket, context_lens_host=[1] * bucket,
-            state_slots_host=[self.spec.scratch_slot] * bucket, is_recurrent_host=[True] * bucket,
+            state_slots_host=[self.spec.scratch_slot] * bucket, token_state_slots=b["token_state_slots"][:bucket],
+            token_state_slots_host=[self.spec.scratch_slot] * bucket, state_ring=self.spec.state_ring,
+            is_recurrent_host=[True] * bucket,
             recurrent_ids=b["ids"][:bucket], block_tables_host=[[self.spec.scratch_page]] * bucket,
             block_size=block_size, extras={"graph_bucket": bucket})
 
@@ -80,12 +83,14 @@ class CudaGraphRunnerImpl:
         buf["context_lens"][:b].copy_(ctx.context_lens)
         buf["slot_mapping"][:b].copy_(ctx.slot_mapping)
         buf["state_slots"][:b].copy_(ctx.state_slots)
+        buf["token_state_slots"][:b].copy_(ctx.token_state_slots)
         width = ctx.block_tables.shape[1]
         buf["block_tables"][:b, :width].copy_(ctx.block_tables)
         self._pad(b, bucket, ctx.block_size)
         ctx_s.context_lens_host = ctx.context_lens_host + [1] * pad
         ctx_s.block_tables_host = ctx.block_tables_host + [[self.spec.scratch_page]] * pad
         ctx_s.state_slots_host = ctx.state_slots_host + [self.spec.scratch_slot] * pad
+        ctx_s.token_state_slots_host = ctx.token_state_slots_host + [self.spec.scratch_slot] * pad
 
     def _pad(self, start: int, end: int, block_size: int) -> None:
         """Rows [start, end) become padding: scratch page, scratch state slot, one-token context."""
@@ -97,6 +102,7 @@ class CudaGraphRunnerImpl:
         buf["context_lens"][start:end].fill_(1)
         buf["slot_mapping"][start:end].fill_(self.spec.scratch_page * block_size)
         buf["state_slots"][start:end].fill_(self.spec.scratch_slot)
+        buf["token_state_slots"][start:end].fill_(self.spec.scratch_slot)
         buf["block_tables"][start:end].fill_(self.spec.scratch_page)
 
     def _capture(self, bucket: int, step, ctx: ForwardContext, prepare) -> None:

@@ -17,9 +17,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state):
+def recurrent_delta_rule(q, k, v, g, beta, state, on_token=None):
     """Per token: ``S = e^g S; u = v - Sᵀk; S += k ⊗ βu; o = Sᵀq``. q,k ``[H, T, Dk]``, v ``[H, T, Dv]``,
-    g, beta ``[H, T]``, state ``[H, Dk, Dv]``; all fp32. Returns (o ``[H, T, Dv]``, final state)."""
+    g, beta ``[H, T]``, state ``[H, Dk, Dv]``; all fp32. Returns (o ``[H, T, Dv]``, final state);
+    ``on_token(t, state)`` sees the state after each token."""
     out = torch.empty_like(v)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[:, None, None]
@@ -27,6 +28,8 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
         delta = (v[:, t] - kv_mem) * beta[:, t, None]
         state = state + k[:, t, :, None] * delta[:, None, :]
         out[:, t] = (state * q[:, t, :, None]).sum(dim=-2)
+        if on_token is not None:
+            on_token(t, state)
     return out, state
 
 
@@ -77,7 +80,10 @@ class ReferenceGdnImpl:
             n = end - start
             acc = sum(w[:, j] * full[j : j + n].float() for j in range(width + 1))
             out[start:end] = F.silu(acc.to(x.dtype))
-            conv_state[slot] = full[-width:].transpose(0, 1).to(conv_state.dtype)
+            steps = range(n) if ctx.state_ring > 1 else [n - 1]  # the window after each token, or the last
+            for t in steps:
+                dst = ctx.token_state_slots_host[start + t]
+                conv_state[dst] = full[t + 1 : t + 1 + width].transpose(0, 1).to(conv_state.dtype)
         return out
 
     def delta_rule(self, q, k, v, g, beta, state, ctx: ForwardContext) -> torch.Tensor:
@@ -91,9 +97,15 @@ class ReferenceGdnImpl:
             vi = v[start:end].float().transpose(0, 1)
             gi, bi = g[start:end].float().transpose(0, 1), beta[start:end].float().transpose(0, 1)
             s0 = state[slot] if ctx.past_len(i) > 0 else torch.zeros_like(state[slot])
-            form = recurrent_delta_rule if ctx.is_recurrent_host[i] else chunk_delta_rule
-            o, s1 = form(qi, ki, vi, gi, bi, s0.float())
-            state[slot] = s1
+            slots = ctx.token_state_slots_host[start:end]
+            if ctx.is_recurrent_host[i]:
+                def keep(t, s, slots=slots):
+                    if ctx.state_ring > 1 or t == len(slots) - 1:
+                        state[slots[t]] = s
+                o, _ = recurrent_delta_rule(qi, ki, vi, gi, bi, s0.float(), on_token=keep)
+            else:
+                o, s1 = chunk_delta_rule(qi, ki, vi, gi, bi, s0.float())
+                state[slots[-1]] = s1
             out[start:end] = o.transpose(0, 1).to(v.dtype)
         return out
 

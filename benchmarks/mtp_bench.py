@@ -1,0 +1,113 @@
+"""MTP vs AR on the Qwen3.5-35B-A3B shape (random weights, invariant backend, CUDA graphs).
+
+1. Step cost: median engine step with B sequences decoding (AR) vs verifying N drafts each (MTP,
+   drafts forced wrong so every step verifies N+1 tokens and emits one).
+2. End to end: tokens/s of AR vs MTP with drafts forced right with probability r per position
+   (random weights accept nothing by themselves); outputs are checked equal to AR's.
+
+python3 benchmarks/mtp_bench.py [num_layers] [num_spec]"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from bi_core import EngineConfig, SamplingParams, build_engine
+
+
+def config(strategy: str, layers: int | None, n: int) -> EngineConfig:
+    random_cfg = {"preset": "qwen3.5-35b-a3b", "seed": 0}
+    if layers:
+        random_cfg["num_hidden_layers"] = layers
+    strat = {"name": "mtp", "num_speculative_tokens": n} if strategy == "mtp" else {"name": "ar"}
+    return EngineConfig.from_dict({
+        "model": {"random": random_cfg, "dtype": "bfloat16", "device": "cuda", "max_model_len": 2048},
+        "backend": "cuda_hopper_invariant", "policy": {"batch_invariant": True}, "graph": {"enabled": True},
+        "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 8192}, "cache": {"num_blocks": 8192},
+        "strategy": strat})
+
+
+def prompts(b: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(b)
+    return torch.randint(0, 248320, (b, 512), generator=g).tolist()
+
+
+def step_ms(engine, b: int, steps: int = 15, hook=None) -> float:
+    params = SamplingParams(max_new_tokens=steps + 10, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts(b)]
+    if hook is not None:
+        engine.strategy.draft_hook = hook
+    while any(len(s.output_ids) < 2 for s in seqs):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    while engine.scheduler.has_work():
+        engine.step()
+    return statistics.median(times) * 1e3
+
+
+def forced(truth: dict[int, list[int]], rate: float, rng: random.Random):
+    def hook(seq, proposed):
+        right = truth[seq.request_id][len(seq.output_ids): len(seq.output_ids) + len(proposed)]
+        cut = 0
+        while cut < len(right) and rng.random() < rate:
+            cut += 1
+        return right[:cut] + [(t + 1) % 248320 for t in right[cut:]]
+    return hook
+
+
+def main() -> None:
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "full" else None
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    gen_tokens, batches = 64, (1, 8, 64)
+    print(f"{torch.cuda.get_device_name()}; layers {layers or 40}; N={n}")
+    ar = build_engine(config("ar", layers, n))
+    ar_ms = {b: step_ms(ar, b) for b in batches}
+    truth, ar_tps = {}, {}
+    for b in (1, 8):
+        params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
+        ar.generate(prompts(b), params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = ar.generate(prompts(b), params)
+        torch.cuda.synchronize()
+        ar_tps[b] = b * gen_tokens / (time.perf_counter() - t0)
+        truth[b] = [o.token_ids for o in out]
+    del ar
+    gc.collect()
+    torch.cuda.empty_cache()
+    mtp = build_engine(config("mtp", layers, n))
+    never = lambda seq, d: [(t + 1) % 248320 for t in d]  # noqa: E731 - every draft rejected
+    for b in batches:
+        v = step_ms(mtp, b, hook=never)
+        print(f"step cost B={b:<3} AR decode {ar_ms[b]:7.3f} ms   MTP verify(N={n})+draft {v:7.3f} ms   x{v / ar_ms[b]:.2f}",
+              flush=True)
+    for b in (1, 8):
+        for rate in (0.0, 0.5, 0.8, 1.0):
+            params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
+            first = mtp._next_id
+            t = {first + i: tok for i, tok in enumerate(truth[b])}
+            mtp.strategy.draft_hook = forced(t, rate, random.Random(0))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = mtp.generate(prompts(b), params)
+            torch.cuda.synchronize()
+            tps = b * gen_tokens / (time.perf_counter() - t0)
+            same = [o.token_ids for o in out] == truth[b]
+            acc = sum(o.num_accepted_draft_tokens for o in out) / max(1, sum(o.num_draft_tokens for o in out))
+            print(f"end-to-end B={b} accept-rate {rate:.1f}: MTP {tps:8.1f} tok/s vs AR {ar_tps[b]:8.1f} tok/s "
+                  f"(x{tps / ar_tps[b]:.2f}); accepted {acc:.2f} of drafts; tokens == AR: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""MTP speculative decoding, bitwise equal to autoregressive decoding on an invariant backend.
+
+Per step, a decoding sequence with pending token t_n (position n) and drafts d_1..d_k runs one
+main forward over [t_n, d_1..d_k] (GDN in its recurrent form, the same arithmetic as k+1 decode
+steps). Every row is sampled exactly as AR would sample that position (greedy, or Gumbel-max
+keyed by (seed, position)); the longest prefix of drafts equal to those samples is accepted and
+the sample after it is emitted too, so the output is the AR output token for token, whatever the
+drafts were. (Standard rejection sampling keeps only the distribution, not the tokens, so it
+would break the MTP == AR guarantee.) Rejected drafts cost nothing to undo: KV is position
+addressed, and each sequence owns a ring of 1+N GDN state slots, so a shorter length selects the
+state after the last accepted token.
+
+The MTP head then catches up over the accepted rows (next token, main hidden, position) and
+chains N-1 more single-row steps to propose the next drafts (greedy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bi_core.config import EngineConfig
+from bi_core.errors import ConfigError
+from bi_core.hookspecs import hookimpl
+from bi_core.runtime.batch import build_context
+from bi_core.runtime.scheduler import Scheduled
+from bi_core.runtime.sequence import Sequence, Status
+from bi_core.strategies.base import Strategy
+
+DraftHook = Callable[[Sequence, list[int]], list[int]]
+
+
+def num_speculative(config: EngineConfig) -> int:
+    return config.strategy.num_speculative_tokens or 1
+
+
+class MTPStrategy(Strategy):
+    name = "mtp"
+    is_speculative = True
+
+    @classmethod
+    def lookahead_for(cls, config: EngineConfig) -> int:
+        # verify writes KV at n..n+N; after accepting a drafts the chain writes up to n+a+N-1 <= n+2N-1
+        return 2 * num_speculative(config)
+
+    @classmethod
+    def state_ring_for(cls, config: EngineConfig) -> int:
+        return num_speculative(config) + 1
+
+    @classmethod
+    def check(cls, engine) -> None:
+        if engine.model.mtp is None:
+            raise ConfigError("strategy.name", "mtp needs a checkpoint with an MTP head (mtp.* tensors); "
+                              "this model has none")
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.num_spec = num_speculative(engine.config)
+        self.drafts: dict[int, list[int]] = {}
+        self.draft_hook: DraftHook | None = None  # tests force drafts through this
+
+    # ------------------------------------------------------------------ one engine step
+
+    def step(self, scheduled: list[Scheduled]) -> None:
+        eng = self.engine
+        plans = [self._plan(s) for s in scheduled]
+        input_ids, ctx = build_context(
+            [p["tokens"] for p in plans], [p["seq"].num_computed for p in plans], [p["seq"].blocks for p in plans],
+            [p["seq"].state_slot for p in plans], [p["recurrent"] for p in plans],
+            block_size=eng.cache.block_size, device=eng.device, ring=eng.cache.state_ring)
+        hidden = eng.run_model(input_ids, ctx)
+        rows, row_seqs, positions = [], [], []
+        offset = 0
+        for p in plans:
+            p["offset"] = offset
+            seq, n = p["seq"], len(p["tokens"])
+            if p["verify"]:
+                sample_from = list(range(n))
+            elif seq.num_computed + n == seq.num_tokens:  # the prompt's last chunk
+                sample_from = [n - 1]
+            else:
+                sample_from = []
+            p["rows"] = sample_from
+            for j in sample_from:
+                rows.append(offset + j)
+                row_seqs.append(seq)
+                positions.append(seq.num_computed + j + 1)
+            offset += n
+        sampled = eng.sample_rows(row_seqs, positions, eng.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])) if rows else []
+        cursor = 0
+        for p in plans:
+            k = len(p["rows"])
+            self._accept(p, sampled[cursor:cursor + k])
+            cursor += k
+        self._propose([p for p in plans], hidden)
+
+    def _plan(self, s: Scheduled) -> dict:
+        seq = s.seq
+        if seq.output_ids and seq.num_computed == seq.num_tokens - 1:
+            remaining = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
+            drafts = self.drafts.get(seq.request_id, [])[: max(0, min(self.num_spec, remaining - 1))]
+            return {"seq": seq, "tokens": [seq.all_ids[-1]] + drafts, "drafts": drafts, "verify": True,
+                    "recurrent": True}
+        tokens = seq.all_ids[seq.num_computed : seq.num_computed + s.num_tokens]
+        return {"seq": seq, "tokens": tokens, "drafts": [], "verify": False,
+                "recurrent": len(tokens) == 1 and seq.num_computed > 0}
+
+    def _accept(self, p: dict, sampled: list) -> None:
+        seq, drafts = p["seq"], p["drafts"]
+        start = seq.num_computed
+        if not p["verify"]:
+            seq.num_computed += len(p["tokens"])
+            p["mtp_rows"] = list(range(len(p["tokens"])))
+            if sampled:
+                token, lp, top = sampled[0]
+                seq.append(token, lp, top, self.engine.eos_ids)
+            p["mtp_start"] = start
+            return
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == sampled[accepted][0]:
+            accepted += 1
+        seq.num_draft_tokens += len(drafts)
+        seq.num_accepted_draft_tokens += accepted
+        for token, lp, top in sampled[: accepted + 1]:
+            seq.append(token, lp, top, self.engine.eos_ids)
+            if seq.status is Status.FINISHED:
+                break
+        seq.num_computed += accepted + 1  # t_n and the accepted drafts are now in the caches
+        p["mtp_rows"] = list(range(accepted + 1))
+        p["mtp_start"] = start
+
+    # ------------------------------------------------------------------ the MTP head
+
+    def _propose(self, plans: list[dict], hidden: torch.Tensor) -> None:
+        """Catch the MTP head up over this step's rows, then chain drafts for decoding sequences."""
+        eng = self.engine
+        live = [p for p in plans if p["seq"].status is not Status.FINISHED]
+        if not live:
+            return
+        tokens, rows = [], []
+        for p in live:
+            seq, start = p["seq"], p["mtp_start"]
+            # row at position q pairs the main hidden of q with the token at q + 1
+            tokens.append([seq.all_ids[start + j + 1] for j in p["mtp_rows"]])
+            rows += [p["offset"] + j for j in p["mtp_rows"]]
+        needs = [p["seq"].output_ids and p["seq"].num_computed == p["seq"].num_tokens - 1 for p in live]
+        h = hidden[torch.tensor(rows, device=eng.device)]
+        m = self._mtp(tokens, [p["mtp_start"] for p in live], [p["seq"] for p in live], h)
+        ends = list(_cumsum(len(t) for t in tokens))
+        drafting = [i for i, need in enumerate(needs) if need]
+        if not drafting:
+            return
+        last = m[torch.tensor([ends[i] - 1 for i in drafting], device=eng.device)]
+        positions = [live[i]["mtp_start"] + len(tokens[i]) - 1 for i in drafting]
+        seqs = [live[i]["seq"] for i in drafting]
+        proposed = [[t] for t in self._argmax(last)]
+        for _ in range(self.num_spec - 1):
+            positions = [q + 1 for q in positions]
+            last = self._mtp([[d[-1]] for d in proposed], positions, seqs, last)
+            for d, t in zip(proposed, self._argmax(last)):
+                d.append(t)
+        for seq, d in zip(seqs, proposed):
+            self.drafts[seq.request_id] = self.draft_hook(seq, d) if self.draft_hook else d
+
+    def _mtp(self, tokens: list[list[int]], starts: list[int], seqs: list[Sequence], hidden: torch.Tensor):
+        eng = self.engine
+        ids, ctx = build_context(tokens, starts, [s.blocks for s in seqs], [s.state_slot for s in seqs],
+                                 [False] * len(seqs), block_size=eng.cache.block_size, device=eng.device,
+                                 ring=eng.cache.state_ring)
+        eng.model.prepare_step(ctx)
+        return eng.model.mtp_forward(ids, hidden, ctx, eng.cache.mtp)
+
+    def _argmax(self, m: torch.Tensor) -> list[int]:
+        return torch.argmax(self.engine.model.compute_logits(m).float(), dim=-1).tolist()
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+@hookimpl
+def bi_register_strategies(register) -> None:
+    register(MTPStrategy)

@@ -1,0 +1,138 @@
+"""MTP speculative decoding emits the AR tokens (and logprobs within 1e-5 on the fp32 reference),
+whatever the drafts: forced all-accepted, all-rejected and accepted-up-to-a-random-point drafts,
+greedy and seeded sampling, alone and batched, dense and MoE; and the GDN state after an
+accepted prefix is the state AR reaches at that position."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from bi_core import ConfigError, EngineConfig, SamplingParams, build_engine
+
+LENGTHS = (5, 40, 17, 70)
+N_SPEC = 3
+
+
+def config(preset: str, strategy: str, n: int = N_SPEC) -> EngineConfig:
+    strat = {"name": strategy, "num_speculative_tokens": n} if strategy == "mtp" else {"name": "ar"}
+    return EngineConfig.from_dict(tiny_config(model={"random": {"preset": preset, "seed": 1}}, strategy=strat,
+                                              scheduler={"prefill_chunk_size": 32}))
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def hook_for(kind: str, truth: dict[int, list[int]], rng: random.Random, vocab: int = 260):
+    def hook(seq, proposed):
+        right = truth[seq.request_id][len(seq.output_ids): len(seq.output_ids) + N_SPEC]
+        wrong = [(t + 1) % vocab for t in right]
+        if kind == "all":
+            return right
+        if kind == "none":
+            return wrong
+        cut = rng.randint(0, len(right))
+        return right[:cut] + wrong[cut:]
+    return hook
+
+
+PARAMS = {
+    "greedy": SamplingParams(max_new_tokens=14, ignore_eos=True, logprobs=2),
+    "sampled": SamplingParams(max_new_tokens=14, temperature=0.9, top_k=50, seed=77, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["all", "none", "partial"])
+def test_mtp_equals_ar(preset, mode, kind):
+    ps, params = prompts(), PARAMS[mode]
+    ar = build_engine(config(preset, "ar")).generate(ps, params)
+    truth = {i: o.token_ids for i, o in enumerate(ar)}
+    for batch in (ps, [ps[1]]):  # batched, then alone
+        eng = build_engine(config(preset, "mtp"))
+        eng.strategy.draft_hook = hook_for(kind, truth if batch is ps else {0: truth[1]}, random.Random(5))
+        out = eng.generate(batch, params)
+        expected = ar if batch is ps else [ar[1]]
+        for a, m in zip(expected, out):
+            assert m.token_ids == a.token_ids
+            torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs),
+                                       atol=1e-5, rtol=0)
+            if kind == "all":
+                assert m.num_accepted_draft_tokens == m.num_draft_tokens > 0
+            if kind == "none":
+                assert m.num_accepted_draft_tokens == 0 and m.num_draft_tokens > 0
+
+
+def test_mtp_pages_cover_drafts_across_page_boundaries():
+    """Many prompt lengths around 16-token pages, all drafts accepted (the deepest KV writes)."""
+    ps = [list(range(1, n + 1)) for n in range(10, 40, 3)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ar = build_engine(config("tiny-dense", "ar")).generate(ps, params)
+    eng = build_engine(config("tiny-dense", "mtp", n=4))
+    truth = {i: o.token_ids for i, o in enumerate(ar)}
+    eng.strategy.draft_hook = lambda seq, d: truth[seq.request_id][len(seq.output_ids): len(seq.output_ids) + 4]
+    assert [o.token_ids for o in eng.generate(ps, params)] == [o.token_ids for o in ar]
+
+
+def test_mtp_drafts_from_the_head_are_verified():
+    """Without a hook the (random) MTP head drafts; output still equals AR."""
+    ps, params = prompts(), PARAMS["greedy"]
+    ar = build_engine(config("tiny-moe", "ar")).generate(ps, params)
+    out = build_engine(config("tiny-moe", "mtp", n=2)).generate(ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    assert all(o.num_draft_tokens > 0 for o in out)
+
+
+def test_gdn_state_after_accepted_prefix_equals_ar_state():
+    prompt = prompts()[2]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ar_out = build_engine(config("tiny-dense", "ar")).generate([prompt], params)[0].token_ids
+    eng = build_engine(config("tiny-dense", "mtp"))
+    eng.strategy.draft_hook = hook_for("partial", {0: ar_out}, random.Random(3))
+    seq = eng.add_request(prompt, params)
+    for _ in range(5):
+        eng.step()
+    length, ring = seq.num_computed, eng.cache.state_ring
+    slot = seq.state_slot * ring + length % ring
+    ar = build_engine(config("tiny-dense", "ar"))
+    ar_seq = ar.add_request(prompt, params)
+    while ar_seq.num_computed < length:
+        ar.step()
+    assert ar_seq.num_computed == length
+    for mine, theirs in zip(eng.cache.main.recurrent, ar.cache.main.recurrent):
+        torch.testing.assert_close(mine[slot], theirs[ar_seq.state_slot], atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(eng.cache.main.conv, ar.cache.main.conv):
+        torch.testing.assert_close(mine[slot], theirs[ar_seq.state_slot])
+    # the other ring slots hold other positions' states, so picking the wrong one is visible
+    other = seq.state_slot * ring + (length + 1) % ring
+    assert not torch.allclose(eng.cache.main.recurrent[0][other], ar.cache.main.recurrent[0][ar_seq.state_slot])
+
+
+def test_mtp_needs_an_mtp_head(tmp_path):
+    from hf_fixtures import make_hf_model, save_checkpoint
+
+    path = save_checkpoint(make_hf_model("dense"), tmp_path / "ckpt")
+    cfg = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "backend": "reference",
+           "strategy": {"name": "mtp", "num_speculative_tokens": 2}}
+    with pytest.raises(ConfigError, match="strategy.name: mtp needs a checkpoint with an MTP head"):
+        build_engine(EngineConfig.from_dict(cfg))
+
+
+def test_mtp_from_a_checkpoint_matches_ar(tmp_path):
+    """MTP weights loaded from a checkpoint (multimodal names, per-expert MTP experts)."""
+    from hf_fixtures import make_hf_model, save_checkpoint
+
+    path = save_checkpoint(make_hf_model("moe"), tmp_path / "ckpt", layout="multimodal", experts="fused",
+                           with_mtp=True)
+    base = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "backend": "reference"}
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ar = build_engine(EngineConfig.from_dict(base)).generate([[3, 4, 5, 6]], params)[0]
+    mtp = build_engine(EngineConfig.from_dict({**base, "strategy": {"name": "mtp", "num_speculative_tokens": 4}}))
+    out = mtp.generate([[3, 4, 5, 6]], params)[0]
+    assert out.token_ids == ar.token_ids and out.num_draft_tokens > 0
