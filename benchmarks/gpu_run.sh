@@ -13,7 +13,7 @@ for step in "$@"; do
   case "$step" in
     tests) timeout 420 python3 -m pytest -q -rf -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     tests-all) timeout 330 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    *.sh*) echo "== $step"; timeout 300 bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
+    *.sh*) echo "== $step"; timeout ${STEP_TIMEOUT:-300} bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
     *) echo "== $step"; timeout 240 python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
   esac
 done
