@@ -51,7 +51,8 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     total += batch * a.hidden_size * isz  # embedding rows
     kv = 2 * a.num_key_value_heads * a.head_dim * isz * len(a.full_attention_layers)
     total += batch * context_len * kv
-    state = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+    state_bytes = 2 if engine.config.cache.ssm_state_dtype == "bfloat16" else 4
+    state = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * state_bytes
     conv = a.conv_dim * (a.linear_conv_kernel_dim - 1) * isz
     total += batch * len(a.gdn_layers) * 2 * (state + conv)
     total += batch * a.vocab_size * 4
@@ -110,7 +111,9 @@ def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, outpu
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in out)
-    return {"requests": num_requests, "input_len": input_len, "output_len": output_len, "seconds": dt,
+    drafted = sum(o.num_draft_tokens for o in out)
+    spec = {} if not drafted else {"draft_acceptance": sum(o.num_accepted_draft_tokens for o in out) / drafted}
+    return {**spec, "requests": num_requests, "input_len": input_len, "output_len": output_len, "seconds": dt,
             "output_tokens_per_s": generated / dt, "total_tokens_per_s": (generated + num_requests * input_len) / dt,
             "requests_per_s": num_requests / dt}
 

@@ -19,7 +19,10 @@ def _label(cfg: EngineConfig) -> str:
     model = cfg.model.random.preset if cfg.model.random else cfg.model.path
     layers = f"/{cfg.model.random.num_hidden_layers}L" if cfg.model.random and cfg.model.random.num_hidden_layers else ""
     mode = "invariant" if cfg.policy.batch_invariant else "default"
-    return f"{model}{layers} {cfg.backend} {mode} graphs={'on' if cfg.graph.enabled else 'off'}"
+    extras = "".join(f" {op}={','.join(b)}" for op, b in cfg.policy.ops.items())
+    extras += f" state={cfg.cache.ssm_state_dtype}" if cfg.cache.ssm_state_dtype != "float32" else ""
+    extras += f" strategy={cfg.strategy.name}" if cfg.strategy.name != "ar" else ""
+    return f"{model}{layers} {cfg.backend} {mode} graphs={'on' if cfg.graph.enabled else 'off'}{extras}"
 
 
 def _triple(text: str, flag: str, n: int) -> list[int] | None:
@@ -59,7 +62,9 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
         out["throughput"] = bench_throughput(engine, *tput)
         print(f"  throughput {tput[0]} req x {tput[1]} in / {tput[2]} out: "
               f"{out['throughput']['output_tokens_per_s']:.1f} output tok/s, "
-              f"{out['throughput']['requests_per_s']:.2f} req/s", flush=True)
+              f"{out['throughput']['requests_per_s']:.2f} req/s" +
+              (f", draft acceptance {out['throughput']['draft_acceptance']:.2f}"
+               if "draft_acceptance" in out["throughput"] else ""), flush=True)
     if pre:
         out["prefill"] = bench_prefill(engine, *pre)
         print(f"  prefill {pre[0]} x {pre[1]}: {out['prefill']['prefill_tokens_per_s']:.0f} tok/s", flush=True)

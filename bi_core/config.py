@@ -217,6 +217,7 @@ class CacheConfig:
     block_size: int = _field(_int(1, 1024), 16)
     num_blocks: int | str = _field(_auto_or(_int(1)), "auto")
     kv_cache_dtype: str = _field(_choice("auto", "fp8"), "auto", doc="auto = model dtype")
+    ssm_state_dtype: str = _field(_choice("float32", "bfloat16"), "float32", doc="GDN recurrent state dtype")
     gpu_memory_utilization: float = _field(_float(0.05, 0.99), 0.9)
 
 

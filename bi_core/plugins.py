@@ -22,6 +22,7 @@ BUILTIN_PLUGINS = (
     "bi_core.backends.reference",
     "bi_core.backends.cuda_default",
     "bi_core.backends.cuda_hopper_invariant",
+    "bi_core.backends.cuda_grouped_mm",
     "bi_core.strategies.ar",
     "bi_core.strategies.mtp",
 )

@@ -46,9 +46,9 @@ def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, OUT, CU, CTX, SLOTS, SEQ_IDS,
         o = tl.sum(h * q[:, None], axis=0)
         tl.store(OUT + t * stride_ot + hv * stride_oh + dv, o.to(OUT.dtype.element_ty))
         if PER_TOKEN:
-            tl.store(STATE + tl.load(TOKEN_SLOTS + t) * stride_ss + tile, h)
+            tl.store(STATE + tl.load(TOKEN_SLOTS + t) * stride_ss + tile, h.to(STATE.dtype.element_ty))
     if not PER_TOKEN:
-        tl.store(STATE + tl.load(TOKEN_SLOTS + end - 1) * stride_ss + tile, h)
+        tl.store(STATE + tl.load(TOKEN_SLOTS + end - 1) * stride_ss + tile, h.to(STATE.dtype.element_ty))
 
 
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -56,7 +56,7 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   token_slots: torch.Tensor, *, per_token: bool = False, seq_ids: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, block_v: int = 32) -> torch.Tensor:
     """q, k ``[T, Hk, Dk]``; v ``[T, Hv, Dv]``; g (log decay, fp32), beta ``[T, Hv]``;
-    state ``[slots, Hv, Dk, Dv]`` fp32: read from ``slots[seq]``, written to ``token_slots[t]``
+    state ``[slots, Hv, Dk, Dv]`` (fp32, or bf16 to halve its traffic; math stays fp32): read from ``slots[seq]``, written to ``token_slots[t]``
     (every token with ``per_token``, else the last). Returns o ``[T, Hv, Dv]``."""
     num_tokens, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1:]

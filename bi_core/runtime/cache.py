@@ -65,7 +65,8 @@ class CacheManager:
         conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
         rec_shape = (num_states, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
-        rec = [torch.zeros(rec_shape, dtype=torch.float32, device=device) for _ in range(num_gdn)]
+        state_dtype = getattr(torch, config.ssm_state_dtype)
+        rec = [torch.zeros(rec_shape, dtype=state_dtype, device=device) for _ in range(num_gdn)]
         n_main = len(args.full_attention_layers)
         self.main = ModelCaches(k=kv[0:n_main], v=kv[n_main:2 * n_main], conv=conv, recurrent=rec)
         self.mtp = ModelCaches(k=[kv[2 * n_main]], v=[kv[2 * n_main + 1]], conv=[], recurrent=[]) if with_mtp else None

@@ -81,7 +81,7 @@ class CudaGdnImpl:
         if num:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-            init = torch.where(has_past[:, None, None, None], state[slots], 0.0)
+            init = torch.where(has_past[:, None, None, None], state[slots].float(), 0.0)
             o, final = chunk_gated_delta_rule(
                 q[tokens][None], k[tokens][None], v[tokens][None], g=g[tokens][None], beta=beta[tokens][None],
                 scale=self.scale, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,

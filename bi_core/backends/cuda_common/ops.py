@@ -60,3 +60,23 @@ class TritonMoEImpl:
         from bi_core.kernels.moe import fused_moe
 
         return fused_moe(x, topk_weights, topk_ids, w13, w2)
+
+
+class GroupedMMMoEImpl:
+    """Routed experts through ``torch._grouped_mm`` (CUTLASS grouped GEMM on SM90): pairs sorted by
+    expert, one grouped GEMM per projection, then the same fp32 slot-order combine. Its kernel and
+    tiling follow the per-expert row counts, so it makes no invariance promise."""
+
+    def forward(self, x, topk_weights, topk_ids, w13, w2):
+        from bi_core.kernels.elementwise import moe_combine, silu_mul
+
+        num_tokens, top_k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=offs)
+        y_sorted = torch._grouped_mm(silu_mul(h), w2.transpose(1, 2), offs=offs)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        return moe_combine(y, topk_weights)
