@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import gc
 import random
-import statistics
 import sys
 import time
 
 import torch
 
 from bi_core import EngineConfig, SamplingParams, build_engine
+from bi_core.bench import time_decode_steps
 
 
 def config(strategy: str, layers: int | None, n: int) -> EngineConfig:
@@ -38,22 +38,9 @@ def prompts(b: int) -> list[list[int]]:
 
 
 def step_ms(engine, b: int, steps: int = 15, hook=None) -> float:
-    params = SamplingParams(max_new_tokens=steps + 10, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts(b)]
     if hook is not None:
         engine.strategy.draft_hook = hook
-    while any(len(s.output_ids) < 2 for s in seqs):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    while engine.scheduler.has_work():
-        engine.step()
-    return statistics.median(times) * 1e3
+    return time_decode_steps(engine, prompts(b), steps)
 
 
 def forced(truth: dict[int, list[int]], rate: float, rng: random.Random):

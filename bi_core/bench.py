@@ -77,16 +77,15 @@ def _prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[list[int
     return torch.randint(0, engine.args.vocab_size, (n, length), generator=g).tolist()
 
 
-def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
-                 seed: int = 0) -> DecodeResult:
-    """Prefill ``batch`` prompts of ``context_len`` tokens, then time ``steps`` full engine steps
-    (schedule + forward + sample) once every row decodes."""
+def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
+    """Median ms of ``steps`` full engine steps (schedule + forward + sample) once every prompt
+    decodes, after 3 warm-up steps (which also capture this bucket's graph)."""
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in _prompts(engine, batch, context_len, seed)]
+    seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()
     for _ in range(3):
-        engine.step()  # warm up (and capture the graph of this bucket)
+        engine.step()
     torch.cuda.synchronize()
     times = []
     for _ in range(steps):
@@ -96,7 +95,13 @@ def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, ba
         times.append(time.perf_counter() - t0)
     while engine.scheduler.has_work():
         engine.step()
-    ms = statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3
+
+
+def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
+                 seed: int = 0) -> DecodeResult:
+    """Decode step latency of ``batch`` rows at ``context_len``, against the bandwidth floor."""
+    ms = time_decode_steps(engine, _prompts(engine, batch, context_len, seed), steps)
     floor = decode_bytes(engine, batch, context_len + 4) / bandwidth * 1e3
     return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor)
 

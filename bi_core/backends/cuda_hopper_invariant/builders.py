@@ -41,25 +41,25 @@ class InvariantLinearBuilder(LinearBuilder):
         return ops.TritonLinearImpl()
 
 
-class InvariantNormBuilder(d.DefaultNormBuilder):
+class _OnHopper:
+    """Mixin: the shared Triton impl of the default builder, promised invariant, SM90 only."""
+
     is_batch_invariant = True
 
     def check(self, spec, policy):
         return _hopper(spec)
 
 
-class InvariantTopKBuilder(d.DefaultTopKBuilder):
-    is_batch_invariant = True
-
-    def check(self, spec, policy):
-        return _hopper(spec)
+class InvariantNormBuilder(_OnHopper, d.DefaultNormBuilder):
+    pass
 
 
-class InvariantMoEBuilder(d.DefaultMoEBuilder):
-    is_batch_invariant = True
+class InvariantTopKBuilder(_OnHopper, d.DefaultTopKBuilder):
+    pass
 
-    def check(self, spec, policy):
-        return _hopper(spec)
+
+class InvariantMoEBuilder(_OnHopper, d.DefaultMoEBuilder):
+    pass
 
 
 class InvariantGdnBuilder(d.DefaultGdnBuilder):
@@ -67,15 +67,9 @@ class InvariantGdnBuilder(d.DefaultGdnBuilder):
     pin_autotune = True
 
 
-class InvariantSamplingBuilder(d.DefaultSamplingBuilder):
-    is_batch_invariant = True
-
-    def check(self, spec, policy):
-        return _hopper(spec)
+class InvariantSamplingBuilder(_OnHopper, d.DefaultSamplingBuilder):
+    pass
 
 
-class InvariantGraphRunnerBuilder(d.DefaultGraphRunnerBuilder):
-    is_batch_invariant = True
-
-    def check(self, spec, policy):
-        return _hopper(spec)
+class InvariantGraphRunnerBuilder(_OnHopper, d.DefaultGraphRunnerBuilder):
+    pass
