@@ -28,11 +28,11 @@ def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, strid
     w2 = tl.load(W + c * 4 + 2, mask=mask, other=0.0).to(tl.float32)
     w3 = tl.load(W + c * 4 + 3, mask=mask, other=0.0).to(tl.float32)
     base = STATE + slot * stride_ss + c * stride_sc
-    keep = mask & (past > 0)
     cs = c * stride_sc
-    h0 = tl.load(base + 0, mask=keep, other=0.0).to(tl.float32)
-    h1 = tl.load(base + 1, mask=keep, other=0.0).to(tl.float32)
-    h2 = tl.load(base + 2, mask=keep, other=0.0).to(tl.float32)
+    # a new sequence starts from zeros (its slot holds an old sequence's window)
+    h0 = tl.where(past > 0, tl.load(base + 0, mask=mask, other=0.0).to(tl.float32), 0.0)
+    h1 = tl.where(past > 0, tl.load(base + 1, mask=mask, other=0.0).to(tl.float32), 0.0)
+    h2 = tl.where(past > 0, tl.load(base + 2, mask=mask, other=0.0).to(tl.float32), 0.0)
     for t in range(start, end):
         x = tl.load(X + t * stride_x + c, mask=mask, other=0.0).to(tl.float32)
         acc = w0 * h0 + w1 * h1 + w2 * h2 + w3 * x

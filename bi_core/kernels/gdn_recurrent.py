@@ -31,7 +31,8 @@ def _gdn_recurrent_kernel(Q, K, V, G, BETA, STATE, OUT, CU, CTX, SLOTS, SEQ_IDS,
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
     tile = hv * stride_sh + dk[:, None] * DV + dv[None, :]
-    h = tl.load(STATE + slot * stride_ss + tile, mask=(dk[:, None] < DK) & (past > 0), other=0.0).to(tl.float32)
+    # a new sequence starts from a zero state (its slot holds an old sequence's state)
+    h = tl.where(past > 0, tl.load(STATE + slot * stride_ss + tile).to(tl.float32), 0.0)
     for t in range(start, end):
         q = tl.load(Q + t * stride_qt + hk * stride_qh + dk).to(tl.float32)
         k = tl.load(K + t * stride_kt + hk * stride_kh + dk).to(tl.float32)
