@@ -100,7 +100,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(factory, d, args.rms_norm_eps, dtype, device)
         spec = AttentionSpec(**factory.base, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                              scale=d**-0.5)
-        self.attn_spec = spec
         self.attn = factory.build("attention", spec)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:

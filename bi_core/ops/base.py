@@ -42,11 +42,6 @@ class OpBuilder(abc.ABC, Generic[SpecT]):
         """Return the impl: a stateless object whose methods do the compute."""
 
 
-def require_device(spec: OpSpec, kind: str) -> list[str]:
-    """A reason when the spec's device is not of ``kind`` (``cpu`` or ``cuda``)."""
-    return [] if spec.device.type == kind else [f"needs a {kind} device, spec is on {spec.device}"]
-
-
 def require_hopper(spec: OpSpec) -> list[str]:
     """A reason unless the spec's device is an SM90 (Hopper) GPU."""
     if spec.device.type != "cuda":

@@ -79,6 +79,9 @@ def test_topk_and_moe_invariant():
     for m in SIZES:
         wts, ids = softmax_topk(logits[:m], k)
         assert torch.equal(fused_moe(full[:m], wts, ids, w13, w2), ref[:m])
+    perm = torch.randperm(1024, device="cuda")
+    wts, ids = softmax_topk(logits[perm], k)
+    assert torch.equal(fused_moe(full[perm], wts, ids, w13, w2), ref[perm])
 
 
 def test_moe_negative_control():
@@ -119,8 +122,8 @@ def test_attention_row_invariant_across_batches_and_modes():
 
     torch.manual_seed(0)
     hq, hkv, d, page = 16, 2, 256, 16
-    kc = torch.randn(4096, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn(4096, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(24576, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(24576, page, hkv, d, device="cuda", dtype=torch.bfloat16)
     tile = tokens_per_tile(hq, hkv)
 
     def run(qlens, plens, q):
@@ -137,6 +140,30 @@ def test_attention_row_invariant_across_batches_and_modes():
     # the same query at position 700 as the last row of a 5-token tile of the same sequence
     q5 = torch.cat([torch.randn(4, hq, d, device="cuda", dtype=torch.bfloat16), q_all[:1]])
     assert torch.equal(run([5], [696], q5)[4:5], alone)
+    # decode rows of 1024 sequences: each row alone-in-batch vs the first m, and permuted
+    plens = torch.randint(1, 600, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
+    total = sum(-(-(p + 1) // page) for p in plens)
+    assert total <= kc.shape[0]
+    q_dec = torch.randn(1024, hq, d, device="cuda", dtype=torch.bfloat16)
+    full = run([1] * 1024, plens, q_dec)
+    for m in SIZES[:-1]:
+        assert torch.equal(run([1] * m, plens[:m], q_dec[:m]), full[:m])
+    # permuting the batch moves every sequence to other KV pages, so permute the pages with it
+    perm = torch.randperm(1024).tolist()
+    starts = [0]
+    for p in plens:
+        starts.append(starts[-1] + -(-(p + 1) // page))
+    kc_p, vc_p = kc.clone(), vc.clone()
+    nxt = 0
+    for i in perm:
+        n_i = starts[i + 1] - starts[i]
+        kc_p[nxt:nxt + n_i], vc_p[nxt:nxt + n_i] = kc[starts[i]:starts[i + 1]], vc[starts[i]:starts[i + 1]]
+        nxt += n_i
+    ctx, _ = _ragged([1] * 1024, [plens[i] for i in perm])
+    seqs, tstarts = make_tiles([1] * 1024, tile, torch.device("cuda"))
+    permuted = paged_attention(q_dec[perm], kc_p, vc_p, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, seqs,
+                               tstarts, d**-0.5)
+    assert torch.equal(permuted, full[perm])
     # a prefill of 300 tokens alone vs packed with others
     p_alone = run([300], [0], q_all[1:301])
     p_mixed = run([300, 1, 1, 57], [0, 700, 40, 1000], q_all[1:360])  # same KV pages as alone
@@ -172,39 +199,49 @@ def test_conv_and_gdn_recurrent_invariant():
 
     torch.manual_seed(0)
     c, hk, hv, dk, dv = 8192, 16, 32, 128, 128
-    n = 256
+    n = 1024
     w = torch.randn(c, 4, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(n, c, device="cuda", dtype=torch.bfloat16)
-    conv0 = torch.randn(n + 1, c, 3, device="cuda", dtype=torch.bfloat16)
+    conv0 = torch.randn(n, c, 3, device="cuda", dtype=torch.bfloat16)
     q, k = torch.randn(n, hk, dk, device="cuda", dtype=torch.bfloat16), torch.randn(n, hk, dk, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(n, hv, dv, device="cuda", dtype=torch.bfloat16)
     g, beta = -torch.rand(n, hv, device="cuda"), torch.rand(n, hv, device="cuda", dtype=torch.bfloat16)
-    s0 = torch.randn(n + 1, hv, dk, dv, device="cuda")
+    s0 = torch.randn(n, hv, dk, dv, device="cuda")
 
-    def step(m):
+    def step(rows):
+        m = rows.shape[0]
         ctx, _ = _ragged([1] * m, [5] * m)
+        ctx.state_slots.copy_(rows)  # row r always uses state slot r, wherever it sits in the batch
+        ctx.token_state_slots.copy_(rows)
         cs, ss = conv0.clone(), s0.clone()
-        y = causal_conv1d(x[:m], w, cs, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots)
-        o = gdn_recurrent(q[:m], k[:m], v[:m], g[:m], beta[:m], ss, ctx.cu_seqlens_q, ctx.context_lens,
+        y = causal_conv1d(x[rows], w, cs, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots)
+        o = gdn_recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], ss, ctx.cu_seqlens_q, ctx.context_lens,
                           ctx.state_slots, ctx.token_state_slots)
-        return y, o, ss[:m]
+        return y, o, ss[rows], cs[rows]
 
-    ref = step(n)
-    for m in (1, 2, 3, 7, 8, 16, 64, 255):
-        out = step(m)
+    every = torch.arange(n, device="cuda")
+    ref = step(every)
+    for m in SIZES[:-1]:
+        out = step(every[:m])
         assert all(torch.equal(a, b[:m]) for a, b in zip(out, ref))
+    perm = torch.randperm(n, device="cuda")
+    assert all(torch.equal(a, b[perm]) for a, b in zip(step(perm), ref))
 
 
 def test_sampler_invariant():
     from bi_core.kernels.sampling import sample
 
-    logits = torch.randn(256, 248320, device="cuda")
-    keys = torch.randint(0, 2**62, (256,), device="cuda")
-    temps = torch.rand(256, device="cuda") + 0.1
+    logits = torch.randn(1024, 248320, device="cuda")
+    keys = torch.randint(0, 2**62, (1024,), device="cuda")
+    temps = torch.rand(1024, device="cuda") + 0.1
+    temps[::3] = 0.0  # greedy rows too
     ref_t, ref_l = sample(logits, keys, temps)
-    for m in (1, 3, 64, 255):
+    for m in SIZES[:-1]:
         t, lse = sample(logits[:m], keys[:m], temps[:m])
         assert torch.equal(t, ref_t[:m]) and torch.equal(lse, ref_l[:m])
+    perm = torch.randperm(1024, device="cuda")
+    t, lse = sample(logits[perm], keys[perm], temps[perm])
+    assert torch.equal(t, ref_t[perm]) and torch.equal(lse, ref_l[perm])
 
 
 def test_gdn_negative_control():
