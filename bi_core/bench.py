@@ -117,7 +117,10 @@ def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, outpu
     dt = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in out)
     drafted = sum(o.num_draft_tokens for o in out)
-    spec = {} if not drafted else {"draft_acceptance": sum(o.num_accepted_draft_tokens for o in out) / drafted}
+    accepted = sum(o.num_accepted_draft_tokens for o in out)
+    steps = sum(o.num_verify_steps for o in out)
+    spec = {} if not drafted else {"draft_acceptance": accepted / drafted,
+                                   "mean_accepted_per_step": accepted / max(1, steps)}
     return {**spec, "requests": num_requests, "input_len": input_len, "output_len": output_len, "seconds": dt,
             "output_tokens_per_s": generated / dt, "total_tokens_per_s": (generated + num_requests * input_len) / dt,
             "requests_per_s": num_requests / dt}

@@ -212,7 +212,8 @@ class LLMEngine:
             token_logprobs=list(s.token_logprobs),
             logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
             finish_reason=s.finish_reason, error=s.error,
-            num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens)
+            num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
+            num_verify_steps=s.num_verify_steps)
 
 
 def explain(config: EngineConfig, registry: Registry | None = None) -> str:

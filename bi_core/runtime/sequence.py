@@ -49,6 +49,15 @@ class RequestOutput:
     error: str | None = None
     num_accepted_draft_tokens: int = 0
     num_draft_tokens: int = 0
+    num_verify_steps: int = 0  # speculative steps that verified at least one draft
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_per_step(self) -> float | None:
+        return self.num_accepted_draft_tokens / self.num_verify_steps if self.num_verify_steps else None
 
 
 class Status(enum.Enum):
@@ -75,6 +84,7 @@ class Sequence:
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0
 
     @property
     def all_ids(self) -> list[int]:

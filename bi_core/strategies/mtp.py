@@ -121,6 +121,7 @@ class MTPStrategy(Strategy):
             accepted += 1
         seq.num_draft_tokens += len(drafts)
         seq.num_accepted_draft_tokens += accepted
+        seq.num_verify_steps += 1 if drafts else 0
         for token, lp, top in sampled[: accepted + 1]:
             seq.append(token, lp, top, self.engine.eos_ids)
             if seq.status is Status.FINISHED:

@@ -65,8 +65,10 @@ def test_mtp_equals_ar(preset, mode, kind):
                                        atol=1e-5, rtol=0)
             if kind == "all":
                 assert m.num_accepted_draft_tokens == m.num_draft_tokens > 0
+                assert m.draft_acceptance == 1.0 and m.mean_accepted_per_step > 1
             if kind == "none":
                 assert m.num_accepted_draft_tokens == 0 and m.num_draft_tokens > 0
+                assert m.mean_accepted_per_step == 0.0
 
 
 def test_mtp_pages_cover_drafts_across_page_boundaries():

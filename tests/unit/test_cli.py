@@ -50,3 +50,25 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert "backend 'reference' does not support batch-invariant mode" in r.stderr
     r = cli("--config", CONFIG, "--prompt-ids", "1,x")
     assert r.returncode == 2 and "--prompt-ids[0]: expected comma-separated integers" in r.stderr
+
+
+def test_bench_and_verify_errors_are_clear(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        r = cli("bench", "--config", CONFIG, "--prefill", "none", "--throughput", "none")
+        assert r.returncode == 2 and "bench needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    r = cli("verify", "--config", CONFIG, "--strategies", "mtp,ar")
+    assert r.returncode == 2 and "--strategies: expected 'ar' or 'ar,mtp'" in r.stderr
+    r = cli("verify", "--config", CONFIG, "--batch-sizes", "1,x")
+    assert r.returncode == 2 and "--batch-sizes: expected comma-separated integers" in r.stderr
+
+
+def test_verify_exit_codes_on_the_reference_backend():
+    """The reference backend is not invariant: verify fails (1); its negative control passes (0)."""
+    args = ("verify", "--config", CONFIG, "--num-prompts", "2", "--batch-sizes", "1,6", "--max-new-tokens", "4",
+            "--modes", "greedy")
+    r = cli(*args)
+    assert r.returncode == 1 and "FAIL: outputs depend on the batch" in r.stdout
+    r = cli(*args, "--negative-control")
+    assert r.returncode == 0 and "negative control PASSED" in r.stdout
