@@ -50,8 +50,15 @@ class CacheManager:
         self.block_size = config.block_size
         num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
         page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * dtype.itemsize * num_attn
+        state_dtype = getattr(torch, config.ssm_state_dtype)
+        num_gdn = len(args.gdn_layers)
+        per_slot = num_gdn * (args.conv_dim * (args.linear_conv_kernel_dim - 1) * dtype.itemsize +
+                              args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim *
+                              state_dtype.itemsize)
+        state_bytes = per_slot * (num_slots * state_ring + 1)
+        self._check_state_memory(state_bytes, num_slots, state_ring, config, device)
         if config.num_blocks == "auto":
-            self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, device)
+            self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, device, state_bytes)
         else:
             self.num_blocks = config.num_blocks
         # One extra page and one extra state slot are reserved for padding rows (CUDA-graph buckets).
@@ -61,11 +68,9 @@ class CacheManager:
         num_states = num_slots * state_ring + 1
         kv_shape = (self.num_blocks + 1, self.block_size, args.num_key_value_heads, args.head_dim)
         kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
-        num_gdn = len(args.gdn_layers)
         conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
         rec_shape = (num_states, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
-        state_dtype = getattr(torch, config.ssm_state_dtype)
         rec = [torch.zeros(rec_shape, dtype=state_dtype, device=device) for _ in range(num_gdn)]
         n_main = len(args.full_attention_layers)
         self.main = ModelCaches(k=kv[0:n_main], v=kv[n_main:2 * n_main], conv=conv, recurrent=rec)
@@ -73,13 +78,26 @@ class CacheManager:
         self.blocks = BlockAllocator(self.num_blocks)
         self.slots = SlotAllocator(num_slots)
 
+    @staticmethod
+    def _check_state_memory(state_bytes: int, num_slots: int, ring: int, config: CacheConfig,
+                            device: torch.device) -> None:
+        if device.type != "cuda":
+            return
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free)
+        if state_bytes > budget:
+            raise ConfigError("scheduler.max_num_seqs", f"the GDN states of {num_slots} sequences (x{ring} slots "
+                              f"each) need {state_bytes / 2**30:.1f} GiB but {max(budget, 0) / 2**30:.1f} GiB are left "
+                              "after the weights (cache.gpu_memory_utilization); lower scheduler.max_num_seqs, "
+                              "or use cache.ssm_state_dtype: bfloat16")
+
     def _auto_blocks(self, page_bytes: int, num_slots: int, max_model_len: int, config: CacheConfig,
-                     device: torch.device) -> int:
+                     device: torch.device, state_bytes: int) -> int:
         wanted = num_slots * math.ceil(max_model_len / self.block_size)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             used = total - free
-            budget = int(total * config.gpu_memory_utilization) - used
+            budget = int(total * config.gpu_memory_utilization) - used - state_bytes
         else:
             budget = CPU_AUTO_BUDGET
         affordable = budget // page_bytes

@@ -61,7 +61,12 @@ class LLMEngine:
             raise ConfigError("model.max_model_len", f"{self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {args.max_position_embeddings}")
         with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
-        self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp)
+        try:
+            self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp)
+        except torch.OutOfMemoryError:
+            raise BiEngineError(f"the model's weights do not fit on {self.device} "
+                                f"({_param_gib(args, self.dtype):.1f} GiB in {config.model.dtype}); use a larger GPU "
+                                "or fewer layers (model.random.num_hidden_layers) for a quick run") from None
         if index is not None:
             load_weights(self.model, index)
         else:
@@ -214,6 +219,18 @@ class LLMEngine:
             finish_reason=s.finish_reason, error=s.error,
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
             num_verify_steps=s.num_verify_steps)
+
+
+def _param_gib(args: ModelArgs, dtype: torch.dtype) -> float:
+    """Approximate weight size: embeddings, head, and every layer's projections and experts."""
+    h = args.hidden_size
+    per_layer = 4 * h * args.num_attention_heads * args.head_dim  # attention-sized projections
+    if args.is_moe:
+        per_layer += 3 * args.num_experts * h * args.moe_intermediate_size + 3 * h * args.shared_expert_intermediate_size
+    else:
+        per_layer += 3 * h * (args.intermediate_size or 0)
+    heads = 1 if args.tie_word_embeddings else 2
+    return (heads * args.vocab_size * h + args.num_hidden_layers * per_layer) * dtype.itemsize / 2**30
 
 
 def explain(config: EngineConfig, registry: Registry | None = None) -> str:
