@@ -86,7 +86,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from bi_core import build_engine
-    from bi_core.verify import audit, count, negative_control_config, summary
+    from bi_core.verify import audit, count, negative_control_config, probe, summary
 
     config = load_config(args)
     if args.negative_control:
@@ -105,6 +105,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                   mtp_engine=mtp)
     print(summary(cases))
     found = count(cases)
+    if found:
+        print(probe(engine, cases, args.num_prompts, args.seed))
     if args.negative_control:
         print("negative control " + ("PASSED: the audit sees mismatches without invariance" if found else
                                      "FAILED: no mismatch found, so this audit cannot prove invariance here"))

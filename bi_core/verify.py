@@ -119,6 +119,22 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
     return cases
 
 
+def probe(engine: LLMEngine, cases: list[Case], num_prompts: int, seed: int) -> str:
+    """Name the op class behind the first mismatch, with a prefill probe (see bi_core/diagnose.py)."""
+    from bi_core.diagnose import first_divergent_op
+
+    bad = next((c for c in cases if c.mismatches), None)
+    if bad is None:
+        return ""
+    rng = random.Random(seed)
+    longest = max(2, engine.max_model_len - 1)
+    prompts = _prompts(num_prompts, engine.args.vocab_size, rng, hi=min(600, longest))
+    fillers = _prompts(7, engine.args.vocab_size, rng, hi=min(300, longest))
+    where = first_divergent_op(engine, prompts[bad.mismatches[0][0]], fillers)
+    return ("prefill probe: first op whose rows change with the batch: " + where if where else
+            "prefill probe: prefill rows are batch-independent; the mismatch arises in later (decode) steps")
+
+
 def summary(cases: list[Case]) -> str:
     lines = [f"{'mode':<11} {'batch':>5} {'needles':>7} {'mismatches':>10}  first"]
     for c in cases:

@@ -30,3 +30,17 @@ def test_audit_checks_mtp_against_ar():
     assert labels == {"greedy", "greedy+mtp"}
     for c in cases:
         assert all("token" not in what for _, _, what in c.mismatches)
+
+
+def test_prefill_probe_names_the_first_divergent_op():
+    """On the reference backend (PyTorch matmuls pick kernels by shape) the probe finds the first op
+    whose rows change when the prompt is packed with others; an identical rerun shows none."""
+    from bi_core.diagnose import first_divergent_op
+
+    engine = build_engine(EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 16})))
+    prompt = list(range(1, 41))
+    fillers = [list(range(5, 5 + n)) for n in (17, 90, 3, 64)]
+    where = first_divergent_op(engine, prompt, fillers)
+    assert where is not None and where.split(" at ")[0] in ("linear", "attention", "gdn", "norm", "linear (MLP)", "moe")
+    assert first_divergent_op(engine, prompt, []) is None  # alone vs alone: same bits
+    assert engine.cache.blocks.num_free == engine.cache.num_blocks  # pages and slots given back
