@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import attrs
+
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
 
@@ -72,8 +74,9 @@ def load_config(args: argparse.Namespace, path: str | None = None) -> EngineConf
     if layers is not None:
         if config.model.random is None:
             raise BiEngineError("--num-layers applies to model.random presets only")
-        config = config.replace(model={"random": config.model.random.__class__(
-            preset=config.model.random.preset, seed=config.model.random.seed, num_hidden_layers=layers)})
+        if layers < 1:
+            raise BiEngineError(f"--num-layers: expected a positive int, got {layers}")
+        config = config.replace(model={"random": attrs.evolve(config.model.random, num_hidden_layers=layers)})
     return config
 
 
@@ -136,8 +139,6 @@ def _prompts(args: argparse.Namespace, config: EngineConfig) -> list:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import attrs
-
     from bi_core import SamplingParams, build_engine
 
     config = load_config(args)
@@ -164,8 +165,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _as_dict(o) -> dict:
-    import attrs
-
     d = attrs.asdict(o)
     if d["logprobs"] is not None:
         d["logprobs"] = [{str(k): v for k, v in step.items()} for step in d["logprobs"]]

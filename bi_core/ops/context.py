@@ -22,6 +22,7 @@ class ForwardContext:
     state_slots: torch.Tensor  # [B] int64, GDN state slot each sequence reads (its state before this step)
     logits_indices: torch.Tensor  # [B'] int64, rows whose logits are needed (last token of a seq)
     query_lens_host: list[int]
+    cu_seqlens_host: list[int]  # the same offsets as cu_seqlens_q, on the host
     context_lens_host: list[int]
     state_slots_host: list[int]
     token_state_slots: torch.Tensor  # [T] int64, GDN state slot that receives the state after each token
@@ -45,5 +46,4 @@ class ForwardContext:
         return self.context_lens_host[i] - self.query_lens_host[i]
 
     def token_range(self, i: int) -> tuple[int, int]:
-        start = sum(self.query_lens_host[:i])
-        return start, start + self.query_lens_host[i]
+        return self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]

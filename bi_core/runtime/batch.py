@@ -58,6 +58,7 @@ def build_context(
         state_slots=state_t,
         logits_indices=logits_t,
         query_lens_host=query_lens,
+        cu_seqlens_host=cu,
         context_lens_host=context_lens,
         state_slots_host=read_states,
         token_state_slots=token_state_t,
