@@ -79,6 +79,8 @@ def main() -> None:
         v = step_ms(mtp, b, hook=never)
         print(f"step cost B={b:<3} AR decode {ar_ms[b]:7.3f} ms   MTP verify(N={n})+draft {v:7.3f} ms   x{v / ar_ms[b]:.2f}",
               flush=True)
+    mtp.strategy.draft_hook = never
+    mtp.generate(prompts(8), SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up (graphs captured)
     for b in (1, 8):
         for rate in (0.0, 0.5, 0.8, 1.0):
             params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
@@ -94,6 +96,7 @@ def main() -> None:
             acc = sum(o.num_accepted_draft_tokens for o in out) / max(1, sum(o.num_draft_tokens for o in out))
             print(f"end-to-end B={b} accept-rate {rate:.1f}: MTP {tps:8.1f} tok/s vs AR {ar_tps[b]:8.1f} tok/s "
                   f"(x{tps / ar_tps[b]:.2f}); accepted {acc:.2f} of drafts; tokens == AR: {same}", flush=True)
+    print(f"graph replays: model {mtp.runner.num_replays}, MTP head {mtp.strategy.runner.num_replays}")
 
 
 if __name__ == "__main__":

@@ -16,19 +16,23 @@ StepFn = Callable[[torch.Tensor, ForwardContext], torch.Tensor]
 
 @attrs.frozen(kw_only=True)
 class GraphRunnerSpec(OpSpec):
+    name: str = "model"  # which forward it runs ("model", "mtp"): each gets its own runner and graphs
     use_graphs: bool
     max_batch_size: int
     max_blocks_per_seq: int = 0
     scratch_page: int = 0  # KV page that padding rows write to (never given to a sequence)
     scratch_slot: int = 0  # GDN state slot of padding rows (never given to a sequence)
     state_ring: int = 1  # GDN state slots per sequence
+    query_lens: tuple[int, ...] = (1,)  # tokens per sequence of the uniform steps worth capturing
 
 
 class GraphRunnerImpl(Protocol):
     def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext,
-            prepare: Callable[[ForwardContext], None] | None = None) -> torch.Tensor:
-        """Run ``step(input_ids, ctx)`` (a full model forward), returning its output; ``prepare(ctx)``
-        does host-side per-step planning and always runs outside any captured graph."""
+            prepare: Callable[[ForwardContext], None] | None = None,
+            extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``step(input_ids, ctx)`` (or ``step(input_ids, ctx, extra)`` with a per-token input
+        such as the MTP head's hidden states), returning its per-token output; ``prepare(ctx)`` does
+        host-side per-step planning and always runs outside any captured graph."""
 
 
 class GraphRunnerBuilder(OpBuilder[GraphRunnerSpec]):

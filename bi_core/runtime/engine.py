@@ -83,11 +83,12 @@ class LLMEngine:
                               f"of model.max_model_len={self.max_model_len}; raise cache.num_blocks or lower "
                               "model.max_model_len")
         max_batch = config.graph.max_batch_size or config.scheduler.max_num_seqs
-        self.runner = self.factory.build("graph_runner", GraphRunnerSpec(
+        self.runner_spec = GraphRunnerSpec(
             **self.factory.base, use_graphs=config.graph.enabled, max_batch_size=max_batch,
             max_blocks_per_seq=self.cache.blocks_for(self.max_model_len + lookahead),
             scratch_page=self.cache.scratch_page, scratch_slot=self.cache.scratch_slot,
-            state_ring=self.cache.state_ring))
+            state_ring=self.cache.state_ring, query_lens=strategy_cls.graph_query_lens(config))
+        self.runner = self.factory.build("graph_runner", self.runner_spec)
         self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
                                    lookahead=lookahead)
         strategy_cls.check(self)

@@ -29,6 +29,11 @@ class Strategy(abc.ABC):
         return 1
 
     @classmethod
+    def graph_query_lens(cls, config: EngineConfig) -> tuple[int, ...]:
+        """Tokens per sequence of the uniform steps the graph runner captures (1 = decode)."""
+        return (1,)
+
+    @classmethod
     def check(cls, engine: LLMEngine) -> None:
         """Raise a clear error if this strategy cannot run with the engine's model/config."""
 

@@ -10,13 +10,21 @@ would break the MTP == AR guarantee.) Rejected drafts cost nothing to undo: KV i
 addressed, and each sequence owns a ring of 1+N GDN state slots, so a shorter length selects the
 state after the last accepted token.
 
-The MTP head then catches up over the accepted rows (next token, main hidden, position) and
-chains N-1 more single-row steps to propose the next drafts (greedy)."""
+Every verify runs exactly 1+N tokens per sequence (missing drafts, near max_new_tokens, are
+padded and never sampled), so verify steps are uniform and replay CUDA graphs like decode steps.
+
+The MTP head then catches up over the step's rows (row q pairs the main hidden of position q
+with the token sampled for q + 1; rows past the accepted ones only write MTP KV at positions
+that the next step rewrites before anything reads them), takes its first draft from the row of
+the last accepted token, and chains N-1 more single-row steps (greedy). The head runs through
+its own graph runner: catch-up steps of verify sequences are uniform (1+N rows), chain steps
+are single-row."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import torch
 
 from bi_core.config import EngineConfig
@@ -48,6 +56,10 @@ class MTPStrategy(Strategy):
         return num_speculative(config) + 1
 
     @classmethod
+    def graph_query_lens(cls, config: EngineConfig) -> tuple[int, ...]:
+        return (1, 1 + num_speculative(config))
+
+    @classmethod
     def check(cls, engine) -> None:
         if engine.model.mtp is None:
             raise ConfigError("strategy.name", "mtp needs a checkpoint with an MTP head (mtp.* tensors); "
@@ -58,6 +70,7 @@ class MTPStrategy(Strategy):
         self.num_spec = num_speculative(engine.config)
         self.drafts: dict[int, list[int]] = {}
         self.draft_hook: DraftHook | None = None  # tests force drafts through this
+        self.runner = engine.factory.build("graph_runner", attrs.evolve(engine.runner_spec, name="mtp"))
 
     # ------------------------------------------------------------------ one engine step
 
@@ -75,7 +88,7 @@ class MTPStrategy(Strategy):
             p["offset"] = offset
             seq, n = p["seq"], len(p["tokens"])
             if p["verify"]:
-                sample_from = list(range(n))
+                sample_from = list(range(1 + len(p["drafts"])))
             elif seq.num_computed + n == seq.num_tokens:  # the prompt's last chunk
                 sample_from = [n - 1]
             else:
@@ -99,8 +112,9 @@ class MTPStrategy(Strategy):
         if seq.output_ids and seq.num_computed == seq.num_tokens - 1:
             remaining = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
             drafts = self.drafts.get(seq.request_id, [])[: max(0, min(self.num_spec, remaining - 1))]
-            return {"seq": seq, "tokens": [seq.all_ids[-1]] + drafts, "drafts": drafts, "verify": True,
-                    "recurrent": True}
+            padding = [0] * (self.num_spec - len(drafts))  # KV and ring slots exist for them (lookahead)
+            return {"seq": seq, "tokens": [seq.all_ids[-1]] + drafts + padding, "drafts": drafts,
+                    "verify": True, "recurrent": True}
         tokens = seq.all_ids[seq.num_computed : seq.num_computed + s.num_tokens]
         return {"seq": seq, "tokens": tokens, "drafts": [], "verify": False,
                 "recurrent": len(tokens) == 1 and seq.num_computed > 0}
@@ -110,10 +124,12 @@ class MTPStrategy(Strategy):
         start = seq.num_computed
         if not p["verify"]:
             seq.num_computed += len(p["tokens"])
-            p["mtp_rows"] = list(range(len(p["tokens"])))
             if sampled:
                 token, lp, top = sampled[0]
                 seq.append(token, lp, top, self.engine.eos_ids)
+            # row j pairs the main hidden at start + j with the token at start + j + 1
+            p["mtp_tokens"] = seq.all_ids[start + 1 : start + 1 + len(p["tokens"])]
+            p["draft_row"] = len(p["tokens"]) - 1
             p["mtp_start"] = start
             return
         accepted = 0
@@ -127,7 +143,9 @@ class MTPStrategy(Strategy):
             if seq.status is Status.FINISHED:
                 break
         seq.num_computed += accepted + 1  # t_n and the accepted drafts are now in the caches
-        p["mtp_rows"] = list(range(accepted + 1))
+        # sampled[j] is the token at start + j + 1 for j <= accepted; later rows only fill the step
+        p["mtp_tokens"] = [t for t, _, _ in sampled] + [0] * (len(p["tokens"]) - len(sampled))
+        p["draft_row"] = accepted
         p["mtp_start"] = start
 
     # ------------------------------------------------------------------ the MTP head
@@ -138,21 +156,17 @@ class MTPStrategy(Strategy):
         live = [p for p in plans if p["seq"].status is not Status.FINISHED]
         if not live:
             return
-        tokens, rows = [], []
-        for p in live:
-            seq, start = p["seq"], p["mtp_start"]
-            # row at position q pairs the main hidden of q with the token at q + 1
-            tokens.append([seq.all_ids[start + j + 1] for j in p["mtp_rows"]])
-            rows += [p["offset"] + j for j in p["mtp_rows"]]
-        needs = [p["seq"].output_ids and p["seq"].num_computed == p["seq"].num_tokens - 1 for p in live]
+        tokens = [p["mtp_tokens"] for p in live]
+        rows = [p["offset"] + j for p in live for j in range(len(p["mtp_tokens"]))]
         h = hidden[torch.tensor(rows, device=eng.device)]
         m = self._mtp(tokens, [p["mtp_start"] for p in live], [p["seq"] for p in live], h)
-        ends = list(_cumsum(len(t) for t in tokens))
-        drafting = [i for i, need in enumerate(needs) if need]
+        starts = [0, *_cumsum(len(t) for t in tokens)]
+        drafting = [i for i, p in enumerate(live)
+                    if p["seq"].output_ids and p["seq"].num_computed == p["seq"].num_tokens - 1]
         if not drafting:
             return
-        last = m[torch.tensor([ends[i] - 1 for i in drafting], device=eng.device)]
-        positions = [live[i]["mtp_start"] + len(tokens[i]) - 1 for i in drafting]
+        last = m[torch.tensor([starts[i] + live[i]["draft_row"] for i in drafting], device=eng.device)]
+        positions = [live[i]["mtp_start"] + live[i]["draft_row"] for i in drafting]
         seqs = [live[i]["seq"] for i in drafting]
         proposed = [[t] for t in self._argmax(last)]
         for _ in range(self.num_spec - 1):
@@ -164,12 +178,16 @@ class MTPStrategy(Strategy):
             self.drafts[seq.request_id] = self.draft_hook(seq, d) if self.draft_hook else d
 
     def _mtp(self, tokens: list[list[int]], starts: list[int], seqs: list[Sequence], hidden: torch.Tensor):
+        """The MTP head over ``tokens[i]`` at positions ``starts[i]...`` (its own KV cache, same pages).
+        The head has no GDN layer, so every row is marked recurrent: any uniform step can replay a graph."""
         eng = self.engine
         ids, ctx = build_context(tokens, starts, [s.blocks for s in seqs], [s.state_slot for s in seqs],
-                                 [False] * len(seqs), block_size=eng.cache.block_size, device=eng.device,
+                                 [True] * len(seqs), block_size=eng.cache.block_size, device=eng.device,
                                  ring=eng.cache.state_ring)
-        eng.model.prepare_step(ctx)
-        return eng.model.mtp_forward(ids, hidden, ctx, eng.cache.mtp)
+        return self.runner.run(self._mtp_step, ids, ctx, eng.model.prepare_step, extra=hidden)
+
+    def _mtp_step(self, ids: torch.Tensor, ctx, hidden: torch.Tensor) -> torch.Tensor:
+        return self.engine.model.mtp_forward(ids, hidden, ctx, self.engine.cache.mtp)
 
     def _argmax(self, m: torch.Tensor) -> list[int]:
         return torch.argmax(self.engine.model.compute_logits(m).float(), dim=-1).tolist()

@@ -50,20 +50,34 @@ class FlashInferAttentionImpl:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
-        self.graph_decode: dict[int, object] = {}  # bucket -> wrapper with fixed buffers
+        self._decode_cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        self.graph_wrappers: dict[tuple[int, int], object] = {}  # (q_len, bucket) -> wrapper with fixed buffers
 
-    def _graph_wrapper(self, bucket: int, max_pages: int):
+    def _graph_wrapper(self, q_len: int, bucket: int, max_pages: int):
+        """Graph-mode wrappers own their index buffers: the decode wrapper for one-token steps,
+        the append (prefill) wrapper for uniform multi-token steps (MTP verify)."""
         import flashinfer
 
-        if bucket not in self.graph_decode:
+        key = (q_len, bucket)
+        if key not in self.graph_wrappers:
             dev = self.spec.device
-            self.graph_decode[bucket] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
-                use_tensor_cores=True,
-                paged_kv_indptr_buffer=torch.zeros(bucket + 1, dtype=torch.int32, device=dev),
-                paged_kv_indices_buffer=torch.zeros(bucket * max_pages, dtype=torch.int32, device=dev),
-                paged_kv_last_page_len_buffer=torch.zeros(bucket, dtype=torch.int32, device=dev))
-        return self.graph_decode[bucket]
+            bufs = dict(workspace=torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
+                        indptr=torch.zeros(bucket + 1, dtype=torch.int32, device=dev),
+                        indices=torch.zeros(bucket * max_pages, dtype=torch.int32, device=dev),
+                        last=torch.zeros(bucket, dtype=torch.int32, device=dev))
+            if q_len == 1:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    bufs["workspace"], "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                    paged_kv_indptr_buffer=bufs["indptr"], paged_kv_indices_buffer=bufs["indices"],
+                    paged_kv_last_page_len_buffer=bufs["last"])
+            else:
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    bufs["workspace"], "NHD", use_cuda_graph=True,
+                    qo_indptr_buf=torch.arange(0, bucket * q_len + 1, q_len, dtype=torch.int32, device=dev),
+                    paged_kv_indptr_buf=bufs["indptr"], paged_kv_indices_buf=bufs["indices"],
+                    paged_kv_last_page_len_buf=bufs["last"])
+            self.graph_wrappers[key] = wrapper
+        return self.graph_wrappers[key]
 
     def prepare(self, ctx: ForwardContext) -> object:
         """Plan the step on the host (once, shared by all layers); graphs re-plan before each replay."""
@@ -79,18 +93,19 @@ class FlashInferAttentionImpl:
         indices = torch.tensor([p for blk, n in zip(pages, used) for p in blk[:n]], dtype=torch.int32, device=dev)
         last = torch.tensor([n - (u - 1) * page_size for n, u in zip(ctx.context_lens_host, used)],
                             dtype=torch.int32, device=dev)
+        q_len = ctx.extras.get("graph_q_len", 1)
         if bucket is not None:
-            wrapper = self._graph_wrapper(bucket, ctx.block_tables.shape[1])
-            wrapper.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size,
-                         q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
+            wrapper = self._graph_wrapper(q_len, bucket, ctx.block_tables.shape[1])
         elif all(q == 1 for q in ctx.query_lens_host):
-            self.decode.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size,
-                             q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
             wrapper = self.decode
         else:
-            self.prefill.plan(ctx.cu_seqlens_q, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
-                              page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype)
             wrapper = self.prefill
+        if isinstance(wrapper, self._decode_cls):
+            wrapper.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size,
+                         q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
+        else:
+            wrapper.plan(ctx.cu_seqlens_q, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
+                         page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype)
         ctx.extras[key] = wrapper
         return wrapper
 

@@ -1,12 +1,18 @@
-"""CUDA graphs for decode steps, one graph per batch-size bucket (1, 2, 4, 8, then multiples of 16).
+"""CUDA graphs for uniform steps: every sequence runs the same number L of recurrent tokens
+(L = 1: an AR decode step; L = 1 + N: an MTP verify step or MTP head catch-up).
 
-Every decode step of B rows replays the graph of the smallest bucket >= B on static buffers;
-rows B..bucket-1 are padding whose KV write goes to a reserved scratch page and whose GDN state
-is a reserved scratch slot, so padding never touches a real sequence. Steps with prefill rows,
-or larger than the largest bucket, run eagerly. ``prepare(ctx)`` (host-side planning, e.g.
-FlashInfer's) runs before every forward, outside the graph."""
+One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16. A step of B
+sequences replays the graph of the smallest bucket >= B on static buffers; sequences B..bucket-1
+are padding whose KV writes go to a reserved scratch page and whose GDN state is a reserved
+scratch slot, so padding never touches a real sequence. Other steps (prefill rows, mixed
+lengths, L not captured, more sequences than the largest bucket) run eagerly.
+``prepare(ctx)`` (host-side planning, e.g. FlashInfer's) runs before every forward, outside the
+graph. ``extra`` is an optional per-token input (the MTP head's main-model hidden states) that
+gets a static buffer like the token ids."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -19,111 +25,180 @@ def buckets(max_batch: int) -> list[int]:
     return sorted(set(out + [max_batch]))
 
 
+class _Captured:
+    """A captured CUDA graph and its static output."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
+        self.graph, self.out = graph, out
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class _Rerun:
+    """Test stand-in for a graph (``capture=False``): reruns the step on the same static buffers,
+    so bucketing, padding and the static context are exercised without CUDA."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self.fn = fn
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
+
+
+def check_mirrors(ctx: ForwardContext) -> None:
+    """The static context's device tensors (what kernels read) agree with its host lists (what
+    host-side planners and the reference backend read)."""
+    pairs = {"state_slots": (ctx.state_slots, ctx.state_slots_host),
+             "token_state_slots": (ctx.token_state_slots, ctx.token_state_slots_host),
+             "context_lens": (ctx.context_lens, ctx.context_lens_host),
+             "cu_seqlens_q": (ctx.cu_seqlens_q, ctx.cu_seqlens_host)}
+    for name, (tensor, host) in pairs.items():
+        assert tensor.tolist() == list(host), f"{name}: device {tensor.tolist()} != host {list(host)}"
+    for i, pages in enumerate(ctx.block_tables_host):
+        used = -(-ctx.context_lens_host[i] // ctx.block_size)
+        device = ctx.block_tables[i, :used].tolist()
+        assert device == list(pages[:used]), f"block_tables[{i}]: device {device} != host {pages[:used]}"
+
+
 class CudaGraphRunnerImpl:
-    def __init__(self, spec: GraphRunnerSpec) -> None:
+    def __init__(self, spec: GraphRunnerSpec, *, capture: bool = True) -> None:
         self.spec = spec
+        self.capture = capture
         self.buckets = buckets(spec.max_batch_size)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
+        self.max_q_len = max(spec.query_lens)
+        self.graphs: dict[tuple[int, int], tuple[_Captured | _Rerun, ForwardContext]] = {}
         self.bufs: dict[str, torch.Tensor] | None = None
         self.pool = None
-        self.num_replays = 0
+        self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length
 
-    def run(self, step, input_ids, ctx: ForwardContext, prepare=None) -> torch.Tensor:
-        b = ctx.num_seqs
-        decode_only = ctx.num_tokens == b and all(ctx.is_recurrent_host) and ctx.state_ring == self.spec.state_ring
-        if not (self.spec.use_graphs and decode_only and b <= self.buckets[-1]):
+    def graph_key(self, ctx: ForwardContext) -> tuple[int, int] | None:
+        """(L, bucket) if this step can replay a graph, else None."""
+        b, lens = ctx.num_seqs, ctx.query_lens_host
+        q = lens[0]
+        if not (self.spec.use_graphs and b <= self.buckets[-1] and q in self.spec.query_lens):
+            return None
+        if ctx.state_ring != self.spec.state_ring or any(x != q for x in lens) or not all(ctx.is_recurrent_host):
+            return None
+        return q, next(x for x in self.buckets if x >= b)
+
+    def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None):
+        key = self.graph_key(ctx)
+        if key is None:
             if prepare is not None:
                 prepare(ctx)
-            return step(input_ids, ctx)
-        bucket = next(x for x in self.buckets if x >= b)
-        if bucket not in self.graphs:
-            self._capture(bucket, step, ctx, prepare)
-        graph, out, ctx_s = self.graphs[bucket]
-        self._fill(ctx_s, input_ids, ctx, bucket)
+            return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
+        if key not in self.graphs:
+            self._record(key, step, ctx, prepare, extra)
+        graph, ctx_s = self.graphs[key]
+        self._fill(ctx_s, input_ids, ctx, extra, key)
         if prepare is not None:
             prepare(ctx_s)
-        graph.replay()
-        self.num_replays += 1
-        return out[:b]
+        out = graph.replay()
+        self.num_replays[key[0]] += 1
+        return out[: ctx.num_tokens]
 
     # ------------------------------------------------------------------ static buffers
 
-    def _alloc(self, ctx: ForwardContext) -> None:
+    def _alloc(self, ctx: ForwardContext, extra: torch.Tensor | None) -> None:
         n, dev = self.buckets[-1], ctx.positions.device
-        width = self.spec.max_blocks_per_seq
+        t = n * self.max_q_len
         self.bufs = {
-            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
-            "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            "input_ids": torch.zeros(t, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(t, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.zeros(t, dtype=torch.int64, device=dev),
+            "token_state_slots": torch.full((t,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
             "context_lens": torch.ones(n, dtype=torch.int32, device=dev),
-            "block_tables": torch.full((n, width), self.spec.scratch_page, dtype=torch.int32, device=dev),
-            "slot_mapping": torch.full((n,), self.spec.scratch_page * ctx.block_size, dtype=torch.int64, device=dev),
+            "block_tables": torch.full((n, self.spec.max_blocks_per_seq), self.spec.scratch_page,
+                                       dtype=torch.int32, device=dev),
             "state_slots": torch.full((n,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
-            "token_state_slots": torch.full((n,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
             "ids": torch.arange(n, dtype=torch.int32, device=dev),
         }
+        if extra is not None:
+            self.bufs["extra"] = torch.zeros((t, *extra.shape[1:]), dtype=extra.dtype, device=dev)
 
-    def _static_ctx(self, bucket: int, block_size: int) -> ForwardContext:
-        b = self.bufs
+    def _static_ctx(self, key: tuple[int, int], block_size: int) -> ForwardContext:
+        q, bucket = key
+        b, t, dev = self.bufs, bucket * q, self.bufs["ids"].device
+        scratch = self.spec.scratch_slot
         return ForwardContext(
-            positions=b["positions"][:bucket], cu_seqlens_q=b["cu"][: bucket + 1],
+            positions=b["positions"][:t],
+            cu_seqlens_q=torch.arange(0, t + 1, q, dtype=torch.int32, device=dev),
             context_lens=b["context_lens"][:bucket], block_tables=b["block_tables"][:bucket],
-            slot_mapping=b["slot_mapping"][:bucket], state_slots=b["state_slots"][:bucket],
-            logits_indices=b["ids"][:bucket].long(), query_lens_host=[1] * bucket,
-            cu_seqlens_host=list(range(bucket + 1)), context_lens_host=[1] * bucket,
-            state_slots_host=[self.spec.scratch_slot] * bucket, token_state_slots=b["token_state_slots"][:bucket],
-            token_state_slots_host=[self.spec.scratch_slot] * bucket, state_ring=self.spec.state_ring,
-            is_recurrent_host=[True] * bucket,
-            recurrent_ids=b["ids"][:bucket], block_tables_host=[[self.spec.scratch_page]] * bucket,
-            block_size=block_size, extras={"graph_bucket": bucket})
+            slot_mapping=b["slot_mapping"][:t], state_slots=b["state_slots"][:bucket],
+            logits_indices=torch.arange(q - 1, t, q, dtype=torch.int64, device=dev),
+            query_lens_host=[q] * bucket, cu_seqlens_host=list(range(0, t + 1, q)),
+            context_lens_host=[q] * bucket, state_slots_host=[scratch] * bucket,
+            token_state_slots=b["token_state_slots"][:t], token_state_slots_host=[scratch] * t,
+            state_ring=self.spec.state_ring, is_recurrent_host=[True] * bucket, recurrent_ids=b["ids"][:bucket],
+            block_tables_host=[[self.spec.scratch_page]] * bucket, block_size=block_size,
+            extras={"graph_bucket": bucket, "graph_q_len": q})
 
-    def _fill(self, ctx_s: ForwardContext, input_ids, ctx: ForwardContext, bucket: int) -> None:
-        b, buf, pad = ctx.num_seqs, self.bufs, bucket - ctx.num_seqs
-        buf["input_ids"][:b].copy_(input_ids)
-        buf["positions"][:b].copy_(ctx.positions)
+    def _fill(self, ctx_s: ForwardContext, input_ids, ctx: ForwardContext, extra, key) -> None:
+        q, bucket = key
+        b, t, buf = ctx.num_seqs, ctx.num_tokens, self.bufs
+        buf["input_ids"][:t].copy_(input_ids)
+        buf["positions"][:t].copy_(ctx.positions)
+        buf["slot_mapping"][:t].copy_(ctx.slot_mapping)
+        buf["token_state_slots"][:t].copy_(ctx.token_state_slots)
         buf["context_lens"][:b].copy_(ctx.context_lens)
-        buf["slot_mapping"][:b].copy_(ctx.slot_mapping)
         buf["state_slots"][:b].copy_(ctx.state_slots)
-        buf["token_state_slots"][:b].copy_(ctx.token_state_slots)
-        width = ctx.block_tables.shape[1]
-        buf["block_tables"][:b, :width].copy_(ctx.block_tables)
-        self._pad(b, bucket, ctx.block_size)
-        ctx_s.context_lens_host = ctx.context_lens_host + [1] * pad
+        buf["block_tables"][:b, : ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        if extra is not None:
+            buf["extra"][:t].copy_(extra)
+        self._pad(b, bucket, q, ctx.block_size)
+        pad, scratch = bucket - b, self.spec.scratch_slot
+        ctx_s.context_lens_host = ctx.context_lens_host + [q] * pad
         ctx_s.block_tables_host = ctx.block_tables_host + [[self.spec.scratch_page]] * pad
-        ctx_s.state_slots_host = ctx.state_slots_host + [self.spec.scratch_slot] * pad
-        ctx_s.token_state_slots_host = ctx.token_state_slots_host + [self.spec.scratch_slot] * pad
+        ctx_s.state_slots_host = ctx.state_slots_host + [scratch] * pad
+        ctx_s.token_state_slots_host = ctx.token_state_slots_host + [scratch] * (pad * q)
 
-    def _pad(self, start: int, end: int, block_size: int) -> None:
-        """Rows [start, end) become padding: scratch page, scratch state slot, one-token context."""
+    def _pad(self, start: int, end: int, q: int, block_size: int) -> None:
+        """Sequences [start, end) become padding: q tokens at positions 0..q-1 of the scratch page,
+        the scratch state slot."""
         if start >= end:
             return
-        buf = self.bufs
-        buf["input_ids"][start:end].zero_()
-        buf["positions"][start:end].zero_()
-        buf["context_lens"][start:end].fill_(1)
-        buf["slot_mapping"][start:end].fill_(self.spec.scratch_page * block_size)
+        buf, page = self.bufs, self.spec.scratch_page
+        offsets = torch.arange(q, device=buf["ids"].device).repeat(end - start)
+        tokens = slice(start * q, end * q)
+        buf["input_ids"][tokens].zero_()
+        buf["positions"][tokens].copy_(offsets)
+        buf["slot_mapping"][tokens].copy_(page * block_size + offsets)
+        buf["token_state_slots"][tokens].fill_(self.spec.scratch_slot)
+        if "extra" in buf:
+            buf["extra"][tokens].zero_()
+        buf["context_lens"][start:end].fill_(q)
         buf["state_slots"][start:end].fill_(self.spec.scratch_slot)
-        buf["token_state_slots"][start:end].fill_(self.spec.scratch_slot)
-        buf["block_tables"][start:end].fill_(self.spec.scratch_page)
+        buf["block_tables"][start:end].fill_(page)
 
-    def _capture(self, bucket: int, step, ctx: ForwardContext, prepare) -> None:
+    def _record(self, key, step, ctx: ForwardContext, prepare, extra) -> None:
+        q, bucket = key
+        assert q <= ctx.block_size, "a padding sequence's tokens must fit in the scratch page"
         if self.bufs is None:
-            self._alloc(ctx)
+            self._alloc(ctx, extra)
         # The static buffers still hold the last replay's real rows: warm-up and capture must run on
         # padding only, or they would advance real sequences' GDN states.
-        self._pad(0, bucket, ctx.block_size)
-        ctx_s = self._static_ctx(bucket, ctx.block_size)
-        ids = self.bufs["input_ids"][:bucket]
+        self._pad(0, bucket, q, ctx.block_size)
+        ctx_s = self._static_ctx(key, ctx.block_size)
+        ids = self.bufs["input_ids"][: bucket * q]
+        args = (ids, ctx_s) if extra is None else (ids, ctx_s, self.bufs["extra"][: bucket * q])
         if prepare is not None:
             prepare(ctx_s)
+        if not self.capture:
+            def rerun():
+                check_mirrors(ctx_s)
+                return step(*args)
+            self.graphs[key] = (_Rerun(rerun), ctx_s)
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and autotune outside the capture
-                step(ids, ctx_s)
+                step(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step(ids, ctx_s)
+            out = step(*args)
         self.pool = graph.pool()
-        self.graphs[bucket] = (graph, out, ctx_s)
+        self.graphs[key] = (_Captured(graph, out), ctx_s)

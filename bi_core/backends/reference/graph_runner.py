@@ -4,10 +4,10 @@ from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
 
 
 class EagerRunnerImpl:
-    def run(self, step, input_ids, ctx, prepare=None):
+    def run(self, step, input_ids, ctx, prepare=None, extra=None):
         if prepare is not None:
             prepare(ctx)
-        return step(input_ids, ctx)
+        return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
 
 
 class ReferenceGraphRunnerBuilder(GraphRunnerBuilder):

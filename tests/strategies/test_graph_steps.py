@@ -1,0 +1,77 @@
+"""The CUDA graph runner's bucketing, padding and static contexts, on the CPU: the runner in
+``capture=False`` mode reruns each step on its static buffers instead of replaying a graph, so
+everything but the capture itself runs against the reference backend. Decode (L=1), MTP verify
+(L=1+N) and MTP head steps (catch-up L=1+N, chain L=1) go through padded buckets; the output must
+be AR's, and the padding must land in the scratch page only."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+import torch
+from test_mtp import N_SPEC, PARAMS, config, hook_for, prompts
+
+from bi_core import build_engine
+from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+
+
+def rerun_runner(eng, spec) -> CudaGraphRunnerImpl:
+    return CudaGraphRunnerImpl(attrs.evolve(spec, use_graphs=True), capture=False)
+
+
+def with_graph_runners(eng):
+    eng.runner = rerun_runner(eng, eng.runner_spec)
+    if eng.strategy.name == "mtp":
+        eng.strategy.runner = rerun_runner(eng, attrs.evolve(eng.runner_spec, name="mtp"))
+    return eng
+
+
+def scratch_written(eng) -> bool:
+    page = eng.cache.scratch_page
+    return any(k[page].abs().sum() > 0 for k in eng.cache.main.k)
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_padded_decode_steps_equal_eager(preset):
+    ps, params = prompts()[:3], PARAMS["sampled"]  # 3 sequences: bucket 4, one padding sequence
+    eager = build_engine(config(preset, "ar")).generate(ps, params)
+    eng = with_graph_runners(build_engine(config(preset, "ar")))
+    out = eng.generate(ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in eager]
+    assert eng.runner.num_replays[1] > 0 and (1, 4) in eng.runner.graphs
+    assert scratch_written(eng)
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_padded_mtp_steps_equal_ar(preset, mode):
+    ps, params = prompts()[:3], PARAMS[mode]
+    ar = build_engine(config(preset, "ar")).generate(ps, params)
+    truth = {i: o.token_ids for i, o in enumerate(ar)}
+    eng = with_graph_runners(build_engine(config(preset, "mtp")))
+    eng.strategy.draft_hook = hook_for("partial", truth, random.Random(11))
+    out = eng.generate(ps, params)
+    for a, m in zip(ar, out):
+        assert m.token_ids == a.token_ids
+        torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=0)
+    verify = 1 + N_SPEC
+    assert eng.runner.num_replays[verify] > 0, "verify steps never replayed a graph"
+    assert eng.strategy.runner.num_replays[verify] > 0, "MTP catch-up never replayed a graph"
+    assert eng.strategy.runner.num_replays[1] > 0, "MTP chain steps never replayed a graph"
+    assert scratch_written(eng)
+
+
+def test_short_drafts_are_padded_to_a_uniform_verify():
+    """Drafts cut short (here: at most one draft) still verify as 1+N rows per sequence, and only
+    the real drafts are sampled and counted."""
+    ps, params = prompts()[:2], PARAMS["greedy"]
+    ar = build_engine(config("tiny-dense", "ar")).generate(ps, params)
+    truth = {i: o.token_ids for i, o in enumerate(ar)}
+    eng = with_graph_runners(build_engine(config("tiny-dense", "mtp")))
+    eng.strategy.draft_hook = lambda seq, d: truth[seq.request_id][len(seq.output_ids): len(seq.output_ids) + 1]
+    out = eng.generate(ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    assert all(o.num_accepted_draft_tokens == o.num_draft_tokens > 0 for o in out)
+    assert eng.runner.num_replays[1 + N_SPEC] > 0
