@@ -90,7 +90,7 @@ class LLMEngine:
             state_ring=self.cache.state_ring, query_lens=strategy_cls.graph_query_lens(config))
         self.runner = self.factory.build("graph_runner", self.runner_spec)
         self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
-                                   lookahead=lookahead)
+                                   lookahead=lookahead, decode_tokens=strategy_cls.decode_tokens_for(config))
         strategy_cls.check(self)
         self.strategy = strategy_cls(self)
         tok_path = config.model.tokenizer or config.model.path

@@ -33,11 +33,12 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, *, reserve_full: bool,
-                 lookahead: int = 0) -> None:
+                 lookahead: int = 0, decode_tokens: int = 1) -> None:
         self.config = config
         self.cache = cache
         self.reserve_full = reserve_full
         self.lookahead = lookahead  # extra KV slots a step may write past the known tokens (drafts)
+        self.decode_tokens = decode_tokens  # tokens a decoding sequence's step runs (1 + drafts verified)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -56,6 +57,11 @@ class Scheduler:
     def _chunk(self, seq: Sequence) -> int:
         return min(self.config.chunk_size, seq.num_tokens - seq.num_computed)
 
+    def _cost(self, seq: Sequence, n: int) -> int:
+        """Tokens this step runs for the sequence, counted against ``max_num_batched_tokens``."""
+        decoding = seq.output_ids and seq.num_computed == seq.num_tokens - 1
+        return self.decode_tokens if decoding else n
+
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_batched_tokens
         out: list[Scheduled] = []
@@ -63,17 +69,17 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             n = self._chunk(seq)
-            if n > budget:
+            if self._cost(seq, n) > budget:
                 continue
             if not self._ensure_pages(seq, seq.num_computed + n, out):
                 continue
             out.append(Scheduled(seq, n))
-            budget -= n
+            budget -= self._cost(seq, n)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq)
             need = self._pages_needed(seq, seq.num_computed + n)
-            if n > budget or need > self.cache.blocks.num_free:
+            if self._cost(seq, n) > budget or need > self.cache.blocks.num_free:
                 break
             slot = self.cache.slots.allocate()
             if slot is None:
@@ -83,7 +89,7 @@ class Scheduler:
             seq.blocks += self.cache.blocks.allocate(need)
             self.running.append(seq)
             out.append(Scheduled(seq, n))
-            budget -= n
+            budget -= self._cost(seq, n)
         return out
 
     def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:

@@ -29,6 +29,11 @@ class Strategy(abc.ABC):
         return 1
 
     @classmethod
+    def decode_tokens_for(cls, config: EngineConfig) -> int:
+        """Tokens a decoding sequence's step runs (counted against the step's token budget)."""
+        return 1
+
+    @classmethod
     def graph_query_lens(cls, config: EngineConfig) -> tuple[int, ...]:
         """Tokens per sequence of the uniform steps the graph runner captures (1 = decode)."""
         return (1,)

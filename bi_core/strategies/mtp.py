@@ -56,14 +56,22 @@ class MTPStrategy(Strategy):
         return num_speculative(config) + 1
 
     @classmethod
+    def decode_tokens_for(cls, config: EngineConfig) -> int:
+        return 1 + num_speculative(config)
+
+    @classmethod
     def graph_query_lens(cls, config: EngineConfig) -> tuple[int, ...]:
-        return (1, 1 + num_speculative(config))
+        return (1, 1 + num_speculative(config))  # chain steps of the head; verify steps and catch-up
 
     @classmethod
     def check(cls, engine) -> None:
         if engine.model.mtp is None:
             raise ConfigError("strategy.name", "mtp needs a checkpoint with an MTP head (mtp.* tensors); "
                               "this model has none")
+        verify = cls.decode_tokens_for(engine.config)
+        if engine.config.scheduler.max_num_batched_tokens < verify:
+            raise ConfigError("scheduler.max_num_batched_tokens", f"must be at least {verify} with mtp "
+                              "(one verify step runs 1 + strategy.num_speculative_tokens tokens)")
 
     def __init__(self, engine) -> None:
         super().__init__(engine)

@@ -138,3 +138,24 @@ def test_mtp_from_a_checkpoint_matches_ar(tmp_path):
     mtp = build_engine(EngineConfig.from_dict({**base, "strategy": {"name": "mtp", "num_speculative_tokens": 4}}))
     out = mtp.generate([[3, 4, 5, 6]], params)[0]
     assert out.token_ids == ar.token_ids and out.num_draft_tokens > 0
+
+
+def test_verify_tokens_count_against_the_step_budget():
+    """A verify step runs 1+N tokens per sequence: the scheduler budgets them so, not as 1."""
+    budget = 2 * (1 + N_SPEC)
+    cfg = config("tiny-dense", "mtp").replace(scheduler={"max_num_batched_tokens": budget, "prefill_chunk_size": 8})
+    eng = build_engine(cfg)
+    sizes = []
+    run = eng.run_model
+    eng.run_model = lambda ids, ctx: (sizes.append(ctx.num_tokens), run(ids, ctx))[1]
+    ps = [p[:2] for p in prompts()]  # all four prefill in one step, then decode together
+    out = eng.generate(ps, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert max(sizes) <= budget and budget in sizes
+    ar = build_engine(config("tiny-dense", "ar")).generate(ps, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+
+
+def test_mtp_budget_below_one_verify_step_is_an_error():
+    cfg = config("tiny-dense", "mtp").replace(scheduler={"max_num_batched_tokens": N_SPEC, "prefill_chunk_size": 2})
+    with pytest.raises(ConfigError, match=f"scheduler.max_num_batched_tokens: must be at least {1 + N_SPEC}"):
+        build_engine(cfg)
