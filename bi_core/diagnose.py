@@ -1,9 +1,12 @@
-"""Which op first makes a request's bits depend on the batch: a prefill probe for ``verify``.
+"""Which op first makes a request's bits depend on the batch: prefill and decode probes for ``verify``.
 
-The prompt is prefilled twice through the engine's own model, alone and as the first sequence of
-a step packed with fillers, on pages and state slots borrowed from the cache and returned after.
-Forward hooks record every op-carrying module's output rows for the prompt, then its lm_head row
-and sampler logprob; the first, in execution order, whose values differ bitwise names the op class."""
+Probes run the engine's own model on pages and state slots borrowed from the cache (returned
+after). The prefill probe prefills the prompt alone and as the first sequence of a step packed
+with fillers; the decode probe prefills the prompt twice (two copies, each alone, so both start
+from the same bits) and runs one decode step for each copy, alone and packed with the fillers'
+decode rows. Forward hooks record every op-carrying module's output rows for the prompt, then
+its lm_head row and sampler logprob; the first, in execution order, whose values differ bitwise
+names the op class."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 
 from bi_core.models import qwen3_5 as m
 from bi_core.ops.sampling import SamplingBatch
+from bi_core.policies.apply import applied
 from bi_core.runtime.batch import build_context
 
 OP_CLASS = (
@@ -33,43 +37,80 @@ def _record(model: torch.nn.Module, rows: int, into: list) -> list:
             if _op_class(mod) is not None and not name.startswith("mtp") and name != "lm_head"]
 
 
-def _prefill(engine, prompts: list[list[int]]) -> list:
+class _Borrowed:
+    """Pages and state slots for ``lengths`` tokens per sequence, given back on exit."""
+
+    def __init__(self, cache, lengths: list[int]) -> None:
+        self.cache, self.lengths = cache, lengths
+
+    def __enter__(self) -> tuple[list[list[int]], list[int]]:
+        cache, need = self.cache, [self.cache.blocks_for(n) for n in self.lengths]
+        if sum(need) > cache.blocks.num_free or len(cache.slots.free) < len(need):
+            raise RuntimeError("not enough free pages or slots for the probe")
+        self.blocks = [cache.blocks.allocate(n) for n in need]
+        self.slots = [cache.slots.allocate() for _ in need]
+        return self.blocks, self.slots
+
+    def __exit__(self, *exc) -> None:
+        for b in self.blocks:
+            self.cache.blocks.release(b)
+        for s in self.slots:
+            self.cache.slots.release(s)
+
+
+def _forward(engine, tokens: list[list[int]], past: list[int], blocks, slots, *, record: bool) -> list:
+    """One model step over ``tokens`` (sequence 0 is the probed one); with ``record``, every op's
+    output rows for sequence 0, then its lm_head row and sampler logprob."""
     cache, recorded = engine.cache, []
-    need = [cache.blocks_for(len(p)) for p in prompts]
-    if sum(need) > cache.blocks.num_free or len(cache.slots.free) < len(prompts):
-        raise RuntimeError("not enough free pages or slots for the probe")
-    blocks = [cache.blocks.allocate(n) for n in need]
-    slots = [cache.slots.allocate() for _ in prompts]
-    handles = _record(engine.model, len(prompts[0]), recorded)
+    recurrent = [len(t) == 1 and p > 0 for t, p in zip(tokens, past)]
+    handles = _record(engine.model, len(tokens[0]), recorded) if record else []
     try:
-        ids, ctx = build_context(prompts, [0] * len(prompts), blocks, slots, [False] * len(prompts),
-                                 block_size=cache.block_size, device=engine.device, ring=cache.state_ring)
-        with torch.inference_mode():
+        ids, ctx = build_context(tokens, past, blocks, slots, recurrent, block_size=cache.block_size,
+                                 device=engine.device, ring=cache.state_ring)
+        with torch.inference_mode(), applied(engine.policy):  # the settings engine steps run under
             engine.model.prepare_step(ctx)
             hidden = engine.model(ids, ctx, cache.main)
+            if not record:
+                return recorded
             # then the rest of the path to a logprob: lm_head over the sampled rows, the sampler
             logits = engine.model.compute_logits(hidden[ctx.logits_indices])
             recorded.append(("lm_head", "linear", logits[:1].clone()))
-            n = len(prompts)
+            n = len(tokens)
             batch = SamplingBatch(temperatures=[0.0] * n, top_ks=[0] * n, top_ps=[1.0] * n, keys=[0] * n,
                                   num_logprobs=0)
             recorded.append(("sampler", "sampling", engine.model.sampler.forward(logits, batch).logprobs[:1].clone()))
     finally:
         for h in handles:
             h.remove()
-        for b in blocks:
-            cache.blocks.release(b)
-        for s in slots:
-            cache.slots.release(s)
     return recorded
+
+
+def _first_difference(alone: list, packed: list) -> str | None:
+    for (name, op, a), (_, _, b) in zip(alone, packed):
+        if not torch.equal(a, b):
+            return f"{op} at {name}"
+    return None
 
 
 def first_divergent_op(engine, prompt: list[int], fillers: list[list[int]]) -> str | None:
     """``"<op class> at <module>"`` for the first module whose output rows for ``prompt`` differ
     between a prefill alone and one packed with ``fillers``; None if none differ."""
-    alone = _prefill(engine, [prompt])
-    packed = _prefill(engine, [prompt] + fillers)
-    for (name, op, a), (_, _, b) in zip(alone, packed):
-        if not torch.equal(a, b):
-            return f"{op} at {name}"
-    return None
+    seqs = [prompt] + fillers
+    with _Borrowed(engine.cache, [len(prompt)]) as (blocks, slots):
+        alone = _forward(engine, [prompt], [0], blocks, slots, record=True)
+    with _Borrowed(engine.cache, [len(p) for p in seqs]) as (blocks, slots):
+        packed = _forward(engine, seqs, [0] * len(seqs), blocks, slots, record=True)
+    return _first_difference(alone, packed)
+
+
+def first_divergent_decode_op(engine, prompt: list[int], fillers: list[list[int]]) -> str | None:
+    """The same for one decode step after ``prompt``: alone, and packed with one decode row of
+    each filler (every sequence prefilled alone first)."""
+    seqs = [prompt, prompt] + fillers
+    with _Borrowed(engine.cache, [len(p) + 1 for p in seqs]) as (blocks, slots):
+        for i, p in enumerate(seqs):
+            _forward(engine, [p], [0], blocks[i:i + 1], slots[i:i + 1], record=False)
+        nxt = [[p[-1]] for p in seqs]
+        alone = _forward(engine, nxt[:1], [len(prompt)], blocks[:1], slots[:1], record=True)
+        packed = _forward(engine, nxt[1:], [len(p) for p in seqs[1:]], blocks[1:], slots[1:], record=True)
+    return _first_difference(alone, packed)

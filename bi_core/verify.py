@@ -120,8 +120,9 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
 
 
 def probe(engine: LLMEngine, cases: list[Case], num_prompts: int, seed: int) -> str:
-    """Name the op class behind the first mismatch, with a prefill probe (see bi_core/diagnose.py)."""
-    from bi_core.diagnose import first_divergent_op
+    """Name the op class behind the first mismatch: a prefill probe, then a decode probe
+    (see bi_core/diagnose.py)."""
+    from bi_core.diagnose import first_divergent_decode_op, first_divergent_op
 
     bad = next((c for c in cases if c.mismatches), None)
     if bad is None:
@@ -130,9 +131,13 @@ def probe(engine: LLMEngine, cases: list[Case], num_prompts: int, seed: int) -> 
     longest = max(2, engine.max_model_len - 1)
     prompts = _prompts(num_prompts, engine.args.vocab_size, rng, hi=min(600, longest))
     fillers = _prompts(7, engine.args.vocab_size, rng, hi=min(300, longest))
-    where = first_divergent_op(engine, prompts[bad.mismatches[0][0]], fillers)
-    return ("prefill probe: first op whose rows change with the batch: " + where if where else
-            "prefill probe: prefill rows are batch-independent; the mismatch arises in later (decode) steps")
+    prompt = prompts[bad.mismatches[0][0]]
+    if where := first_divergent_op(engine, prompt, fillers):
+        return "prefill probe: first op whose rows change with the batch: " + where
+    if where := first_divergent_decode_op(engine, prompt, fillers):
+        return "decode probe: prefill rows are batch-independent; first op whose decode rows change: " + where
+    return ("probes: prefill and decode rows are batch-independent here; the mismatch needs the "
+            "scheduling of the audit (arrival order, chunking or graph buckets) to show")
 
 
 def summary(cases: list[Case]) -> str:

@@ -44,3 +44,18 @@ def test_prefill_probe_names_the_first_divergent_op():
     assert where is not None and where.split(" at ")[0] in ("linear", "attention", "gdn", "norm", "linear (MLP)", "moe")
     assert first_divergent_op(engine, prompt, []) is None  # alone vs alone: same bits
     assert engine.cache.blocks.num_free == engine.cache.num_blocks  # pages and slots given back
+
+
+def test_decode_probe_names_the_first_divergent_op():
+    """A decode row alone vs packed with other sequences' decode rows (reference backend: PyTorch
+    matmuls pick kernels by shape); alone vs alone shows none, and the probe gives back what it took."""
+    from bi_core.diagnose import first_divergent_decode_op
+
+    engine = build_engine(EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 16})))
+    prompt = list(range(1, 41))
+    fillers = [list(range(5, 5 + n)) for n in (17, 90, 3, 64, 33, 12, 50)]
+    where = first_divergent_decode_op(engine, prompt, fillers)
+    assert where is not None and where.split(" at ")[0] in ("linear", "attention", "gdn", "norm", "linear (MLP)", "moe")
+    assert first_divergent_decode_op(engine, prompt, []) is None
+    assert engine.cache.blocks.num_free == engine.cache.num_blocks
+    assert len(engine.cache.slots.free) == engine.config.scheduler.max_num_seqs
