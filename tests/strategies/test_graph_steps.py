@@ -11,9 +11,10 @@ import random
 import attrs
 import pytest
 import torch
+from helpers import tiny_config
 from test_mtp import N_SPEC, PARAMS, config, hook_for, prompts
 
-from bi_core import build_engine
+from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
 
 
@@ -75,3 +76,41 @@ def test_short_drafts_are_padded_to_a_uniform_verify():
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
     assert all(o.num_accepted_draft_tokens == o.num_draft_tokens > 0 for o in out)
     assert eng.runner.num_replays[1 + N_SPEC] > 0
+
+
+def test_random_scenarios_equal_ar():
+    """Random mixes: N=1..4, dense/MoE, 1..9 prompts of 1..60 tokens, 1..20 new tokens (drafts cut
+    by max_new_tokens), EOS on or off, greedy or sampled, a KV cache small enough to preempt
+    (default mode recomputes), graph runners in rerun mode or eager; MTP output == AR output."""
+    preemptions = replays = 0
+    for trial in range(14):
+        rng = random.Random(trial)
+        n, preset = rng.randint(1, 4), rng.choice(["tiny-dense", "tiny-moe"])
+        ps = [[rng.randrange(256) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(1, 9))]
+        params = [SamplingParams(max_new_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.7,
+                                 temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(100)) for _ in ps]
+
+        def cfg(strategy, blocks, n=n, preset=preset):
+            strat = {"name": "mtp", "num_speculative_tokens": n} if strategy == "mtp" else {"name": "ar"}
+            return EngineConfig.from_dict(tiny_config(
+                model={"random": {"preset": preset, "seed": 1}, "max_model_len": 128}, strategy=strat,
+                scheduler={"prefill_chunk_size": 16, "max_num_seqs": 6, "max_num_batched_tokens": 48},
+                cache={"num_blocks": blocks}))
+
+        ar = build_engine(cfg("ar", 256)).generate(ps, params)
+        eng = build_engine(cfg("mtp", rng.choice([10, 14, 256])))
+        if rng.random() < 0.7:
+            with_graph_runners(eng)
+        truth, cuts = {i: o.token_ids for i, o in enumerate(ar)}, random.Random(trial + 100)
+
+        def hook(seq, d, truth=truth, cuts=cuts):
+            right = truth[seq.request_id][len(seq.output_ids): len(seq.output_ids) + len(d)]
+            cut = cuts.randint(0, len(right))
+            return right[:cut] + [(t + 1) % 260 for t in right[cut:]]
+
+        eng.strategy.draft_hook = hook
+        out = eng.generate(ps, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar], trial
+        preemptions += eng.scheduler.num_preemptions
+        replays += sum(getattr(eng.runner, "num_replays", {0: 0}).values())
+    assert preemptions > 0 and replays > 0  # the mix covered recompute and graph replays
