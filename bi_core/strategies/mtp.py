@@ -42,6 +42,23 @@ def num_speculative(config: EngineConfig) -> int:
     return config.strategy.num_speculative_tokens or 1
 
 
+@attrs.define
+class _Plan:
+    """One sequence's part of a step: a verify (pending token + drafts, padded to 1+N) or a prompt
+    chunk; filled in as the step goes (flat offset, then what the MTP head catches up over)."""
+
+    seq: Sequence
+    tokens: list[int]
+    drafts: list[int] = attrs.field(factory=list)
+    verify: bool = False
+    recurrent: bool = False
+    sample_rows: list[int] = attrs.field(factory=list)  # rows of ``tokens`` whose next token is sampled
+    offset: int = 0  # first row in the step's flat batch
+    mtp_start: int = 0  # position of the head's first catch-up row
+    mtp_tokens: list[int] = attrs.field(factory=list)  # the token after each row (the head's input)
+    draft_row: int = 0  # the catch-up row whose output proposes the first draft
+
+
 class MTPStrategy(Strategy):
     name = "mtp"
     is_speculative = True
@@ -86,59 +103,50 @@ class MTPStrategy(Strategy):
         eng = self.engine
         plans = [self._plan(s) for s in scheduled]
         input_ids, ctx = build_context(
-            [p["tokens"] for p in plans], [p["seq"].num_computed for p in plans], [p["seq"].blocks for p in plans],
-            [p["seq"].state_slot for p in plans], [p["recurrent"] for p in plans],
+            [p.tokens for p in plans], [p.seq.num_computed for p in plans], [p.seq.blocks for p in plans],
+            [p.seq.state_slot for p in plans], [p.recurrent for p in plans],
             block_size=eng.cache.block_size, device=eng.device, ring=eng.cache.state_ring)
         hidden = eng.run_model(input_ids, ctx)
         rows, row_seqs, positions = [], [], []
-        offset = 0
-        for p in plans:
-            p["offset"] = offset
-            seq, n = p["seq"], len(p["tokens"])
-            if p["verify"]:
-                sample_from = list(range(1 + len(p["drafts"])))
-            elif seq.num_computed + n == seq.num_tokens:  # the prompt's last chunk
-                sample_from = [n - 1]
-            else:
-                sample_from = []
-            p["rows"] = sample_from
-            for j in sample_from:
-                rows.append(offset + j)
-                row_seqs.append(seq)
-                positions.append(seq.num_computed + j + 1)
-            offset += n
-        sampled = eng.sample_rows(row_seqs, positions, eng.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])) if rows else []
+        for p, offset in zip(plans, ctx.cu_seqlens_host):
+            p.offset = offset
+            rows += [offset + j for j in p.sample_rows]
+            row_seqs += [p.seq] * len(p.sample_rows)
+            positions += [p.seq.num_computed + j + 1 for j in p.sample_rows]
+        sampled = []
+        if rows:
+            logits = eng.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])
+            sampled = eng.sample_rows(row_seqs, positions, logits)
         cursor = 0
         for p in plans:
-            k = len(p["rows"])
-            self._accept(p, sampled[cursor:cursor + k])
-            cursor += k
-        self._propose([p for p in plans], hidden)
+            self._accept(p, sampled[cursor:cursor + len(p.sample_rows)])
+            cursor += len(p.sample_rows)
+        self._propose(plans, hidden)
 
-    def _plan(self, s: Scheduled) -> dict:
+    def _plan(self, s: Scheduled) -> _Plan:
         seq = s.seq
         if seq.output_ids and seq.num_computed == seq.num_tokens - 1:
             remaining = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
             drafts = self.drafts.get(seq.request_id, [])[: max(0, min(self.num_spec, remaining - 1))]
             padding = [0] * (self.num_spec - len(drafts))  # KV and ring slots exist for them (lookahead)
-            return {"seq": seq, "tokens": [seq.all_ids[-1]] + drafts + padding, "drafts": drafts,
-                    "verify": True, "recurrent": True}
+            return _Plan(seq, [seq.all_ids[-1]] + drafts + padding, drafts=drafts, verify=True, recurrent=True,
+                         sample_rows=list(range(1 + len(drafts))))
         tokens = seq.all_ids[seq.num_computed : seq.num_computed + s.num_tokens]
-        return {"seq": seq, "tokens": tokens, "drafts": [], "verify": False,
-                "recurrent": len(tokens) == 1 and seq.num_computed > 0}
+        last_chunk = seq.num_computed + len(tokens) == seq.num_tokens
+        return _Plan(seq, tokens, recurrent=len(tokens) == 1 and seq.num_computed > 0,
+                     sample_rows=[len(tokens) - 1] if last_chunk else [])
 
-    def _accept(self, p: dict, sampled: list) -> None:
-        seq, drafts = p["seq"], p["drafts"]
-        start = seq.num_computed
-        if not p["verify"]:
-            seq.num_computed += len(p["tokens"])
+    def _accept(self, p: _Plan, sampled: list) -> None:
+        seq, drafts = p.seq, p.drafts
+        p.mtp_start = seq.num_computed
+        if not p.verify:
+            seq.num_computed += len(p.tokens)
             if sampled:
                 token, lp, top = sampled[0]
                 seq.append(token, lp, top, self.engine.eos_ids)
-            # row j pairs the main hidden at start + j with the token at start + j + 1
-            p["mtp_tokens"] = seq.all_ids[start + 1 : start + 1 + len(p["tokens"])]
-            p["draft_row"] = len(p["tokens"]) - 1
-            p["mtp_start"] = start
+            # row j pairs the main hidden at mtp_start + j with the token at mtp_start + j + 1
+            p.mtp_tokens = seq.all_ids[p.mtp_start + 1 : p.mtp_start + 1 + len(p.tokens)]
+            p.draft_row = len(p.tokens) - 1
             return
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == sampled[accepted][0]:
@@ -151,31 +159,31 @@ class MTPStrategy(Strategy):
             if seq.status is Status.FINISHED:
                 break
         seq.num_computed += accepted + 1  # t_n and the accepted drafts are now in the caches
-        # sampled[j] is the token at start + j + 1 for j <= accepted; later rows only fill the step
-        p["mtp_tokens"] = [t for t, _, _ in sampled] + [0] * (len(p["tokens"]) - len(sampled))
-        p["draft_row"] = accepted
-        p["mtp_start"] = start
+        # sampled[j] is the token at mtp_start + j + 1 for j <= accepted; later rows only fill the step
+        p.mtp_tokens = [t for t, _, _ in sampled] + [0] * (len(p.tokens) - len(sampled))
+        p.draft_row = accepted
 
     # ------------------------------------------------------------------ the MTP head
 
-    def _propose(self, plans: list[dict], hidden: torch.Tensor) -> None:
+    def _propose(self, plans: list[_Plan], hidden: torch.Tensor) -> None:
         """Catch the MTP head up over this step's rows, then chain drafts for decoding sequences."""
         eng = self.engine
-        live = [p for p in plans if p["seq"].status is not Status.FINISHED]
+        for p in plans:
+            if p.seq.status is Status.FINISHED:
+                self.drafts.pop(p.seq.request_id, None)
+        live = [p for p in plans if p.seq.status is not Status.FINISHED]
         if not live:
             return
-        tokens = [p["mtp_tokens"] for p in live]
-        rows = [p["offset"] + j for p in live for j in range(len(p["mtp_tokens"]))]
-        h = hidden[torch.tensor(rows, device=eng.device)]
-        m = self._mtp(tokens, [p["mtp_start"] for p in live], [p["seq"] for p in live], h)
-        starts = [0, *_cumsum(len(t) for t in tokens)]
-        drafting = [i for i, p in enumerate(live)
-                    if p["seq"].output_ids and p["seq"].num_computed == p["seq"].num_tokens - 1]
+        rows = [p.offset + j for p in live for j in range(len(p.mtp_tokens))]
+        m = self._mtp([p.mtp_tokens for p in live], [p.mtp_start for p in live], [p.seq for p in live],
+                      hidden[torch.tensor(rows, device=eng.device)])
+        starts = [0, *_cumsum(len(p.mtp_tokens) for p in live)]
+        drafting = [i for i, p in enumerate(live) if p.seq.output_ids and p.seq.num_computed == p.seq.num_tokens - 1]
         if not drafting:
             return
-        last = m[torch.tensor([starts[i] + live[i]["draft_row"] for i in drafting], device=eng.device)]
-        positions = [live[i]["mtp_start"] + live[i]["draft_row"] for i in drafting]
-        seqs = [live[i]["seq"] for i in drafting]
+        last = m[torch.tensor([starts[i] + live[i].draft_row for i in drafting], device=eng.device)]
+        positions = [live[i].mtp_start + live[i].draft_row for i in drafting]
+        seqs = [live[i].seq for i in drafting]
         proposed = [[t] for t in self._argmax(last)]
         for _ in range(self.num_spec - 1):
             positions = [q + 1 for q in positions]

@@ -86,9 +86,11 @@ def test_mtp_drafts_from_the_head_are_verified():
     """Without a hook the (random) MTP head drafts; output still equals AR."""
     ps, params = prompts(), PARAMS["greedy"]
     ar = build_engine(config("tiny-moe", "ar")).generate(ps, params)
-    out = build_engine(config("tiny-moe", "mtp", n=2)).generate(ps, params)
+    eng = build_engine(config("tiny-moe", "mtp", n=2))
+    out = eng.generate(ps, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
     assert all(o.num_draft_tokens > 0 for o in out)
+    assert not eng.strategy.drafts  # finished requests leave no drafts behind
 
 
 def test_gdn_state_after_accepted_prefix_equals_ar_state():
