@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from bi_core.backends.reference.attention import write_kv
@@ -51,6 +53,9 @@ class FlashInferAttentionImpl:
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._decode_cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        # graph-mode verify steps: every request has the same query length (newer FlashInfer sizes
+        # its fa2 query tile from this hint instead of the ragged worst case)
+        self._takes_uniform_q_len = "uniform_q_len" in inspect.signature(self.prefill.plan).parameters
         self.graph_wrappers: dict[tuple[int, int], object] = {}  # (q_len, bucket) -> wrapper with fixed buffers
 
     def _graph_wrapper(self, q_len: int, bucket: int, max_pages: int):
@@ -104,8 +109,10 @@ class FlashInferAttentionImpl:
             wrapper.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size,
                          q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
         else:
+            hint = {"uniform_q_len": q_len} if bucket is not None and self._takes_uniform_q_len else {}
             wrapper.plan(ctx.cu_seqlens_q, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
-                         page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+                         page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype,
+                         **hint)
         ctx.extras[key] = wrapper
         return wrapper
 
