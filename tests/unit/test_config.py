@@ -84,5 +84,8 @@ def test_env_turns_invariance_on_and_rejects_garbage(monkeypatch):
 def test_shipped_configs_parse():
     from pathlib import Path
 
-    for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
+    root = Path(__file__).parents[2]
+    paths = sorted([*root.joinpath("configs").glob("*.yaml"), *root.joinpath("benchmarks", "configs").glob("*.yaml")])
+    assert len(paths) >= 9
+    for path in paths:
         EngineConfig.from_yaml(path)
