@@ -114,3 +114,24 @@ def test_random_scenarios_equal_ar():
         preemptions += eng.scheduler.num_preemptions
         replays += sum(getattr(eng.runner, "num_replays", {0: 0}).values())
     assert preemptions > 0 and replays > 0  # the mix covered recompute and graph replays
+
+
+def test_only_uniform_recurrent_steps_replay():
+    """Graph keys: (L, smallest bucket >= B) for uniform recurrent steps with a captured L; any
+    other step (prefill rows, mixed lengths, another L, more sequences than the largest bucket,
+    a different state ring) runs eagerly."""
+    from bi_core.backends.cuda_common.graph_runner import buckets
+    from bi_core.runtime.batch import build_context
+
+    eng = build_engine(config("tiny-dense", "mtp"))
+    runner = rerun_runner(eng, eng.runner_spec)  # query_lens (1, 4), max bucket 8, ring 4
+    assert buckets(8) == [1, 2, 4, 8] and buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+
+    def key(lens, recurrent=True, ring=4):
+        _, ctx = build_context([[1] * q for q in lens], [5] * len(lens), [[0]] * len(lens), list(range(len(lens))),
+                               [recurrent] * len(lens), block_size=16, device=torch.device("cpu"), ring=ring)
+        return runner.graph_key(ctx)
+
+    assert key([1]) == (1, 1) and key([4, 4, 4]) == (4, 4) and key([1] * 5) == (1, 8)
+    assert key([4, 1]) is None and key([2, 2]) is None and key([1] * 9) is None
+    assert key([4, 4], recurrent=False) is None and key([1], ring=1) is None
