@@ -1,0 +1,78 @@
+"""The invariant backend's Triton kernels inside a whole engine, on the CPU (Triton's interpreter)
+or the GPU: a test plugin registers them without their SM90 check (GDN stays on the reference
+backend: fla's chunk kernel does not run in the interpreter) and the graph runner in its rerun
+mode. Decode steps, MTP verify steps and MTP head steps go through padded graph buckets; the
+output must match the reference backend's, and MTP must emit AR's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from bi_core import EngineConfig, SamplingParams, build_engine, hookimpl
+from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+from bi_core.backends.cuda_hopper_invariant import builders as inv
+from bi_core.ops import GraphRunnerBuilder
+from bi_core.plugins import load_registry
+from bi_core.registry import Backend
+
+
+def _anywhere(cls):
+    """The same builder without its device check."""
+    return type(f"Anywhere{cls.__name__}", (cls,), {"check": lambda self, spec, policy: []})()
+
+
+class RerunGraphRunnerBuilder(GraphRunnerBuilder):
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return []
+
+    def build(self, spec):
+        return CudaGraphRunnerImpl(spec, capture=False)
+
+
+class TritonAnywhere:
+    @hookimpl
+    def bi_register_backends(self, register):
+        register(Backend(name="triton_anywhere", builders=(
+            _anywhere(inv.InvariantAttentionBuilder), _anywhere(inv.InvariantLinearBuilder),
+            _anywhere(inv.InvariantNormBuilder), _anywhere(inv.InvariantTopKBuilder),
+            _anywhere(inv.InvariantMoEBuilder), _anywhere(inv.InvariantSamplingBuilder),
+            RerunGraphRunnerBuilder())))
+
+
+def config(device, backend, strategy="ar", preset="tiny-moe"):
+    strat = {"name": "mtp", "num_speculative_tokens": 2} if strategy == "mtp" else {"name": "ar"}
+    return EngineConfig.from_dict(tiny_config(
+        model={"random": {"preset": preset, "seed": 3}, "device": device.type, "max_model_len": 128},
+        backend=backend, graph={"enabled": backend != "reference"}, strategy=strat,
+        policy={"ops": {"gdn": ["reference"]}} if backend != "reference" else {},
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32}))
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+def test_triton_engine_with_padded_graph_steps(device, preset):
+    registry = load_registry(extra_plugins=(TritonAnywhere(),))
+    ps = [[(7 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 33, 4))]  # 3 sequences: bucket 4
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    ref = build_engine(config(device, "reference", preset=preset)).generate(ps, params)
+    ar_eng = build_engine(config(device, "triton_anywhere", preset=preset), registry)
+    ar = ar_eng.generate(ps, params)
+    assert ar_eng.runner.num_replays[1] > 0
+    for r, a in zip(ref, ar):
+        assert a.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(r.token_logprobs), atol=1e-4, rtol=0)
+    truth, cuts = {i: o.token_ids for i, o in enumerate(ar)}, random.Random(0)
+    mtp_eng = build_engine(config(device, "triton_anywhere", "mtp", preset=preset), registry)
+    mtp_eng.strategy.draft_hook = lambda seq, d: [
+        t if cuts.random() < 0.6 else (t + 1) % 250 for t in truth[seq.request_id][len(seq.output_ids):][:len(d)]]
+    mtp = mtp_eng.generate(ps, params)
+    assert mtp_eng.runner.num_replays[3] > 0 and mtp_eng.strategy.runner.num_replays[3] > 0
+    assert mtp_eng.strategy.runner.num_replays[1] > 0
+    for a, m in zip(ar, mtp):
+        assert m.token_ids == a.token_ids
+        torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=0)
