@@ -6,10 +6,13 @@ mkdir -p /tmp/site && tar -xJf .gpu-deps/flashinfer.tar.xz -C /tmp/site && \
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-deps/wheels/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# FlashInfer's JIT builds (~2.5 min on a fresh machine) travel back as $OUT/fi-jit.tar.xz; carry
-# .fi-jit (holding that file) on the next call to skip them.
+# FlashInfer's JIT builds (~2.5 min on a fresh machine) travel back as $OUT/fi-jit.part-* (15 MiB
+# pieces, when the archive stays under 40 MiB); copy them into .fi-jit/ and carry .fi-jit on the
+# next call to skip the builds.
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws; mkdir -p /tmp/fiws
-[ -f .fi-jit/fi-jit.tar.xz ] && tar -xJf .fi-jit/fi-jit.tar.xz -C /tmp/fiws && echo "FlashInfer JIT cache restored"
+if ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
+  cat .fi-jit/fi-jit.part-* | tar -xJ -C /tmp/fiws && echo "FlashInfer JIT cache restored"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "$@"; do
@@ -22,4 +25,8 @@ for step in "$@"; do
     *) echo "== $step"; timeout 240 python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
   esac
 done
-[ -f .fi-jit/fi-jit.tar.xz ] || { [ -d /tmp/fiws/.cache ] && tar -cJf "$OUT/fi-jit.tar.xz" -C /tmp/fiws .cache && ls -la "$OUT/fi-jit.tar.xz"; }
+if [ -d /tmp/fiws/.cache ] && ! ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
+  tar -c -C /tmp/fiws .cache | xz -T0 -6 > /tmp/fi-jit.tar.xz
+  size=$(stat -c %s /tmp/fi-jit.tar.xz); echo "FlashInfer JIT cache: $((size >> 20)) MiB compressed"
+  [ "$size" -lt $((40 << 20)) ] && split -b 15M /tmp/fi-jit.tar.xz "$OUT/fi-jit.part-"
+fi
