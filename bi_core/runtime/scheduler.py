@@ -59,8 +59,7 @@ class Scheduler:
 
     def _cost(self, seq: Sequence, n: int) -> int:
         """Tokens this step runs for the sequence, counted against ``max_num_batched_tokens``."""
-        decoding = seq.output_ids and seq.num_computed == seq.num_tokens - 1
-        return self.decode_tokens if decoding else n
+        return self.decode_tokens if seq.is_decoding else n
 
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_batched_tokens
@@ -69,17 +68,17 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             n = self._chunk(seq)
-            if self._cost(seq, n) > budget:
-                continue
-            if not self._ensure_pages(seq, seq.num_computed + n, out):
+            cost = self._cost(seq, n)
+            if cost > budget or not self._ensure_pages(seq, seq.num_computed + n, out):
                 continue
             out.append(Scheduled(seq, n))
-            budget -= self._cost(seq, n)
+            budget -= cost
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq)
+            cost = self._cost(seq, n)
             need = self._pages_needed(seq, seq.num_computed + n)
-            if self._cost(seq, n) > budget or need > self.cache.blocks.num_free:
+            if cost > budget or need > self.cache.blocks.num_free:
                 break
             slot = self.cache.slots.allocate()
             if slot is None:
@@ -89,7 +88,7 @@ class Scheduler:
             seq.blocks += self.cache.blocks.allocate(need)
             self.running.append(seq)
             out.append(Scheduled(seq, n))
-            budget -= self._cost(seq, n)
+            budget -= cost
         return out
 
     def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:

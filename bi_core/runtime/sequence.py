@@ -94,6 +94,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt with everything but the last sampled token in the caches."""
+        return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
+
     def append(self, token: int, logprob: float, top: dict[int, float] | None, eos_ids: tuple[int, ...]) -> None:
         self.output_ids.append(token)
         self.token_logprobs.append(logprob)

@@ -125,7 +125,7 @@ class MTPStrategy(Strategy):
 
     def _plan(self, s: Scheduled) -> _Plan:
         seq = s.seq
-        if seq.output_ids and seq.num_computed == seq.num_tokens - 1:
+        if seq.is_decoding:
             remaining = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
             drafts = self.drafts.get(seq.request_id, [])[: max(0, min(self.num_spec, remaining - 1))]
             padding = [0] * (self.num_spec - len(drafts))  # KV and ring slots exist for them (lookahead)
@@ -178,7 +178,7 @@ class MTPStrategy(Strategy):
         m = self._mtp([p.mtp_tokens for p in live], [p.mtp_start for p in live], [p.seq for p in live],
                       hidden[torch.tensor(rows, device=eng.device)])
         starts = [0, *_cumsum(len(p.mtp_tokens) for p in live)]
-        drafting = [i for i, p in enumerate(live) if p.seq.output_ids and p.seq.num_computed == p.seq.num_tokens - 1]
+        drafting = [i for i, p in enumerate(live) if p.seq.is_decoding]
         if not drafting:
             return
         last = m[torch.tensor([starts[i] + live[i].draft_row for i in drafting], device=eng.device)]

@@ -52,7 +52,6 @@ class FlashInferAttentionImpl:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
-        self._decode_cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
         # graph-mode verify steps: every request has the same query length (newer FlashInfer sizes
         # its fa2 query tile from this hint instead of the ragged worst case)
         self._takes_uniform_q_len = "uniform_q_len" in inspect.signature(self.prefill.plan).parameters
@@ -99,13 +98,12 @@ class FlashInferAttentionImpl:
         last = torch.tensor([n - (u - 1) * page_size for n, u in zip(ctx.context_lens_host, used)],
                             dtype=torch.int32, device=dev)
         q_len = ctx.extras.get("graph_q_len", 1)
+        one_token = q_len == 1 if bucket is not None else all(q == 1 for q in ctx.query_lens_host)
         if bucket is not None:
             wrapper = self._graph_wrapper(q_len, bucket, ctx.block_tables.shape[1])
-        elif all(q == 1 for q in ctx.query_lens_host):
-            wrapper = self.decode
         else:
-            wrapper = self.prefill
-        if isinstance(wrapper, self._decode_cls):
+            wrapper = self.decode if one_token else self.prefill
+        if one_token:
             wrapper.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size,
                          q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
         else:

@@ -70,6 +70,7 @@ class CudaGraphRunnerImpl:
         self.max_q_len = max(spec.query_lens)
         self.graphs: dict[tuple[int, int], tuple[_Captured | _Rerun, ForwardContext]] = {}
         self.bufs: dict[str, torch.Tensor] | None = None
+        self.pad_offsets: dict[int, torch.Tensor] = {}  # q -> 0..q-1 repeated for every bucket row
         self.pool = None
         self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length
 
@@ -160,14 +161,14 @@ class CudaGraphRunnerImpl:
         if start >= end:
             return
         buf, page = self.bufs, self.spec.scratch_page
-        offsets = torch.arange(q, device=buf["ids"].device).repeat(end - start)
+        if q not in self.pad_offsets:
+            self.pad_offsets[q] = torch.arange(q, device=buf["ids"].device).repeat(self.buckets[-1])
+        offsets = self.pad_offsets[q][: (end - start) * q]
         tokens = slice(start * q, end * q)
-        buf["input_ids"][tokens].zero_()
+        buf["input_ids"][tokens].zero_()  # (a stale ``extra`` row is harmless: its outputs go to scratch)
         buf["positions"][tokens].copy_(offsets)
-        buf["slot_mapping"][tokens].copy_(page * block_size + offsets)
+        torch.add(offsets, page * block_size, out=buf["slot_mapping"][tokens])
         buf["token_state_slots"][tokens].fill_(self.spec.scratch_slot)
-        if "extra" in buf:
-            buf["extra"][tokens].zero_()
         buf["context_lens"][start:end].fill_(q)
         buf["state_slots"][start:end].fill_(self.spec.scratch_slot)
         buf["block_tables"][start:end].fill_(page)
