@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# One device run: unpack GPU deps, run GPU + kernel tests, then timing scripts. Logs under $OUT.
+# One device run: unpack GPU deps, then each step in order. Logs under $OUT.
+# Steps: tests | tests-all | pytest:<args> | compare[:--sweep] (kernel_bench in .baseline and in this
+# tree, then the side-by-side table) | old:<cmd> (a command run with the pre-change tree first on
+# PYTHONPATH, e.g. old:python3 -m bi_core.cli bench ...) | <script.sh> | <script.py args>.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/site && tar -xJf .gpu-deps/flashinfer.tar.xz -C /tmp/site && \
@@ -17,12 +20,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "$@"; do
   [ -n "${step%% *}" ] || continue
+  echo "== $step ($(date +%T))"
   case "$step" in
     tests) timeout 420 python3 -m pytest -q -rf -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     pytest:*) timeout ${STEP_TIMEOUT:-330} python3 -m pytest -q -rf --timeout 300 -p no:cacheprovider ${step#pytest:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 ;;
     tests-all) timeout 330 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    *.sh*) echo "== $step"; timeout ${STEP_TIMEOUT:-300} bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
-    *) echo "== $step"; timeout 240 python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
+    compare*) rm -f "$OUT/kernels.jsonl"
+      PYTHONPATH=$PWD/.baseline:/tmp/site timeout 240 python3 benchmarks/kernel_bench.py --json "$OUT/kernels.jsonl" > "$OUT/kernels_old.log" 2>&1
+      timeout ${STEP_TIMEOUT:-300} python3 benchmarks/kernel_bench.py ${step#compare} --json "$OUT/kernels.jsonl" > "$OUT/kernels_new.log" 2>&1
+      grep -h -i "error\|Traceback" "$OUT"/kernels_*.log | head -5
+      python3 benchmarks/kernel_compare.py "$OUT/kernels.jsonl" | tee "$OUT/kernels_table.txt" ;;
+    old:*) (cd .baseline && PYTHONPATH=$PWD:/tmp/site timeout ${STEP_TIMEOUT:-300} ${step#old:}) 2>&1 | tee -a "$OUT/old.log" | tail -30 ;;
+    *.sh*) timeout ${STEP_TIMEOUT:-300} bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
+    *) timeout ${STEP_TIMEOUT:-240} python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
   esac
 done
 if [ -d /tmp/fiws/.cache ] && ! ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then

@@ -40,7 +40,7 @@ def prompts(b: int) -> list[list[int]]:
 def step_ms(engine, b: int, steps: int = 15, hook=None) -> float:
     if hook is not None:
         engine.strategy.draft_hook = hook
-    return time_decode_steps(engine, prompts(b), steps)
+    return time_decode_steps(engine, prompts(b), steps)[0]
 
 
 def forced(truth: dict[int, list[int]], rate: float, rng: random.Random):

@@ -41,9 +41,10 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     for name, p in engine.model.named_parameters():
         if name.startswith("mtp.") or name == "embed_tokens":
             continue
-        if name.endswith(("mlp.w13", "mlp.w2")):
+        if name.endswith(("mlp.w13", "mlp.w2")):  # routed experts hit by batch*k draws, the shared expert (last) always
             hit = a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** batch)
-            total += int(p.numel() * p.element_size() * hit / a.num_experts)
+            per_expert = p[0].numel() * p.element_size()
+            total += int(per_expert * (hit + p.shape[0] - a.num_experts))
         else:
             total += p.numel() * p.element_size()
     if a.tie_word_embeddings:
@@ -66,6 +67,7 @@ class DecodeResult:
     ms_per_step: float
     tokens_per_s: float
     floor_ms: float
+    kernels_per_step: int | None = None
 
     @property
     def over_floor(self) -> float:
@@ -77,9 +79,11 @@ def _prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[list[int
     return torch.randint(0, engine.args.vocab_size, (n, length), generator=g).tolist()
 
 
-def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
+def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, count_kernels: bool = False
+                      ) -> tuple[float, int | None]:
     """Median ms of ``steps`` full engine steps (schedule + forward + sample) once every prompt
-    decodes, after 3 warm-up steps (which also capture this bucket's graph)."""
+    decodes, after 3 warm-up steps (which also capture this bucket's graph); with
+    ``count_kernels``, also the device kernels of one such step (``kernels_per_decode_step``)."""
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
@@ -93,17 +97,41 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    kernels = kernels_per_decode_step(engine, seqs) if count_kernels else None
     while engine.scheduler.has_work():
         engine.step()
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, kernels
+
+
+def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
+    """Device kernels of one decode step of ``seqs``: an eager forward (the kernel sequence a CUDA
+    graph of the step replays) plus sampling, counted with the torch profiler. It runs the step
+    outside the engine's bookkeeping, so those sequences' states move one token ahead: call it
+    only when their outputs no longer matter (after timing)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from bi_core.runtime.batch import plan_batch, upload
+
+    hb = plan_batch([[s.all_ids[-1]] for s in seqs], [s.num_computed for s in seqs], [s.blocks for s in seqs],
+                    [s.state_slot for s in seqs], [True] * len(seqs), block_size=engine.cache.block_size,
+                    ring=engine.cache.state_ring, logits_rows=[[0]] * len(seqs))
+    ids, ctx = upload(hb, engine.device)  # an eager context: no graph key
+    batch = engine.sampling_batch(seqs, [s.num_tokens for s in seqs], 0)
+    torch.cuda.synchronize()
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, logits = engine.run_model(ids, ctx)
+        engine.model.sampler.forward(logits, batch).to_host()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
 
 
 def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
-                 seed: int = 0) -> DecodeResult:
+                 seed: int = 0, count_kernels: bool = True) -> DecodeResult:
     """Decode step latency of ``batch`` rows at ``context_len``, against the bandwidth floor."""
-    ms = time_decode_steps(engine, _prompts(engine, batch, context_len, seed), steps)
+    ms, kernels = time_decode_steps(engine, _prompts(engine, batch, context_len, seed), steps, count_kernels)
     floor = decode_bytes(engine, batch, context_len + 4) / bandwidth * 1e3
-    return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor)
+    return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor, kernels)
 
 
 def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, output_len: int, seed: int = 1) -> dict:

@@ -54,10 +54,14 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
                  "graphs": cfg.graph.enabled, "decode": []}
     for b in batch_sizes:
         r = bench_decode(engine, b, args.context_len, args.steps, bandwidth)
+        layers = engine.args.num_hidden_layers
         out["decode"].append({"batch": b, "context_len": r.context_len, "ms_per_step": r.ms_per_step,
-                              "tokens_per_s": r.tokens_per_s, "floor_ms": r.floor_ms, "over_floor": r.over_floor})
+                              "tokens_per_s": r.tokens_per_s, "floor_ms": r.floor_ms, "over_floor": r.over_floor,
+                              "kernels_per_step": r.kernels_per_step})
+        kernels = (f"  {r.kernels_per_step} kernels/step ({r.kernels_per_step / layers:.1f}/layer)"
+                   if r.kernels_per_step else "")
         print(f"  decode B={b:<4} {r.ms_per_step:8.3f} ms/step  floor {r.floor_ms:7.3f} ms  x{r.over_floor:5.2f}  "
-              f"{r.tokens_per_s:9.1f} tok/s", flush=True)
+              f"{r.tokens_per_s:9.1f} tok/s{kernels}", flush=True)
     if tput:
         out["throughput"] = bench_throughput(engine, *tput)
         print(f"  throughput {tput[0]} req x {tput[1]} in / {tput[2]} out: "

@@ -69,11 +69,10 @@ def _forward(engine, tokens: list[list[int]], past: list[int], blocks, slots, *,
                                  device=engine.device, ring=cache.state_ring)
         with torch.inference_mode(), applied(engine.policy):  # the settings engine steps run under
             engine.model.prepare_step(ctx)
-            hidden = engine.model(ids, ctx, cache.main)
+            _, logits = engine.model(ids, ctx, cache.main)
             if not record:
                 return recorded
-            # then the rest of the path to a logprob: lm_head over the sampled rows, the sampler
-            logits = engine.model.compute_logits(hidden[ctx.logits_indices])
+            # then the rest of the path to a logprob: lm_head over the last rows, the sampler
             recorded.append(("lm_head", "linear", logits[:1].clone()))
             n = len(tokens)
             batch = SamplingBatch(temperatures=[0.0] * n, top_ks=[0] * n, top_ps=[1.0] * n, keys=[0] * n,

@@ -1,10 +1,22 @@
-"""Paged causal attention (GQA) for a ragged batch of prefill and decode rows in one kernel.
+"""Paged causal attention (GQA) with the KV split into fixed chunks of ``KV_SPLIT`` tokens.
 
-A program takes one tile of a sequence's query tokens for one KV head (rows = tokens x the
-GROUP query heads sharing it) and walks that sequence's KV pages from the first in fixed
-BLOCK_N steps with an online softmax. A query row's arithmetic depends only on its own
-position and its sequence's KV: blocks past its position are fully masked and leave it exactly
-unchanged, so a row computes the same bits as a decode row or inside any prefill tile."""
+A query row's result is always the same fold: for chunks 0, 1, ... of its KV (chunk c covers
+positions [c * KV_SPLIT, (c + 1) * KV_SPLIT)), an online softmax over that chunk's fixed
+BLOCK_N blocks gives (m, l, acc); the chunk results are folded in chunk order into one
+(M, L, ACC) with explicit FMAs; the output is ACC / L, times sigmoid(gate) (Qwen3.5's output
+gate). Two launch shapes compute that same fold:
+
+- prefill tiles (a sequence's query tokens x the GROUP query heads of one KV head, one program
+  per tile) fold every chunk inside the program;
+- decode/verify rows (sequences of at most ``DECODE_TOKENS`` query tokens) spread their chunks
+  over several programs, which write each chunk's (m, l, acc) to a workspace; a merge kernel
+  folds them in chunk order. The split size is fixed, so neither the number of chunks nor the
+  fold depends on the batch (FlashInfer's ``fixed_split_size`` idea).
+
+Blocks past a row's position are fully masked and leave it exactly unchanged, and empty chunks
+fold as exact no-ops, so a row computes the same bits in either launch shape, alone or in any
+batch. Workspace slots are laid out by an in-kernel prefix sum over the decode sequences' own
+lengths: no per-step host metadata."""
 
 from __future__ import annotations
 
@@ -16,13 +28,68 @@ from bi_core.kernels.common import dot_mode, mma
 
 M_ROWS = 64  # rows per program (tokens per tile = M_ROWS // GROUP)
 BLOCK_N = 32
+KV_SPLIT = 256  # tokens per KV chunk: fixed, part of every row's arithmetic
+LOG2E = 1.4426950408889634
+NUM_WARPS = 8  # a [64, 256] fp32 accumulator per program: 4 warps spill
 
 
 @triton.jit
-def _paged_attention_kernel(Q, KC, VC, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_log2,
-                            stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh,
-                            stride_bt, PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                            M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+def _attend_chunk(q, KC, VC, bt_row, kvh, pos, lo, hi, scale_log2, stride_kb, stride_ko, stride_kh,
+                  PAGE: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT: tl.constexpr):
+    """Online softmax of the rows (positions ``pos``) over KV positions [lo, hi): (m, l, acc)."""
+    d = tl.arange(0, D)
+    m_i = tl.full((M_ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_ROWS,), tl.float32)
+    acc = tl.zeros((M_ROWS, D), tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        idx = n0 + tl.arange(0, BLOCK_N)
+        in_kv = idx < hi
+        page = tl.load(bt_row + idx // PAGE, mask=in_kv, other=0).to(tl.int64)
+        off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
+        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
+        scores = mma(q, tl.trans(k), tl.zeros((M_ROWS, BLOCK_N), tl.float32), DOT) * scale_log2
+        visible = (idx[None, :] <= pos[:, None]) & in_kv[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fold(m_all, l_all, acc_all, m, l_c, acc):
+    """Fold one chunk's (m, l, acc) into the running result; an empty chunk (m = -inf) is an
+    exact no-op. Explicit FMAs so every kernel that folds rounds the same way."""
+    m_new = tl.maximum(m_all, m)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_all - m_safe)
+    b = tl.exp2(m - m_safe)
+    l_all = tl.fma(l_all, a, l_c * b)
+    acc_all = tl.fma(acc_all, a[:, None], acc * b[:, None])
+    return m_new, l_all, acc_all
+
+
+@triton.jit
+def _gated_store(OUT, G, rows, head, d, acc, denom, mask, stride_ot, stride_gt, D: tl.constexpr):
+    """``out = (acc / denom) * sigmoid(gate)`` with transformers' rounding (each factor in bf16)."""
+    o = (acc / tl.where(denom == 0.0, 1.0, denom)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_gt + head[:, None] * (2 * D) + d[None, :], mask=mask, other=0.0)
+    gate = tl.sigmoid(g.to(tl.float32)).to(OUT.dtype.element_ty).to(tl.float32)
+    ptr = OUT + rows[:, None] * stride_ot + head[:, None] * D + d[None, :]
+    tl.store(ptr, (o * gate).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, G, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_log2,
+                    stride_qt, stride_qh, stride_gt, stride_ot, stride_kb, stride_ko, stride_kh, stride_bt,
+                    PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DOT: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.load(TILE_SEQ + tile).to(tl.int64)
@@ -37,64 +104,173 @@ def _paged_attention_kernel(Q, KC, VC, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, s
     row_ok = tok < q_len
     pos = past + tok
     d = tl.arange(0, D)
-    q_ptr = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     kv_end = tl.minimum(ctx, past + t0 + M_ROWS // GROUP)
-    m_i = tl.full((M_ROWS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((M_ROWS,), tl.float32)
-    acc = tl.zeros((M_ROWS, D), tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
-        idx = n0 + tl.arange(0, BLOCK_N)
-        in_kv = idx < kv_end
-        page = tl.load(BT + s * stride_bt + idx // PAGE, mask=in_kv, other=0).to(tl.int64)
-        off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
-        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
-        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
-        scores = mma(q, tl.trans(k), tl.zeros((M_ROWS, BLOCK_N), tl.float32), DOT) * scale_log2
-        visible = (idx[None, :] <= pos[:, None]) & in_kv[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_ptr = OUT + (q_start + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    m_all = tl.full((M_ROWS,), float("-inf"), tl.float32)
+    l_all = tl.zeros((M_ROWS,), tl.float32)
+    acc_all = tl.zeros((M_ROWS, D), tl.float32)
+    for lo in range(0, kv_end, KV_SPLIT):
+        m, l_c, acc = _attend_chunk(q, KC, VC, BT + s * stride_bt, kvh, pos, lo, tl.minimum(lo + KV_SPLIT, kv_end),
+                                  scale_log2, stride_kb, stride_ko, stride_kh, PAGE, D, M_ROWS, BLOCK_N, DOT)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m, l_c, acc)
+    _gated_store(OUT, G, rows, head, d, acc_all, l_all, row_ok[:, None], stride_ot, stride_gt, D)
+
+
+@triton.jit
+def _chunks_before(CTX, CU, DEC_SEQS, i, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr,
+                   BLOCK_B: tl.constexpr):
+    """Workspace slots used by decode sequences DEC_SEQS[0:i]: each token needs one slot per chunk
+    of its own KV (its position + 1 keys)."""
+    total = tl.zeros((), tl.int64)
+    for j0 in range(0, i, BLOCK_B):
+        j = j0 + tl.arange(0, BLOCK_B)
+        ok = j < i
+        sj = tl.load(DEC_SEQS + j, mask=ok, other=0).to(tl.int64)
+        q_len = tl.load(CU + sj + 1, mask=ok, other=0) - tl.load(CU + sj, mask=ok, other=0)
+        past = tl.load(CTX + sj, mask=ok, other=0) - q_len
+        for u in tl.static_range(DECODE_TOKENS):
+            total += tl.sum(tl.where(ok & (u < q_len), (past + u + KV_SPLIT) // KV_SPLIT, 0), axis=0).to(tl.int64)
+    return total
+
+
+@triton.jit
+def _slot_of(past, tok, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr):
+    """Slots used by the tokens of the same sequence before ``tok`` (vector over rows)."""
+    before = (tok * 0).to(tl.int64)
+    for u in tl.static_range(DECODE_TOKENS):
+        before += tl.where(u < tok, (past + u + KV_SPLIT) // KV_SPLIT, 0)
+    return before
+
+
+@triton.jit
+def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, scale_log2,
+                         stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, num_heads,
+                         PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr,
+                         BLOCK_B: tl.constexpr, DOT: tl.constexpr):
+    i = tl.program_id(0)
+    p = tl.program_id(1)
+    kvh = tl.program_id(2)
+    num_p = tl.num_programs(1)
+    s = tl.load(DEC_SEQS + i).to(tl.int64)
+    q_start = tl.load(CU + s)
+    q_len = tl.load(CU + s + 1) - q_start
+    ctx = tl.load(CTX + s)
+    past = ctx - q_len
+    r = tl.arange(0, M_ROWS)
+    tok = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = tok < q_len
+    pos = past + tok
+    d = tl.arange(0, D)
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    slot0 = _chunks_before(CTX, CU, DEC_SEQS, i, KV_SPLIT, DECODE_TOKENS, BLOCK_B) + \
+        _slot_of(past, tok, KV_SPLIT, DECODE_TOKENS)
+    for c in range(p, tl.cdiv(ctx, KV_SPLIT), num_p):
+        lo = c * KV_SPLIT
+        m, l_c, acc = _attend_chunk(q, KC, VC, BT + s * stride_bt, kvh, pos, lo, tl.minimum(lo + KV_SPLIT, ctx),
+                                  scale_log2, stride_kb, stride_ko, stride_kh, PAGE, D, M_ROWS, BLOCK_N, DOT)
+        keep = row_ok & (pos >= lo)  # chunk c exists for this row
+        unit = ((slot0 + c) * num_heads + head).to(tl.int64)
+        tl.store(WS_M + unit, m, mask=keep)
+        tl.store(WS_L + unit, l_c, mask=keep)
+        tl.store(WS_ACC + unit[:, None] * D + d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stride_ot, num_heads,
+                  D: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(DEC_SEQS + i).to(tl.int64)
+    q_start = tl.load(CU + s)
+    q_len = tl.load(CU + s + 1) - q_start
+    ctx = tl.load(CTX + s)
+    past = ctx - q_len
+    tok = tl.arange(0, DECODE_TOKENS)
+    row_ok = tok < q_len
+    pos = past + tok
+    d = tl.arange(0, D)
+    slot0 = _chunks_before(CTX, CU, DEC_SEQS, i, KV_SPLIT, DECODE_TOKENS, BLOCK_B) + \
+        _slot_of(past, tok, KV_SPLIT, DECODE_TOKENS)
+    m_all = tl.full((DECODE_TOKENS,), float("-inf"), tl.float32)
+    l_all = tl.zeros((DECODE_TOKENS,), tl.float32)
+    acc_all = tl.zeros((DECODE_TOKENS, D), tl.float32)
+    for c in range(0, tl.cdiv(ctx, KV_SPLIT)):
+        keep = row_ok & (pos >= c * KV_SPLIT)
+        unit = ((slot0 + c) * num_heads + h).to(tl.int64)
+        m = tl.load(WS_M + unit, mask=keep, other=float("-inf"))
+        l_c = tl.load(WS_L + unit, mask=keep, other=0.0)
+        acc = tl.load(WS_ACC + unit[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m, l_c, acc)
+    rows = (q_start + tok).to(tl.int64)
+    _gated_store(OUT, G, rows, tok * 0 + h, d, acc_all, l_all, row_ok[:, None], stride_ot, stride_gt, D)
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
     return M_ROWS // (num_heads // num_kv_heads)
 
 
-def make_tiles(query_lens: list[int], tile_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, first token) of every query tile; host-side, once per step."""
-    seqs, starts = [], []
-    for i, n in enumerate(query_lens):
-        for t in range(0, n, tile_tokens):
-            seqs.append(i)
+def make_tiles(query_lens: list[int], seqs: list[int], tile_tokens: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, first token) of every query tile of the sequences ``seqs``; host-side."""
+    tile_seq, starts = [], []
+    for i in seqs:
+        for t in range(0, query_lens[i], tile_tokens):
+            tile_seq.append(i)
             starts.append(t)
-    return (torch.tensor(seqs, dtype=torch.int32, device=device),
+    return (torch.tensor(tile_seq, dtype=torch.int32, device=device),
             torch.tensor(starts, dtype=torch.int32, device=device))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, cu_seqlens: torch.Tensor, tile_seq: torch.Tensor,
-                    tile_start: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q ``[T, Hq, D]``; caches ``[blocks, page, Hkv, D]``; returns ``[T, Hq, D]``."""
+def workspace_slots(num_tokens: int, cache_tokens: int, max_q_len: int) -> int:
+    """An upper bound of the chunk slots a decode step can need: one per token, plus one per
+    KV_SPLIT keys any token reads (no more keys than the cache holds, per query position)."""
+    return num_tokens + max_q_len * triton.cdiv(cache_tokens, KV_SPLIT)
+
+
+def prefill_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq,
+                      tile_start, scale: float) -> None:
+    """Gated attention for prefill tiles. q ``[T, Hq, D]``, gate ``[T, *]`` (head h's gate at
+    columns ``h*2D + D ...``, as q_proj lays it out), out ``[T, Hq*D]``."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    if tile_seq.shape[0] == 0:
+        return
+    _prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
+        q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq, tile_start,
+        scale * LOG2E, q.stride(0), q.stride(1), gate.stride(0), out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        PAGE=page, GROUP=num_heads // num_kv_heads, D=head_dim, M_ROWS=M_ROWS, BLOCK_N=BLOCK_N,
+        KV_SPLIT=KV_SPLIT, DOT=dot_mode(q.dtype), num_warps=NUM_WARPS, num_stages=2)
+
+
+def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, dec_seqs,
+                     scale: float, max_q_len: int, splits_per_seq: int) -> None:
+    """Gated attention for decode/verify sequences ``dec_seqs`` (each at most
+    ``tokens_per_tile`` query tokens): chunk partials, then the ordered merge."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    assert M_ROWS % group == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    out = torch.empty_like(q) if out is None else out
-    grid = (tile_seq.shape[0], num_kv_heads)
-    if grid[0] == 0:
-        return out
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens, tile_seq, tile_start,
-        scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        PAGE=page, GROUP=group, D=head_dim, M_ROWS=M_ROWS, BLOCK_N=BLOCK_N, DOT=dot_mode(q.dtype), num_warps=4, num_stages=2)
-    return out
+    num_dec = dec_seqs.shape[0]
+    if num_dec == 0:
+        return
+    decode_tokens = triton.next_power_of_2(max(max_q_len, 1))
+    assert decode_tokens * group <= M_ROWS
+    cache_tokens = k_cache.shape[0] * page
+    slots = workspace_slots(num_dec * decode_tokens, cache_tokens, decode_tokens)
+    ws_acc = torch.empty((slots, num_heads, head_dim), dtype=torch.float32, device=q.device)
+    ws_m = torch.empty((slots, num_heads), dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    block_b = min(1024, triton.next_power_of_2(num_dec))
+    _decode_split_kernel[(num_dec, splits_per_seq, num_kv_heads)](
+        q, k_cache, v_cache, ws_acc, ws_m, ws_l, block_tables, context_lens, cu_seqlens, dec_seqs,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=M_ROWS, BLOCK_N=BLOCK_N,
+        KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype), num_warps=NUM_WARPS,
+        num_stages=2)
+    _merge_kernel[(num_dec, num_heads)](
+        ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,
+        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, num_warps=4)

@@ -1,6 +1,14 @@
-"""``C = A @ W.T`` with a K reduction order fixed by (N, K) alone: a sequential K loop of fixed
-BLOCK_K, fp32 accumulation, no split-K. BLOCK_M may follow M for speed (the per-row arithmetic
-does not depend on it; tests/gpu check this bitwise), BLOCK_N/BLOCK_K follow (N, K) only."""
+"""``C = A @ W.T`` with a K reduction order fixed by (N, K) alone.
+
+K is cut into ``SPLIT_K`` equal ranges (the split count is chosen from (N, K), never from M);
+each range is a sequential loop of fixed ``BLOCK_K`` steps with fp32 accumulation, and the
+partial sums are added in split order 0, 1, ... by whichever program of the tile finishes last
+(a per-tile arrival counter says which; the counter orders nothing arithmetic, it only elects
+the program that does the fixed-order sum). So a row's bits never depend on how many rows the
+call has. BLOCK_M / BLOCK_N / warps / stages follow M for speed: they change which program
+computes an element, not the element's reduction order (checked bitwise on the GPU for
+M = 1..1024, tests/gpu). One launch per GEMM, split or not: decode GEMVs get enough programs
+to reach bandwidth without a second reduction kernel."""
 
 from __future__ import annotations
 
@@ -10,11 +18,30 @@ import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma
 
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs) at decode
+DECODE_BLOCK_N = 32  # the tile width a decode GEMV uses; split counts are planned against it
+MIN_SPLIT_K = 512  # no split range shorter than this many K elements
+MAX_LOCKS = 1 << 16  # per-tile arrival counters (tiles of a split GEMM, any M up to 65536 rows)
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
 
 @triton.jit
-def _gemm_kernel(A, B, C, M, N, K, stride_am, stride_bn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr):
+def _epilogue(acc, acc_up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The output tile: the GEMM result, or silu(gate) * up rounded like separate ops (each GEMM
+    output, silu(gate), the product)."""
+    if SILU_MUL:
+        gate = acc.to(dt).to(tl.float32)
+        return ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    return acc.to(dt)
+
+
+@triton.jit
+def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
@@ -25,52 +52,115 @@ def _gemm_kernel(A, B, C, M, N, K, stride_am, stride_bn, stride_cm, BLOCK_M: tl.
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_ptr = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-    b_ptr = B + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    a_ptr = A + rm[:, None].to(tl.int64) * stride_am + (k_lo + rk)[None, :]
+    b_ptr = B + rn[None, :].to(tl.int64) * stride_bn + (k_lo + rk)[:, None]
+    up_ptr = b_ptr + N * stride_bn  # SILU_MUL: weight rows [N, 2N) are the up projection
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr, mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
-        b = tl.load(b_ptr, mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk + k0 < k_hi
+        a = tl.load(a_ptr, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0)
         acc = mma(a, b, acc, DOT)
+        if SILU_MUL:
+            acc_up = mma(a, tl.load(up_ptr, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0), acc_up, DOT)
+            up_ptr += BLOCK_K
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
+    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptr = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-BLOCK_K = 64  # the K reduction order: fixed for every shape and batch
-TARGET_PROGRAMS = 264  # about two programs per SM keep a memory-bound GEMV near bandwidth
+    dt = C.dtype.element_ty
+    if SPLIT_K == 1:
+        tl.store(c_ptr, _epilogue(acc, acc_up, dt, SILU_MUL), mask=c_mask)
+    else:
+        halves: tl.constexpr = 2 if SILU_MUL else 1
+        tile_elems = rm[:, None].to(tl.int64) * (halves * N) + rn[None, :]
+        part = WS + split * M * (halves * N) + tile_elems
+        tl.store(part, acc, mask=c_mask)
+        if SILU_MUL:
+            tl.store(part + N, acc_up, mask=c_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(LOCKS + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last program of this tile: sum the partials in split order
+            total = tl.load(WS + tile_elems, mask=c_mask, other=0.0, cache_modifier=".cg")
+            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SILU_MUL:
+                total_up = tl.load(WS + tile_elems + N, mask=c_mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                part = WS + s * M * (halves * N) + tile_elems
+                total += tl.load(part, mask=c_mask, other=0.0, cache_modifier=".cg")
+                if SILU_MUL:
+                    total_up += tl.load(part + N, mask=c_mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptr, _epilogue(total, total_up, dt, SILU_MUL), mask=c_mask)
+            tl.atomic_xchg(LOCKS + pid, 0)  # leave the counter at zero for the next call (and graph replays)
 
 
 def block_m_for(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
-def gemm_config(m: int, n: int) -> dict:
-    """BLOCK_M and BLOCK_N follow the shape for speed (small N gets narrow tiles so a decode GEMV
-    still spreads over the SMs); neither changes a row's K order, which BLOCK_K alone fixes."""
+def block_k_for(k: int) -> int:
+    """Part of the K order: fixed by K."""
+    return 128 if k >= 1024 else 64
+
+
+def split_k_for(n: int, k: int) -> int:
+    """Part of the K order: fixed by (N, K). Enough splits that a one-row GEMM fills about
+    TARGET_PROGRAMS programs, each split at least MIN_SPLIT_K long and a multiple of BLOCK_K."""
+    tiles, bk, split = triton.cdiv(n, DECODE_BLOCK_N), block_k_for(k), 1
+    while tiles * split < TARGET_PROGRAMS and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * bk) == 0:
+        split *= 2
+    return split
+
+
+def gemm_config(m: int, n: int, k: int) -> dict:
+    """BLOCK_K and SPLIT_K fix the K order from (N, K); the rest follows M for speed."""
     bm = block_m_for(m)
-    bn = 128
-    while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < TARGET_PROGRAMS:
-        bn //= 2
+    if bm <= 16:
+        bn, warps, stages = DECODE_BLOCK_N, 4, 4
+    elif bm <= 64:
+        bn, warps, stages = 64, 4, 4
+    else:
+        bn, warps, stages = 128, 8, 3
     bn = min(bn, max(16, triton.next_power_of_2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "num_stages": 4 if bm <= 32 else 3}
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(k), "SPLIT_K": split_k_for(n, k),
+            "num_warps": warps, "num_stages": stages}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ weight[N, K].T``; fp32 operands use IEEE dots (no TF32)."""
+def tile_locks(device: torch.device) -> torch.Tensor:
+    if device not in _locks:  # zeroed once; every split GEMM leaves its counters at zero
+        _locks[device] = torch.zeros(MAX_LOCKS, dtype=torch.int32, device=device)
+    return _locks[device]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None,
+           silu_mul: bool = False) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K].T``; fp32 operands use IEEE dots (no TF32). With ``silu_mul``
+    the weight is ``[gate; up]`` (2N rows) and the result ``silu(x @ gate.T) * (x @ up.T)``.
+    ``config`` overrides the tile table (benchmarks only: a different BLOCK_K or SPLIT_K is a
+    different K order)."""
     shape = x.shape
     a = x.reshape(-1, shape[-1])
     if a.stride(-1) != 1:
         a = a.contiguous()
     m, k = a.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // (2 if silu_mul else 1)
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     c = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return c.view(*shape[:-1], n)
-    cfg = gemm_config(m, n)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _gemm_kernel[grid](a, weight, c, m, n, k, a.stride(0), weight.stride(0), c.stride(0), GROUP_M=8,
-                       DOT=dot_mode(x.dtype), num_warps=4, **cfg)
+    cfg = dict(config or gemm_config(m, n, k))
+    split = cfg.pop("SPLIT_K")
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1 and tiles > MAX_LOCKS:
+        raise ValueError(f"split-K GEMM with {tiles} tiles (M={m}, N={n}): more than {MAX_LOCKS} counters")
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    halves = 2 if silu_mul else 1
+    ws = torch.empty((split, m, halves * n), dtype=torch.float32, device=x.device) if split > 1 else c
+    locks = tile_locks(x.device) if split > 1 else c
+    _gemm_kernel[(tiles, split)](a, weight, c, ws, locks, m, n, k, k_per_split, a.stride(0), weight.stride(0),
+                                 c.stride(0), SPLIT_K=split, SILU_MUL=silu_mul, GROUP_M=8, DOT=dot_mode(x.dtype),
+                                 **cfg)
     return c.view(*shape[:-1], n)

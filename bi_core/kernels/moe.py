@@ -1,10 +1,15 @@
-"""Routed MoE experts as two grouped GEMMs over (token, slot) pairs sorted by expert.
+"""Routed MoE experts (plus the shared expert, folded in as expert E) as two grouped GEMMs over
+(token, slot) pairs sorted by expert.
 
-Routing (``align``) is plain, deterministic torch ops with static shapes (capturable in a CUDA
-graph): pairs sorted stably by expert, each expert's run padded to BLOCK_M rows. The grouped
-GEMM uses the fixed-K-order scheme of ``gemm.py``, so a pair's result does not depend on how
-many pairs its expert received or where it sits in the tile. The k expert outputs of a token
-are combined in fp32 in slot order."""
+Routing (``align``) is one Triton program: per-expert counts (``tl.histogram``), each expert's
+run padded to BLOCK_M rows, a stable counting sort of the pairs (``tl.sort`` on expert-major
+keys) and the expert of every BLOCK_M block, with static shapes (CUDA-graph capturable). A
+pair's result never depends on where it lands: every grouped-GEMM row is its own dot products
+over K in the fixed order of ``gemm.py`` (BLOCK_K fixed by K), whatever BLOCK_M, the expert's
+row count or the row's place in the tile. The first GEMM computes the gate and up halves of an
+expert in one program and applies SiLU-and-mul in its epilogue. The k routed outputs of a token
+are combined in fp32 in slot order, then the shared expert's output (weight sigmoid(gate
+logit)) is added, with transformers' rounding."""
 
 from __future__ import annotations
 
@@ -14,42 +19,99 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma
-from bi_core.kernels.elementwise import moe_combine, silu_mul
-from bi_core.kernels.gemm import block_m_for
+from bi_core.kernels.gemm import block_k_for, block_m_for
+
+SORT_CHUNK = 4096  # pairs sorted at once by the routing program (more are sorted chunk by chunk)
 
 
 @attrs.frozen
 class Routing:
-    sorted_pairs: torch.Tensor  # [max_rows] int32, pair id (token * k + slot) or num_pairs for padding
-    block_expert: torch.Tensor  # [max_blocks] int32, expert of each BLOCK_M rows (>= E: empty block)
+    sorted_pairs: torch.Tensor  # [max_rows] int32, pair id (token * slots + slot) or num_pairs for padding
+    block_expert: torch.Tensor  # [max_blocks] int32, expert of each BLOCK_M rows (>= num_experts: empty block)
     block_m: int
     num_pairs: int
+    slots: int  # pairs per token: top_k, plus 1 with a shared expert
 
 
-def align(topk_ids: torch.Tensor, num_experts: int) -> Routing:
-    flat = topk_ids.reshape(-1)
-    num_pairs = flat.shape[0]
-    bm = block_m_for(num_pairs)
-    max_rows = min(num_pairs * bm, num_pairs + num_experts * (bm - 1))
-    max_rows = triton.cdiv(max_rows, bm) * bm
-    order = torch.argsort(flat, stable=True)
-    # scatter_add, not bincount: bincount reads the max back to the host (no CUDA-graph capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bm - 1) // bm * bm
-    padded_end = torch.cumsum(padded, 0)
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    dest = (padded_end - padded)[expert_of] + rank
-    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, max_rows, bm, device=flat.device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    return Routing(sorted_pairs, block_expert, bm, num_pairs)
+@triton.jit
+def _align_kernel(IDS, SORTED, BLOCK_EXPERT, SCRATCH, num_tokens, num_pairs, max_rows, max_blocks,
+                  TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """Pair p = token * SLOTS + slot has expert IDS[token, slot] for slot < TOP_K, else
+    NUM_EXPERTS - 1 (the shared expert, when SLOTS > TOP_K)."""
+    e_range = tl.arange(0, E_BLOCK)
+    counts = tl.zeros((E_BLOCK,), tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ok = p < num_pairs
+        slot = p % SLOTS
+        e = tl.load(IDS + (p // SLOTS) * TOP_K + slot, mask=ok & (slot < TOP_K), other=NUM_EXPERTS - 1).to(tl.int32)
+        counts += tl.histogram(tl.where(ok, e, E_BLOCK - 1), E_BLOCK)
+    counts = tl.where(e_range < NUM_EXPERTS, counts, 0)  # drop the padding bin
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    # fill: every row is padding, every block empty, until written below
+    for r0 in range(0, max_rows, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(SORTED + r, num_pairs, mask=r < max_rows)
+    for b0 in range(0, max_blocks, FILL):
+        b = b0 + tl.arange(0, FILL)
+        tl.store(BLOCK_EXPERT + b, NUM_EXPERTS, mask=b < max_blocks)
+    tl.debug_barrier()
+    # each expert's blocks
+    blocks_of = padded // BLOCK_M
+    for j in range(0, tl.max(blocks_of, axis=0)):
+        tl.store(BLOCK_EXPERT + padded_start // BLOCK_M + j, e_range, mask=j < blocks_of)
+    # stable counting sort, CHUNK pairs at a time: a pair's row = its expert's start + pairs of
+    # that expert in earlier chunks + its rank among them in this chunk
+    cursor = padded_start
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ok = p < num_pairs
+        slot = p % SLOTS
+        e = tl.load(IDS + (p // SLOTS) * TOP_K + slot, mask=ok & (slot < TOP_K), other=NUM_EXPERTS - 1).to(tl.int32)
+        e = tl.where(ok, e, E_BLOCK - 1)
+        keys = tl.sort(e.to(tl.int64) * CHUNK + tl.arange(0, CHUNK))  # expert-major, then pair order
+        e_sorted = (keys // CHUNK).to(tl.int32)
+        p_sorted = (keys % CHUNK).to(tl.int32) + c0
+        chunk_counts = tl.histogram(e_sorted, E_BLOCK)
+        first_in_chunk = tl.cumsum(chunk_counts, axis=0) - chunk_counts
+        base = cursor - first_in_chunk  # row of the i-th sorted pair of expert e = base[e] + i
+        rows = tl.gather(base, e_sorted, 0) + tl.arange(0, CHUNK)
+        tl.store(SORTED + rows, p_sorted, mask=e_sorted < NUM_EXPERTS)
+        cursor += tl.where(e_range < NUM_EXPERTS, chunk_counts, 0)
+
+
+def max_rows_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    rows = min(num_pairs * block_m, num_pairs + num_experts * (block_m - 1))
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
+    """Pairs sorted by expert; ``num_experts`` counts the shared expert (the last) when ``shared``."""
+    num_tokens, top_k = topk_ids.shape
+    slots = top_k + (1 if shared else 0)
+    num_pairs = num_tokens * slots
+    bm = block_m_for(triton.cdiv(num_pairs, num_experts))  # rows per expert, not per batch: decode gets 16
+    max_rows = max_rows_for(num_pairs, num_experts, bm)
+    max_blocks = max_rows // bm
+    dev = topk_ids.device
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    if num_pairs:
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        chunk = min(SORT_CHUNK, max(16, triton.next_power_of_2(num_pairs)))
+        _align_kernel[(1,)](ids, sorted_pairs, block_expert, None, num_tokens, num_pairs, max_rows, max_blocks,
+                            TOP_K=top_k, SLOTS=slots, NUM_EXPERTS=num_experts,
+                            E_BLOCK=triton.next_power_of_2(num_experts + 1), BLOCK_M=bm, CHUNK=chunk, FILL=1024,
+                            num_warps=4)
+    return Routing(sorted_pairs, block_expert, bm, num_pairs, slots)
 
 
 @triton.jit
 def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_we,
-                         stride_wn, stride_cm, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr,
+                         stride_wn, stride_cm, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
@@ -62,35 +124,89 @@ def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_exp
     rk = tl.arange(0, BLOCK_K)
     a_ptr = A + a_rows[:, None] * stride_am + rk[None, :]
     w_ptr = W + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    up_ptr = w_ptr + N * stride_wn  # SILU_MUL: rows [N, 2N) of the expert are the up projection
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr, mask=valid[:, None] & (rk[None, :] + k0 < K), other=0.0)
-        w = tl.load(w_ptr, mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
+        k_ok = rk + k0 < K
+        a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0)
         acc = mma(a, w, acc, DOT)
+        if SILU_MUL:
+            w_up = tl.load(up_ptr, mask=(rn[None, :] < N) & k_ok[:, None], other=0.0)
+            acc_up = mma(a, w_up, acc_up, DOT)
+            up_ptr += BLOCK_K
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
+    dt = C.dtype.element_ty
+    if SILU_MUL:  # the rounding of separate GEMMs + silu-and-mul: each GEMM output, silu(gate), the product
+        gate = acc.to(dt).to(tl.float32)
+        out = ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    else:
+        out = acc.to(dt)
     c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+    tl.store(c_ptr, out, mask=valid[:, None] & (rn[None, :] < N))
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: int) -> torch.Tensor:
-    """For every pair p: ``out[p] = a[p // a_row_div] @ w[expert(p)].T``; w ``[E, N, K]``."""
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: int, silu_mul: bool = False
+                 ) -> torch.Tensor:
+    """For every pair p: ``out[p] = a[p // a_row_div] @ w[expert(p)].T`` (w ``[E, N, K]``); with
+    ``silu_mul`` w is ``[E, 2N, K]`` and ``out[p] = silu(gate) * up`` ``[num_pairs, N]``."""
     num_experts, n, k = w.shape
+    n = n // 2 if silu_mul else n
     out = torch.empty((routing.num_pairs, n), dtype=a.dtype, device=a.device)
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
+    if routing.num_pairs == 0:
+        return out
+    block_n = 32 if routing.block_m <= 16 else 64 if routing.block_m <= 64 else 128
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     grid = (routing.block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, w, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k,
-                               num_experts, a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
-                               BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=64,
-                               DOT=dot_mode(a.dtype), num_warps=4, num_stages=3)
+                               num_experts, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                               A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BLOCK_M=routing.block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k_for(k), DOT=dot_mode(a.dtype), num_warps=4,
+                               num_stages=3 if silu_mul else 4)
+    return out
+
+
+@triton.jit
+def _combine_kernel(Y, W, SHARED_LOGIT, OUT, H, stride_sl, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    dt = OUT.dtype.element_ty
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):  # slot order, fp32; weights applied in the model dtype
+        w = tl.load(W + t * TOP_K + j).to(dt).to(tl.float32)
+        y = tl.load(Y + (t * SLOTS + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += (y * w).to(dt).to(tl.float32)
+    if SLOTS > TOP_K:  # + sigmoid(shared gate logit) * shared expert, each rounded like transformers
+        gate = tl.sigmoid(tl.load(SHARED_LOGIT + t * stride_sl).to(tl.float32)).to(dt).to(tl.float32)
+        y = tl.load(Y + (t * SLOTS + TOP_K) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(dt).to(tl.float32) + (y * gate).to(dt).to(tl.float32)
+    tl.store(OUT + t * H + cols, acc.to(dt), mask=mask)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_j round(y[t, j] * w[t, j])`` in fp32 in slot order (+ the shared expert's gated output,
+    row ``top_k`` of each token, when ``shared_logits [T]`` is given); y ``[T*slots, H]``."""
+    rows, top_k = weights.shape
+    h = y.shape[1]
+    slots = top_k + (0 if shared_logits is None else 1)
+    out = torch.empty((rows, h), dtype=y.dtype, device=y.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(h))
+        logits = shared_logits if shared_logits is not None else weights
+        _combine_kernel[(rows, triton.cdiv(h, block))](y, weights.contiguous(), logits, out, h, logits.stride(0),
+                                                       TOP_K=top_k, SLOTS=slots, BLOCK=block, num_warps=4)
     return out
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor) -> torch.Tensor:
-    """Σ_j w_j · SwiGLU-expert_{id_j}(x) per token, combined in fp32 in slot order."""
-    num_tokens, top_k = topk_ids.shape
-    routing = align(topk_ids, w13.shape[0])
-    h = grouped_gemm(x, w13, routing, a_row_div=top_k)
-    y = grouped_gemm(silu_mul(h), w2, routing, a_row_div=1)
-    return moe_combine(y, topk_weights)
+              w2: torch.Tensor, shared_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_j w_j · SwiGLU-expert_{id_j}(x) per token, combined in fp32 in slot order; with
+    ``shared_logits`` the last expert of w13/w2 is the shared expert, gated by sigmoid(logit)."""
+    routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None)
+    h = grouped_gemm(x, w13, routing, a_row_div=routing.slots, silu_mul=True)
+    y = grouped_gemm(h, w2, routing, a_row_div=1)
+    return moe_combine(y, topk_weights, shared_logits)

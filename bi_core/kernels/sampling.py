@@ -51,7 +51,8 @@ def _sample_partial_kernel(L, SEEDS, TEMPS, PART_M, PART_S, PART_BEST, PART_IDX,
 
 
 @triton.jit
-def _sample_combine_kernel(PART_M, PART_S, PART_BEST, PART_IDX, TOKENS, LSE, num_chunks, BLOCK_C: tl.constexpr):
+def _sample_combine_kernel(PART_M, PART_S, PART_BEST, PART_IDX, L, TOKENS, LSE, PACKED, num_chunks, stride_l,
+                           BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     mask = c < num_chunks
@@ -64,26 +65,35 @@ def _sample_combine_kernel(PART_M, PART_S, PART_BEST, PART_IDX, TOKENS, LSE, num
     total = tl.sum(tl.where(mask, s * tl.exp(m - m_all), 0.0), axis=0)
     b = tl.max(best, axis=0)
     first = tl.min(tl.where(best == b, c, BLOCK_C), axis=0)  # lowest chunk among ties = lowest index
-    tl.store(TOKENS + row, tl.sum(tl.where(c == first, idx, 0), axis=0).to(tl.int64))
-    tl.store(LSE + row, m_all + tl.log(total))
+    token = tl.sum(tl.where(c == first, idx, 0), axis=0).to(tl.int64)
+    lse = m_all + tl.log(total)
+    tl.store(TOKENS + row, token)
+    tl.store(LSE + row, lse)
+    # (token, its logprob under the raw distribution): the one row the host reads back
+    logprob = tl.load(L + row * stride_l + token).to(tl.float32) - lse
+    tl.store(PACKED + row * 2, token.to(tl.float64))
+    tl.store(PACKED + row * 2 + 1, logprob.to(tl.float64))
 
 
-def sample(logits: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (token ids ``[B]``, log-sum-exp of the raw logits ``[B]``); ``seeds`` are the
-    per-row mixed (request seed, position) keys (int64, < 2**63). Each row is split into fixed
-    vocabulary chunks combined in chunk order, so a row's result never depends on the batch."""
+def sample(logits: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (token ids ``[B]``, log-sum-exp of the raw logits ``[B]``, ``[B, 2]`` float64 rows of
+    (token, log p(token))); ``seeds`` are the per-row mixed (request seed, position) keys (int64,
+    < 2**63); logits in any float dtype (read as fp32). Each row is split into fixed vocabulary
+    chunks combined in chunk order, so a row's result never depends on the batch."""
     rows, vocab = logits.shape
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    packed = torch.empty((rows, 2), dtype=torch.float64, device=dev)
     if rows == 0:
-        return tokens, lse
+        return tokens, lse, packed
     chunk = min(CHUNK, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
     part = [torch.empty(rows * num_chunks, dtype=dt, device=dev)
             for dt in (torch.float32, torch.float32, torch.float32, torch.int32)]
     _sample_partial_kernel[(rows, num_chunks)](logits, seeds, temperatures, *part, vocab, logits.stride(0),
                                                num_chunks, CHUNK=chunk, BLOCK_V=min(2048, chunk), num_warps=4)
-    _sample_combine_kernel[(rows,)](*part, tokens, lse, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks),
-                                    num_warps=1)
-    return tokens, lse
+    _sample_combine_kernel[(rows,)](*part, logits, tokens, lse, packed, num_chunks, logits.stride(0),
+                                    BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+    return tokens, lse, packed

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from bi_core.errors import CheckpointError
 from bi_core.models.args import ModelArgs
+from bi_core.models.qwen3_5 import pad_experts
 
 log = logging.getLogger(__name__)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -92,10 +93,12 @@ class Concat:
 
 @attrs.frozen
 class Experts:
-    """Our stacked expert tensor from a fused or per-expert layout under ``prefix`` (``...mlp.experts``)."""
+    """Our stacked expert tensor from a fused or per-expert layout under ``prefix`` (``...mlp.experts``),
+    with the shared expert under ``shared`` (``...mlp.shared_expert``) appended as the last expert."""
 
     prefix: str
     which: str  # "w13" or "w2"
+    shared: str | None = None
 
 
 def _layer_sources(ours: str, hf: str, layer_type: str, args: ModelArgs) -> dict[str, object]:
@@ -106,8 +109,9 @@ def _layer_sources(ours: str, hf: str, layer_type: str, args: ModelArgs) -> dict
     if layer_type == "full_attention":
         a = f"{hf}.self_attn"
         s[f"{ours}.mixer.qkv_proj.weight"] = Concat(tuple(f"{a}.{x}_proj.weight" for x in "qkv"))
-        for n in ("o_proj", "q_norm", "k_norm"):
-            s[f"{ours}.mixer.{n}.weight"] = Concat((f"{a}.{n}.weight",))
+        s[f"{ours}.mixer.o_proj.weight"] = Concat((f"{a}.o_proj.weight",))
+        for n in ("q_norm", "k_norm"):
+            s[f"{ours}.mixer.{n}"] = Concat((f"{a}.{n}.weight",))
     else:
         a = f"{hf}.linear_attn"
         s[f"{ours}.mixer.in_proj.weight"] = Concat(tuple(f"{a}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")))
@@ -118,13 +122,11 @@ def _layer_sources(ours: str, hf: str, layer_type: str, args: ModelArgs) -> dict
         s[f"{ours}.mixer.out_proj.weight"] = Concat((f"{a}.out_proj.weight",))
     m = f"{hf}.mlp"
     if args.is_moe:
-        s[f"{ours}.mlp.gate.weight"] = Concat((f"{m}.gate.weight",))
-        s[f"{ours}.mlp.w13"] = Experts(f"{m}.experts", "w13")
-        s[f"{ours}.mlp.w2"] = Experts(f"{m}.experts", "w2")
-        se = f"{m}.shared_expert"
-        s[f"{ours}.mlp.shared_expert.gate_up_proj.weight"] = Concat((f"{se}.gate_proj.weight", f"{se}.up_proj.weight"))
-        s[f"{ours}.mlp.shared_expert.down_proj.weight"] = Concat((f"{se}.down_proj.weight",))
-        s[f"{ours}.mlp.shared_expert_gate.weight"] = Concat((f"{m}.shared_expert_gate.weight",))
+        shared = args.shared_expert_intermediate_size > 0
+        se = f"{m}.shared_expert" if shared else None
+        s[f"{ours}.mlp.gate.weight"] = Concat((f"{m}.gate.weight",) + ((f"{m}.shared_expert_gate.weight",) if shared else ()))
+        s[f"{ours}.mlp.w13"] = Experts(f"{m}.experts", "w13", se)
+        s[f"{ours}.mlp.w2"] = Experts(f"{m}.experts", "w2", se)
     else:
         s[f"{ours}.mlp.gate_up_proj.weight"] = Concat((f"{m}.gate_proj.weight", f"{m}.up_proj.weight"))
         s[f"{ours}.mlp.down_proj.weight"] = Concat((f"{m}.down_proj.weight",))
@@ -157,7 +159,27 @@ def _is_transposed(index: CheckpointIndex, prefix: str, num_experts: int, hidden
     return ((up == (e, h, 2 * i) and up != (e, 2 * i, h)) or (down == (e, i, h) and down != (e, h, i)))
 
 
-def _load_experts(index: CheckpointIndex, src: Experts, shape: torch.Size, hidden: int, inter: int) -> torch.Tensor:
+def _expert_shape(which: str, hidden: int, inter: int) -> tuple[int, int]:
+    return (2 * inter, hidden) if which == "w13" else (hidden, inter)
+
+
+def _load_experts(index: CheckpointIndex, src: Experts, shape: torch.Size, args: ModelArgs) -> torch.Tensor:
+    """Routed experts, then (with ``src.shared``) the shared expert, each zero-padded to the
+    parameter's width (``pad_experts``)."""
+    h, inter, shared_inter = args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size
+    width = shape[1] // 2 if src.which == "w13" else shape[2]
+    routed_shape = torch.Size((args.num_experts, *_expert_shape(src.which, h, inter)))
+    routed = pad_experts(_load_routed(index, src, routed_shape, h, inter), src.which, width)
+    if src.shared is None:
+        return routed
+    names = ((f"{src.shared}.gate_proj.weight", f"{src.shared}.up_proj.weight") if src.which == "w13"
+             else (f"{src.shared}.down_proj.weight",))
+    shared = _check_shape(" + ".join(names), torch.cat([index.get(n) for n in names], dim=0),
+                          torch.Size(_expert_shape(src.which, h, shared_inter)))
+    return torch.cat([routed, pad_experts(shared[None].to(routed.dtype), src.which, width)])
+
+
+def _load_routed(index: CheckpointIndex, src: Experts, shape: torch.Size, hidden: int, inter: int) -> torch.Tensor:
     num_experts = shape[0]
     fused_name = f"{src.prefix}.{'gate_up_proj' if src.which == 'w13' else 'down_proj'}"
     if index.has(fused_name):
@@ -194,8 +216,7 @@ def load_weights(model: torch.nn.Module, index: CheckpointIndex) -> None:
     for name, param in params.items():
         src = sources[name]
         if isinstance(src, Experts):
-            args = model.args
-            t = _load_experts(index, src, param.shape, args.hidden_size, args.moe_intermediate_size)
+            t = _load_experts(index, src, param.shape, model.args)
         else:
             parts = [index.get(n) for n in src.names]
             for n, p in zip(src.names, parts):

@@ -32,3 +32,6 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         else:  # linear [out, in] or experts [E, out, in]
             vals = torch.randn(shape, device=p.device, generator=gen) / math.sqrt(shape[-1])
         p.copy_(vals.to(p.dtype))
+    for module in model.modules():
+        if hasattr(module, "zero_padding"):
+            module.zero_padding()

@@ -1,4 +1,6 @@
-"""Attention over a paged KV cache: causal, GQA, prefill (ragged queries) and decode rows mixed."""
+"""Qwen3.5 gated attention over a paged KV cache, from the qkv projection to the o_proj input:
+q/k zero-centred RMSNorm per head, partial RoPE, the KV-cache write, causal GQA attention
+(prefill, decode and verify rows mixed), and the sigmoid output gate."""
 
 from __future__ import annotations
 
@@ -17,19 +19,23 @@ class AttentionSpec(OpSpec):
     num_kv_heads: int
     head_dim: int
     scale: float
+    rotary_dim: int  # NeoX RoPE on the first rotary_dim dims of q and k
+    rope_theta: float
+    norm_eps: float  # q_norm / k_norm
 
 
 class AttentionImpl(Protocol):
     def forward(
         self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        qkv: torch.Tensor,  # [T, 2*Hq*D + 2*Hkv*D]: per head [query | gate], then keys, then values
+        q_norm: torch.Tensor,  # [D] zero-centred RMSNorm weights (scale - 1)
+        k_norm: torch.Tensor,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         ctx: ForwardContext,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Write k/v into the cache at ``ctx.slot_mapping``, then attend causally over each sequence."""
+    ) -> torch.Tensor:  # [T, Hq*D]: attention output times sigmoid(gate)
+        """Normalise and rotate q and k, write k/v at ``ctx.slot_mapping``, attend causally over
+        each sequence, apply the output gate."""
 
 
 class AttentionBuilder(OpBuilder[AttentionSpec]):

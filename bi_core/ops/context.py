@@ -1,7 +1,8 @@
 """The one explicit forward context: everything a step's kernels need to know about the batch.
 
-Tensors live on the model's device; ``*_host`` lists are the same facts on the host for eager
-paths (the reference backend loops over sequences). Built by the runtime for every step.
+Tensors live on the model's device (integer tensors are int64); ``*_host`` lists are the same
+facts on the host for eager paths (the reference backend loops over sequences). Built by the
+runtime for every step (``runtime/batch.py``), or views of a CUDA graph's static buffers.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ class ForwardContext:
     """A flat (ragged) batch: the tokens of B sequences laid end to end, T tokens in all."""
 
     positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
-    cu_seqlens_q: torch.Tensor  # [B+1] int32, token offsets of each sequence in the flat batch
-    context_lens: torch.Tensor  # [B] int32, KV length after this step (past + new tokens)
-    block_tables: torch.Tensor  # [B, max_blocks] int32, KV pages of each sequence (-1 = none)
+    cu_seqlens_q: torch.Tensor  # [B+1] token offsets of each sequence in the flat batch
+    context_lens: torch.Tensor  # [B] KV length after this step (past + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] KV pages of each sequence (-1 = none)
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot (page * block_size + offset) of each token
     state_slots: torch.Tensor  # [B] int64, GDN state slot each sequence reads (its state before this step)
-    logits_indices: torch.Tensor  # [B'] int64, rows whose logits are needed (last token of a seq)
+    logits_indices: torch.Tensor  # [R] rows whose logits the step returns
     query_lens_host: list[int]
     cu_seqlens_host: list[int]  # the same offsets as cu_seqlens_q, on the host
     context_lens_host: list[int]
@@ -29,9 +30,11 @@ class ForwardContext:
     token_state_slots_host: list[int]
     state_ring: int  # state slots per sequence (1 + speculative tokens); > 1: store the state after every token
     is_recurrent_host: list[bool]  # GDN: recurrent (one-token) form for this sequence, else chunked
-    recurrent_ids: torch.Tensor  # [B_rec] int32, indices of the sequences with is_recurrent_host
+    recurrent_ids: torch.Tensor  # [B_rec] indices of the sequences with is_recurrent_host
     block_tables_host: list[list[int]]
     block_size: int
+    logits_indices_host: list[int] = attrs.field(factory=list)
+    logits_all_rows: bool = False  # logits_indices is every row (a graph's static batch): no gather
     extras: dict = attrs.field(factory=dict)  # per-step metadata impls compute once and share across layers
 
     @property
@@ -47,3 +50,32 @@ class ForwardContext:
 
     def token_range(self, i: int) -> tuple[int, int]:
         return self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]
+
+
+@attrs.define
+class HostBatch:
+    """One step's batch on the host: B sequences, T tokens laid end to end."""
+
+    token_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T] flat KV slot (page * block_size + offset)
+    token_state_slots: list[int]  # [T] GDN state slot receiving the state after each token
+    query_lens: list[int]  # [B]
+    context_lens: list[int]  # [B] KV length after this step
+    state_slots: list[int]  # [B] GDN state slot each sequence reads
+    blocks: list[list[int]]  # [B] KV pages of each sequence
+    is_recurrent: list[bool]  # [B] GDN recurrent (decode/verify) form, else chunked
+    logits_rows: list[int]  # flat rows whose logits the step returns
+    block_size: int
+    ring: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        cu = [0]
+        for q in self.query_lens:
+            cu.append(cu[-1] + q)
+        return cu

@@ -9,9 +9,9 @@ import attrs
 import torch
 
 from bi_core.ops.base import OpBuilder, OpSpec
-from bi_core.ops.context import ForwardContext
+from bi_core.ops.context import ForwardContext, HostBatch
 
-StepFn = Callable[[torch.Tensor, ForwardContext], torch.Tensor]
+StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 @attrs.frozen(kw_only=True)
@@ -27,11 +27,16 @@ class GraphRunnerSpec(OpSpec):
 
 
 class GraphRunnerImpl(Protocol):
+    def make_context(self, batch: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
+        """The step's input ids and context on the device (a graph runner packs a step it will
+        replay straight into that graph's static buffers)."""
+
     def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext,
             prepare: Callable[[ForwardContext], None] | None = None,
             extra: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``step(input_ids, ctx)`` (or ``step(input_ids, ctx, extra)`` with a per-token input
-        such as the MTP head's hidden states), returning its per-token output; ``prepare(ctx)`` does
+        such as the MTP head's hidden states). The step returns a tuple: a per-token output, then
+        outputs with one row per ``ctx.logits_indices`` row; so does ``run``. ``prepare(ctx)`` does
         host-side per-step planning and always runs outside any captured graph."""
 
 

@@ -1,8 +1,9 @@
-"""RMSNorms: zero-centred ``x̂ (1 + w)`` with optional fused residual add, and the GDN gated norm."""
+"""Zero-centred RMSNorm ``x̂ (1 + w)`` with optional fused residual add (every decoder norm; the
+GDN gated norm belongs to the gdn op, q/k norms to attention)."""
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
 import attrs
 import torch
@@ -14,7 +15,6 @@ from bi_core.ops.base import OpBuilder, OpSpec
 class NormSpec(OpSpec):
     hidden_size: int
     eps: float
-    kind: Literal["rms_1p", "rms_gated"] = "rms_1p"
 
 
 class RMSNormImpl(Protocol):
@@ -25,11 +25,6 @@ class RMSNormImpl(Protocol):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``r = x + residual`` (in the activation dtype), returns ``(norm(r), r)``."""
-
-
-class GatedRMSNormImpl(Protocol):
-    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``w * rmsnorm(x) * silu(gate)`` over the last dim (plain weight, not zero-centred)."""
 
 
 class NormBuilder(OpBuilder[NormSpec]):

@@ -37,6 +37,14 @@ class SamplerOutput:
     logprobs: torch.Tensor  # [B] float32, log p(token) under the raw (temperature 1) distribution
     top_ids: torch.Tensor  # [B, N] int64
     top_logprobs: torch.Tensor  # [B, N] float32
+    packed: torch.Tensor | None = None  # [B, 2] float64 (token, logprob) when the impl made it (N = 0)
+
+    def to_host(self) -> torch.Tensor:
+        """``[B, 2 + 2N]`` float64 on the host (token ids < 2**53 are exact): one transfer."""
+        if self.packed is not None and self.top_ids.shape[1] == 0:
+            return self.packed.cpu()
+        return torch.cat([self.token_ids[:, None].double(), self.logprobs[:, None].double(),
+                          self.top_ids.double(), self.top_logprobs.double()], dim=1).cpu()
 
 
 class SamplerImpl(Protocol):

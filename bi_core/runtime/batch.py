@@ -1,13 +1,18 @@
-"""Turns a list of scheduled sequences into model inputs and a ForwardContext."""
+"""Turns the scheduled sequences of a step into model inputs and a ForwardContext.
+
+``plan_batch`` computes everything on the host (plain lists); ``upload`` packs the integer fields
+into one pinned host tensor and copies it to the device in one transfer, either into fresh
+tensors (eager steps) or into a CUDA graph's static buffers, padded to the graph's bucket (see
+``backends/cuda_common/graph_runner.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from bi_core.ops.context import ForwardContext
+from bi_core.ops.context import ForwardContext, HostBatch
 
 
-def build_context(
+def plan_batch(
     token_ids: list[list[int]],  # per sequence, the tokens this step processes
     past_lens: list[int],  # per sequence, tokens already in the cache
     blocks: list[list[int]],
@@ -15,58 +20,75 @@ def build_context(
     is_recurrent: list[bool],
     *,
     block_size: int,
-    device: torch.device,
     ring: int = 1,
-) -> tuple[torch.Tensor, ForwardContext]:
-    """``ring`` > 1 (speculative decoding): a sequence owns ``ring`` consecutive state slots; at
-    past length L it reads slot ``L % ring`` and the state after its t-th new token goes to slot
-    ``(L + t + 1) % ring``, so rejecting drafts is just a shorter length, never a copy."""
-    query_lens = [len(t) for t in token_ids]
-    context_lens = [p + q for p, q in zip(past_lens, query_lens)]
-    positions, slots, logits_rows, flat, token_states = [], [], [], [], []
-    read_states = [base * ring + past % ring for base, past in zip(state_slots, past_lens)]
+    logits_rows: list[list[int]] | None = None,
+) -> HostBatch:
+    """``logits_rows[i]``: rows of sequence i (offsets into its tokens) whose logits are needed;
+    default its last row. ``ring`` > 1 (speculative decoding): a sequence owns ``ring``
+    consecutive state slots; at past length L it reads slot ``L % ring`` and the state after its
+    t-th new token goes to slot ``(L + t + 1) % ring``, so rejecting drafts is just a shorter
+    length, never a copy."""
+    flat, positions, slots, token_states, rows = [], [], [], [], []
     offset = 0
-    for ids, past, blk, base in zip(token_ids, past_lens, blocks, state_slots):
+    for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
         flat += ids
         for t, pos in enumerate(range(past, past + len(ids))):
             positions.append(pos)
             slots.append(blk[pos // block_size] * block_size + pos % block_size)
             token_states.append(base * ring + (past + t + 1) % ring)
+        wanted = [len(ids) - 1] if logits_rows is None else logits_rows[i]
+        rows += [offset + r for r in wanted]
         offset += len(ids)
-        logits_rows.append(offset - 1)
-    max_blocks = max(len(b) for b in blocks)
-    table = [b + [-1] * (max_blocks - len(b)) for b in blocks]
-    cu = [0]
-    for q in query_lens:
-        cu.append(cu[-1] + q)
+    query_lens = [len(t) for t in token_ids]
+    return HostBatch(
+        token_ids=flat, positions=positions, slot_mapping=slots, token_state_slots=token_states,
+        query_lens=query_lens, context_lens=[p + q for p, q in zip(past_lens, query_lens)],
+        state_slots=[base * ring + past % ring for base, past in zip(state_slots, past_lens)],
+        blocks=[list(b) for b in blocks], is_recurrent=list(is_recurrent), logits_rows=rows,
+        block_size=block_size, ring=ring)
 
-    recurrent = [i for i, r in enumerate(is_recurrent) if r]
-    # One host-to-device copy for every integer field, then typed views.
-    fields = [flat, positions, cu, context_lens, [x for row in table for x in row], slots, read_states,
-              logits_rows, recurrent, token_states]
-    packed = torch.tensor([x for f in fields for x in f], dtype=torch.int64, device="cpu")
-    packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
-    parts = list(torch.split(packed, [len(f) for f in fields]))
-    ids, pos, cu_t, ctx_t, table_t, slots_t, state_t, logits_t, rec_t, token_state_t = parts
 
-    ctx = ForwardContext(
-        positions=pos,
-        cu_seqlens_q=cu_t.to(torch.int32),
-        context_lens=ctx_t.to(torch.int32),
-        block_tables=table_t.to(torch.int32).view(len(blocks), max_blocks),
-        slot_mapping=slots_t,
-        state_slots=state_t,
-        logits_indices=logits_t,
-        query_lens_host=query_lens,
-        cu_seqlens_host=cu,
-        context_lens_host=context_lens,
-        state_slots_host=read_states,
-        token_state_slots=token_state_t,
-        token_state_slots_host=token_states,
-        state_ring=ring,
-        is_recurrent_host=list(is_recurrent),
-        recurrent_ids=rec_t.to(torch.int32),
-        block_tables_host=[list(b) for b in blocks],
-        block_size=block_size,
-    )
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """One host-to-device copy of an int64 list (pinned and asynchronous on CUDA)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+                 state_slots: torch.Tensor, logits_indices: torch.Tensor, token_state_slots: torch.Tensor,
+                 recurrent_ids: torch.Tensor, extras: dict | None = None, logits_all_rows: bool = False
+                 ) -> ForwardContext:
+    """A ForwardContext over device tensors (fresh or static views) and the host lists of ``hb``."""
+    return ForwardContext(
+        positions=positions, cu_seqlens_q=cu_seqlens, context_lens=context_lens, block_tables=block_tables,
+        slot_mapping=slot_mapping, state_slots=state_slots, logits_indices=logits_indices,
+        query_lens_host=list(hb.query_lens), cu_seqlens_host=hb.cu_seqlens, context_lens_host=list(hb.context_lens),
+        state_slots_host=list(hb.state_slots), token_state_slots=token_state_slots,
+        token_state_slots_host=list(hb.token_state_slots), state_ring=hb.ring,
+        is_recurrent_host=list(hb.is_recurrent), recurrent_ids=recurrent_ids,
+        block_tables_host=[list(b) for b in hb.blocks], block_size=hb.block_size,
+        logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows,
+        extras=extras if extras is not None else {})
+
+
+def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
+    """An eager step's inputs: every integer field in one transfer, then views."""
+    max_blocks = max(len(b) for b in hb.blocks)
+    table = [x for b in hb.blocks for x in b + [-1] * (max_blocks - len(b))]
+    recurrent = [i for i, r in enumerate(hb.is_recurrent) if r]
+    fields = [hb.token_ids, hb.positions, hb.cu_seqlens, hb.context_lens, table, hb.slot_mapping, hb.state_slots,
+              hb.logits_rows, recurrent, hb.token_state_slots]
+    parts = torch.split(to_device([x for f in fields for x in f], device), [len(f) for f in fields])
+    ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states = parts
+    ctx = context_from(hb, positions=pos, cu_seqlens=cu, context_lens=ctx_lens,
+                       block_tables=table_t.view(hb.num_seqs, max_blocks), slot_mapping=slots, state_slots=states,
+                       logits_indices=logits, token_state_slots=token_states, recurrent_ids=rec)
     return ids, ctx
+
+
+def build_context(token_ids, past_lens, blocks, state_slots, is_recurrent, *, block_size: int, device: torch.device,
+                  ring: int = 1, logits_rows: list[list[int]] | None = None) -> tuple[torch.Tensor, ForwardContext]:
+    """``plan_batch`` + ``upload``: an eager step's inputs (tests, probes)."""
+    return upload(plan_batch(token_ids, past_lens, blocks, state_slots, is_recurrent, block_size=block_size,
+                             ring=ring, logits_rows=logits_rows), device)

@@ -22,6 +22,7 @@ from bi_core.plugins import load_registry
 from bi_core.policies import check_config, make_policy, resolve_device
 from bi_core.policies.apply import applied, check_environment
 from bi_core.registry import Registry
+from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.scheduler import Scheduler
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
@@ -101,11 +102,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def model_step(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+    def model_step(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, ctx, self.cache.main)
 
-    def run_model(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        """The main model over one step's tokens, through the graph runner."""
+    def make_batch(self, token_ids: list[list[int]], seqs: list[Sequence], is_recurrent: list[bool],
+                   logits_rows: list[list[int]], *, past_lens: list[int] | None = None, runner=None):
+        """Input ids and context of a step over ``token_ids[i]`` of ``seqs[i]`` (from position
+        ``past_lens[i]``, default its ``num_computed``), packed by ``runner`` (default the main model's)."""
+        past = [s.num_computed for s in seqs] if past_lens is None else past_lens
+        hb = plan_batch(token_ids, past, [s.blocks for s in seqs],
+                        [s.state_slot for s in seqs], is_recurrent, block_size=self.cache.block_size,
+                        ring=self.cache.state_ring, logits_rows=logits_rows)
+        return (runner or self.runner).make_context(hb, self.device)
+
+    def run_model(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model over one step's tokens, through the graph runner: (hidden states of every
+        token, logits of the rows ``ctx.logits_indices_host``)."""
         return self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
@@ -153,10 +165,7 @@ class LLMEngine:
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        out = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n))
-        # one device-to-host transfer (token ids < 2**53 are exact in float64)
-        packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
-                            out.top_ids.double(), out.top_logprobs.double()], dim=1).cpu()
+        packed = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n)).to_host()
         tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
         top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
         rows = []

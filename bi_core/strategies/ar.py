@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
 from bi_core.hookspecs import hookimpl
-from bi_core.runtime.batch import build_context
 from bi_core.runtime.scheduler import Scheduled
 from bi_core.strategies.base import Strategy
 
@@ -15,25 +12,17 @@ class ARStrategy(Strategy):
 
     def step(self, scheduled: list[Scheduled]) -> None:
         eng = self.engine
-        seqs = [s.seq for s in scheduled]
-        input_ids, ctx = build_context(
+        input_ids, ctx = eng.make_batch(
             [s.seq.all_ids[s.seq.num_computed : s.seq.num_computed + s.num_tokens] for s in scheduled],
-            [s.num_computed for s in seqs],
-            [s.blocks for s in seqs],
-            [s.state_slot for s in seqs],
+            [s.seq for s in scheduled],
             [s.num_tokens == 1 and s.seq.num_computed > 0 for s in scheduled],  # decode rows: recurrent GDN
-            block_size=eng.cache.block_size,
-            device=eng.device,
-            ring=eng.cache.state_ring,
-        )
-        hidden = eng.run_model(input_ids, ctx)
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+            [[s.num_tokens - 1] if s.samples else [] for s in scheduled])
+        _, logits = eng.run_model(input_ids, ctx)
+        sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
-        if not sampling:
-            return
-        rows = ctx.logits_indices[torch.tensor(sampling, device=eng.device)]
-        eng.sample_and_append([seqs[i] for i in sampling], eng.model.compute_logits(hidden[rows]))
+        if sampling:
+            eng.sample_and_append(sampling, logits)
 
 
 @hookimpl

@@ -30,7 +30,6 @@ import torch
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
-from bi_core.runtime.batch import build_context
 from bi_core.runtime.scheduler import Scheduled
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.strategies.base import Strategy
@@ -102,21 +101,15 @@ class MTPStrategy(Strategy):
     def step(self, scheduled: list[Scheduled]) -> None:
         eng = self.engine
         plans = [self._plan(s) for s in scheduled]
-        input_ids, ctx = build_context(
-            [p.tokens for p in plans], [p.seq.num_computed for p in plans], [p.seq.blocks for p in plans],
-            [p.seq.state_slot for p in plans], [p.recurrent for p in plans],
-            block_size=eng.cache.block_size, device=eng.device, ring=eng.cache.state_ring)
-        hidden = eng.run_model(input_ids, ctx)
-        rows, row_seqs, positions = [], [], []
+        input_ids, ctx = eng.make_batch([p.tokens for p in plans], [p.seq for p in plans],
+                                        [p.recurrent for p in plans], [p.sample_rows for p in plans])
+        hidden, logits = eng.run_model(input_ids, ctx)
+        row_seqs, positions = [], []
         for p, offset in zip(plans, ctx.cu_seqlens_host):
             p.offset = offset
-            rows += [offset + j for j in p.sample_rows]
             row_seqs += [p.seq] * len(p.sample_rows)
             positions += [p.seq.num_computed + j + 1 for j in p.sample_rows]
-        sampled = []
-        if rows:
-            logits = eng.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])
-            sampled = eng.sample_rows(row_seqs, positions, logits)
+        sampled = eng.sample_rows(row_seqs, positions, logits) if row_seqs else []
         cursor = 0
         for p in plans:
             self._accept(p, sampled[cursor:cursor + len(p.sample_rows)])
@@ -175,38 +168,37 @@ class MTPStrategy(Strategy):
         if not live:
             return
         rows = [p.offset + j for p in live for j in range(len(p.mtp_tokens))]
-        m = self._mtp([p.mtp_tokens for p in live], [p.mtp_start for p in live], [p.seq for p in live],
-                      hidden[torch.tensor(rows, device=eng.device)])
-        starts = [0, *_cumsum(len(p.mtp_tokens) for p in live)]
         drafting = [i for i, p in enumerate(live) if p.seq.is_decoding]
+        wanted = set(drafting)
+        m, first = self._mtp([p.mtp_tokens for p in live], [p.mtp_start for p in live], [p.seq for p in live],
+                             hidden[torch.tensor(rows, device=eng.device)],
+                             [[p.draft_row] if i in wanted else [] for i, p in enumerate(live)])
         if not drafting:
             return
+        starts = [0, *_cumsum(len(p.mtp_tokens) for p in live)]
         last = m[torch.tensor([starts[i] + live[i].draft_row for i in drafting], device=eng.device)]
         positions = [live[i].mtp_start + live[i].draft_row for i in drafting]
         seqs = [live[i].seq for i in drafting]
-        proposed = [[t] for t in self._argmax(last)]
+        proposed = [[t] for t in first.tolist()]
         for _ in range(self.num_spec - 1):
             positions = [q + 1 for q in positions]
-            last = self._mtp([[d[-1]] for d in proposed], positions, seqs, last)
-            for d, t in zip(proposed, self._argmax(last)):
+            last, nxt = self._mtp([[d[-1]] for d in proposed], positions, seqs, last, [[0]] * len(seqs))
+            for d, t in zip(proposed, nxt.tolist()):
                 d.append(t)
         for seq, d in zip(seqs, proposed):
             self.drafts[seq.request_id] = self.draft_hook(seq, d) if self.draft_hook else d
 
-    def _mtp(self, tokens: list[list[int]], starts: list[int], seqs: list[Sequence], hidden: torch.Tensor):
-        """The MTP head over ``tokens[i]`` at positions ``starts[i]...`` (its own KV cache, same pages).
-        The head has no GDN layer, so every row is marked recurrent: any uniform step can replay a graph."""
+    def _mtp(self, tokens: list[list[int]], starts: list[int], seqs: list[Sequence], hidden: torch.Tensor,
+             logits_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over ``tokens[i]`` at positions ``starts[i]...`` (its own KV cache, same pages):
+        its output rows and the greedy draft of each ``logits_rows`` row. The head has no GDN layer,
+        so every row is marked recurrent: any uniform step can replay a graph."""
         eng = self.engine
-        ids, ctx = build_context(tokens, starts, [s.blocks for s in seqs], [s.state_slot for s in seqs],
-                                 [True] * len(seqs), block_size=eng.cache.block_size, device=eng.device,
-                                 ring=eng.cache.state_ring)
+        ids, ctx = eng.make_batch(tokens, seqs, [True] * len(seqs), logits_rows, past_lens=starts, runner=self.runner)
         return self.runner.run(self._mtp_step, ids, ctx, eng.model.prepare_step, extra=hidden)
 
-    def _mtp_step(self, ids: torch.Tensor, ctx, hidden: torch.Tensor) -> torch.Tensor:
+    def _mtp_step(self, ids: torch.Tensor, ctx, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.engine.model.mtp_forward(ids, hidden, ctx, self.engine.cache.mtp)
-
-    def _argmax(self, m: torch.Tensor) -> list[int]:
-        return torch.argmax(self.engine.model.compute_logits(m).float(), dim=-1).tolist()
 
 
 def _cumsum(values):

@@ -29,10 +29,11 @@ def test_grouped_mm_moe_matches_triton_moe():
 
 def test_bf16_state_and_grouped_mm_engines_run_close_to_default():
     def cfg(**extra):
+        overrides = {"cache": {"num_blocks": 1024}, **extra}  # a variant's cache section replaces this one
         return EngineConfig.from_dict(tiny_config(
             model={"random": {"preset": "qwen3.5-35b-a3b", "seed": 0, "num_hidden_layers": 4}, "dtype": "bfloat16",
                    "device": "cuda", "max_model_len": 1024},
-            backend="cuda_default", cache={"num_blocks": 1024}, **extra))
+            backend="cuda_default", **overrides))
 
     g = torch.Generator().manual_seed(0)
     ps = [torch.randint(0, 248320, (n,), generator=g).tolist() for n in (30, 200, 7)]

@@ -1,7 +1,8 @@
 """On the reference backend (float32) a request's greedy tokens do not change when it runs
 alone, in a batch, or beside requests arriving mid-run; seeded samples likewise (G4's shape).
 The reference backend promises no bitwise invariance, so logprobs are compared with a
-tolerance here; the bitwise checks live with the invariant backend."""
+tolerance here (relative too: float32 logprobs of magnitude ~5 differ by tens of ulps when CPU
+BLAS blocks a batch differently); the bitwise checks live with the invariant backend."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def check(preset, params):
         alone = engine(preset).generate([p], params)[0]
         assert alone.token_ids == t.token_ids
         torch.testing.assert_close(torch.tensor(alone.token_logprobs), torch.tensor(t.token_logprobs),
-                                   atol=1e-5, rtol=0)
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_alone_vs_batched_dense():

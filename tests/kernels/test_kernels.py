@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bi_core.backends.reference.attention import ReferenceAttentionImpl, write_kv
+from bi_core.backends.reference.attention import ReferenceAttentionImpl
 from bi_core.backends.reference.gdn import ReferenceGdnImpl
+from bi_core.backends.reference.linear import ReferenceLinearImpl
 from bi_core.backends.reference.moe import ReferenceMoEImpl
-from bi_core.backends.reference.norm import ReferenceGatedRMSNormImpl, ReferenceRMSNormImpl
+from bi_core.backends.reference.norm import ReferenceRMSNormImpl, gated_rms_norm
 from bi_core.backends.reference.topk import ReferenceTopKImpl
 from bi_core.ops.attention import AttentionSpec
-from bi_core.ops.gdn import GdnSpec
+from bi_core.ops.gdn import GdnSpec, GdnWeights
 from bi_core.runtime.batch import build_context
 
 
@@ -19,21 +20,24 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def ragged_ctx(query_lens, past_lens, device, block_size=16):
+def ragged_ctx(query_lens, past_lens, device, block_size=16, recurrent=None, ring=1, slots=None):
     blocks, nxt = [], 0
     for q, p in zip(query_lens, past_lens):
         n = -(-(q + p) // block_size)
         blocks.append(list(range(nxt, nxt + n)))
         nxt += n + 1  # leave holes so pages are not contiguous
-    ids, ctx = build_context([[0] * q for q in query_lens], past_lens, blocks, list(range(len(query_lens))),
-                             [q == 1 and p > 0 for q, p in zip(query_lens, past_lens)], block_size=block_size,
-                             device=device)
+    if recurrent is None:
+        recurrent = [q == 1 and p > 0 for q, p in zip(query_lens, past_lens)]
+    ids, ctx = build_context([[0] * q for q in query_lens], past_lens, blocks,
+                             slots if slots is not None else list(range(len(query_lens))), recurrent,
+                             block_size=block_size, device=device, ring=ring)
     return ctx, nxt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm(device, dtype):
-    from bi_core.kernels.norm import gated_rms_norm, rms_norm
+    from bi_core.kernels.norm import gated_rms_norm as triton_gated
+    from bi_core.kernels.norm import rms_norm
 
     x, r = torch.randn(7, 96, device=device, dtype=dtype), torch.randn(7, 96, device=device, dtype=dtype)
     w = 0.1 * torch.randn(96, device=device, dtype=dtype)
@@ -49,7 +53,7 @@ def test_rms_norm(device, dtype):
     else:
         assert rel(res, res_ref) < 1e-2
     g = torch.randn(7, 96, device=device, dtype=dtype)
-    got, want = gated_rms_norm(x, g, w + 1, 1e-6), ReferenceGatedRMSNormImpl(1e-6).forward(x, g, w + 1)
+    got, want = triton_gated(x, g, w + 1, 1e-6), gated_rms_norm(x, g, w + 1, 1e-6)
     # three bf16 roundings in a row: the interpreter truncates each (a ~1% bias); the GPU rounds
     gated_tol = 3e-2 if (dtype == torch.bfloat16 and device.type == "cpu") else tol
     assert rel(got, want) < gated_tol
@@ -58,6 +62,17 @@ def test_rms_norm(device, dtype):
 def gdn_spec(device, dtype):
     return GdnSpec(dtype=dtype, device=device, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=32,
                    conv_kernel=4)
+
+
+def gdn_inputs(spec, num_tokens, num_slots, device, dtype):
+    proj = torch.randn(num_tokens, spec.conv_dim + spec.value_dim + 2 * spec.num_v_heads, device=device, dtype=dtype)
+    weights = GdnWeights(conv1d=(torch.randn(spec.conv_dim, 4, device=device) / 2).to(dtype),
+                         A_log=torch.rand(spec.num_v_heads, device=device) * 2,
+                         dt_bias=torch.randn(spec.num_v_heads, device=device),
+                         norm=(1 + 0.1 * torch.randn(spec.head_v_dim, device=device)).to(dtype))
+    conv = torch.randn(num_slots, spec.conv_dim, 3, device=device, dtype=dtype)
+    state = torch.randn(num_slots, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, device=device)
+    return proj, weights, conv, state
 
 
 def test_conv1d_ragged_with_state(device):
@@ -78,103 +93,181 @@ def test_conv1d_ragged_with_state(device):
     torch.testing.assert_close(state, state_ref)
 
 
-def test_gdn_recurrent_ragged_with_state(device):
-    from bi_core.kernels.gdn_recurrent import gdn_recurrent
+def run_gdn_decode(spec, proj, weights, conv, state, ctx, out=None):
+    from bi_core.kernels.gdn_decode import gdn_decode
 
-    spec = gdn_spec(device, torch.float32)
-    qlens, plens = [3, 1, 6], [0, 4, 2]
-    ctx, _ = ragged_ctx(qlens, plens, device)
-    ctx.is_recurrent_host = [True] * 3
-    t = sum(qlens)
-    q, k = torch.randn(t, 2, 16, device=device), torch.randn(t, 2, 16, device=device)
-    v = torch.randn(t, 4, 32, device=device)
-    g, beta = -torch.rand(t, 4, device=device), torch.rand(t, 4, device=device)
-    state = torch.randn(3, 4, 16, 32, device=device)
-    state_ref = state.clone()
-    out = gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                        ctx.token_state_slots, block_v=16)
-    want = ReferenceGdnImpl(spec).delta_rule(q, k, v, g, beta, state_ref, ctx)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
+    out = torch.full((proj.shape[0], spec.value_dim), float("nan"), dtype=proj.dtype, device=proj.device) \
+        if out is None else out
+    return gdn_decode(proj, weights.conv1d, weights.A_log, weights.dt_bias, weights.norm, conv, state,
+                      ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots, ctx.recurrent_ids,
+                      out, num_k_heads=spec.num_k_heads, head_k_dim=spec.head_k_dim, eps=1e-6,
+                      per_token=ctx.state_ring > 1)
 
 
-def test_gdn_ring_keeps_the_state_after_every_token(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_decode_matches_reference(device, dtype):
+    """The fused decode kernel (conv, gates, delta rule, gated norm) against the reference mixer
+    core, decode rows and multi-token recurrent (verify-like) rows, new and continuing sequences."""
+    spec = gdn_spec(device, dtype)
+    qlens, plens = [3, 1, 1, 4], [0, 4, 9, 2]
+    ctx, _ = ragged_ctx(qlens, plens, device, recurrent=[True] * 4)
+    proj, weights, conv, state = gdn_inputs(spec, sum(qlens), 4, device, dtype)
+    conv_ref, state_ref = conv.clone(), state.clone()
+    out = run_gdn_decode(spec, proj, weights, conv, state, ctx)
+    want = ReferenceGdnImpl(spec).forward(proj, weights, conv_ref, state_ref, ctx)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    assert rel(out, want) < tol
+    assert rel(state, state_ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(conv, conv_ref)  # windows are copies of inputs: exact
+
+
+def test_gdn_decode_ring_keeps_the_state_after_every_token(device):
     """Speculative layout: ring of 4 slots per sequence; slot (L + t + 1) % 4 gets the state after
-    token t, in the conv and the recurrent kernels, equal to running the tokens one by one."""
-    from bi_core.kernels.conv1d import causal_conv1d
-    from bi_core.kernels.gdn_recurrent import gdn_recurrent
-
+    token t (conv window and recurrent state), bitwise equal to running the tokens one by one."""
+    spec = gdn_spec(device, torch.float32)
     ring, past, n = 4, 5, 3
-    _, ctx = build_context([[0] * n], [past], [[0]], [1], [True], block_size=16, device=device, ring=ring)
+    ctx, _ = ragged_ctx([n], [past], device, recurrent=[True], ring=ring, slots=[1])
     assert ctx.state_slots_host == [1 * ring + past % ring]
     assert ctx.token_state_slots_host == [ring + (past + t + 1) % ring for t in range(n)]
-    q, k = torch.randn(n, 2, 16, device=device), torch.randn(n, 2, 16, device=device)
-    v, g, beta = torch.randn(n, 4, 32, device=device), -torch.rand(n, 4, device=device), torch.rand(n, 4, device=device)
-    x, w = torch.randn(n, 24, device=device), torch.randn(24, 4, device=device)
-    state, conv = torch.randn(2 * ring, 4, 16, 32, device=device), torch.randn(2 * ring, 24, 3, device=device)
+    proj, weights, conv, state = gdn_inputs(spec, n, 2 * ring, device, torch.float32)
     s_one, c_one = state.clone(), conv.clone()
-    gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                  ctx.token_state_slots, per_token=True, block_v=16)
-    causal_conv1d(x, w, conv, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
-                  per_token=True, block_c=8)
-    for t in range(n):  # one token at a time (decode steps) reach the same states
-        _, c1 = build_context([[0]], [past + t], [[0]], [1], [True], block_size=16, device=device, ring=ring)
-        gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s_one, c1.cu_seqlens_q,
-                      c1.context_lens, c1.state_slots, c1.token_state_slots, per_token=True, block_v=16)
-        causal_conv1d(x[t:t + 1], w, c_one, c1.cu_seqlens_q, c1.context_lens, c1.state_slots, c1.token_state_slots,
-                      per_token=True, block_c=8)
+    out = run_gdn_decode(spec, proj, weights, conv, state, ctx)
+    for t in range(n):  # one token at a time (decode steps) reach the same states and outputs
+        c1, _ = ragged_ctx([1], [past + t], device, recurrent=[True], ring=ring, slots=[1])
+        o1 = run_gdn_decode(spec, proj[t:t + 1], weights, c_one, s_one, c1)
         slot = ctx.token_state_slots_host[t]
         assert torch.equal(state[slot], s_one[slot]) and torch.equal(conv[slot], c_one[slot])
+        assert torch.equal(out[t:t + 1], o1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear(device, dtype):
-    from bi_core.kernels.gemm import linear
+@pytest.mark.parametrize("n,k", [(72, 200), (40, 2048)])  # the second splits K in 4
+def test_linear(device, dtype, n, k):
+    from bi_core.kernels.gemm import gemm_config, linear
 
+    assert gemm_config(1, 40, 2048)["SPLIT_K"] == 4
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    w2 = torch.randn(2 * n, k, device=device, dtype=dtype) / k**0.5
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for m in (1, 5, 70):
-        x = torch.randn(m, 200, device=device, dtype=dtype)
-        w = torch.randn(72, 200, device=device, dtype=dtype) / 14
-        want = x.float() @ w.float().T
-        assert rel(linear(x, w), want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        assert rel(linear(x, w), x.float() @ w.float().T) < tol
+        want = ReferenceLinearImpl(silu_mul=True).forward(x.float(), w2.float())
+        assert rel(linear(x, w2, silu_mul=True), want) < 2 * tol
+
+
+def attention_inputs(device, dtype, hq=4, hkv=2, d=32, rot=8):
+    spec = AttentionSpec(dtype=dtype, device=device, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
+                         rotary_dim=rot, rope_theta=1e4, norm_eps=1e-6)
+    q_norm, k_norm = (0.1 * torch.randn(d, device=device, dtype=dtype) for _ in range(2))
+    return spec, q_norm, k_norm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_mixed_prefill_decode(device, dtype):
-    from bi_core.kernels.attention import make_tiles, paged_attention, tokens_per_tile
+def test_qk_norm_rope_write(device, dtype):
+    from bi_core.backends.cuda_common.attention import _inv_freq
+    from bi_core.backends.reference.attention import Rope, split_qkv
+    from bi_core.backends.reference.norm import rms_norm_1p
+    from bi_core.kernels.qk_norm_rope import qk_norm_rope_write
 
-    hq, hkv, d = 4, 2, 32
-    qlens, plens = [20, 1, 7, 1], [0, 30, 18, 3]
-    ctx, nblocks = ragged_ctx(qlens, plens, device)
+    spec, q_norm, k_norm = attention_inputs(device, dtype)
+    ctx, nblocks = ragged_ctx([5, 1], [0, 300], device)
+    qkv = torch.randn(6, 2 * 4 * 32 + 2 * 2 * 32, device=device, dtype=dtype)
+    kc = torch.full((nblocks, 16, 2, 32), float("nan"), device=device, dtype=dtype)
+    vc = kc.clone()
+    q = qk_norm_rope_write(qkv, q_norm, k_norm, _inv_freq(spec), ctx.positions, ctx.slot_mapping, kc, vc, 4, 1e-6, 8)
+    rope = Rope(8, 1e4, device)
+    q_ref, _, k_ref, v_ref = split_qkv(qkv, spec)
+    cos, sin = rope.cos_sin(ctx.positions, dtype)
+    q_ref = rope.apply(rms_norm_1p(q_ref, q_norm, 1e-6), cos, sin)
+    k_ref = rope.apply(rms_norm_1p(k_ref, k_norm, 1e-6), cos, sin)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel(q, q_ref) < tol
+    flat_k, flat_v = kc.view(-1, 2, 32)[ctx.slot_mapping], vc.view(-1, 2, 32)[ctx.slot_mapping]
+    assert rel(flat_k, k_ref) < tol and torch.equal(flat_v, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_attention_mixed_prefill_decode_verify(device, dtype):
+    """Prefill chunks, decode rows with KV longer than one split, and a multi-token recurrent
+    (verify) sequence in one step, against the reference."""
+    from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
+    from bi_core.kernels.attention import KV_SPLIT
+
+    spec, q_norm, k_norm = attention_inputs(device, dtype)
+    qlens, plens = [20, 1, 7, 1, 3], [0, KV_SPLIT + 40, 18, 3, 2 * KV_SPLIT - 1]
+    ctx, nblocks = ragged_ctx(qlens, plens, device, recurrent=[False, True, False, True, True])
     t = sum(qlens)
-    kc = torch.randn(nblocks, 16, hkv, d, device=device, dtype=dtype)
-    vc = torch.randn(nblocks, 16, hkv, d, device=device, dtype=dtype)
-    q, k, v = (torch.randn(t, h, d, device=device, dtype=dtype) for h in (hq, hkv, hkv))
-    spec = AttentionSpec(dtype=dtype, device=device, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5)
+    kc = torch.randn(nblocks, 16, 2, 32, device=device, dtype=dtype)
+    vc = torch.randn(nblocks, 16, 2, 32, device=device, dtype=dtype)
+    qkv = torch.randn(t, 2 * 4 * 32 + 2 * 2 * 32, device=device, dtype=dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    want = ReferenceAttentionImpl(spec).forward(q, k, v, kc_ref, vc_ref, ctx)
-    write_kv(k, v, kc, vc, ctx.slot_mapping)
-    seqs, starts = make_tiles(qlens, tokens_per_tile(hq, hkv), device)
-    out = torch.full_like(q, float("nan"))
-    paged_attention(q, kc, vc, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, seqs, starts, d**-0.5, out=out)
+    want = ReferenceAttentionImpl(spec).forward(qkv, q_norm, k_norm, kc_ref, vc_ref, ctx)
+    impl = TritonPagedAttentionImpl(spec)
+    assert [len(x) for x in (impl.prepare(ctx).dec_seqs, impl.prepare(ctx).tile_seq)] == [3, 2]
+    out = impl.forward(qkv, q_norm, k_norm, kc, vc, ctx)
     assert rel(out, want) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_topk_and_fused_moe(device):
+def test_decode_form_equals_prefill_form(device):
+    """A decode row (split programs + ordered merge) gives the bits the same row gets inside a
+    prefill tile (chunks folded in one program), at a KV length spanning three splits."""
+    from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
+    from bi_core.kernels.attention import KV_SPLIT
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec, q_norm, k_norm = attention_inputs(device, dtype)
+    n = 2 * KV_SPLIT + 30
+    impl = TritonPagedAttentionImpl(spec)
+    qkv = torch.randn(n, 2 * 4 * 32 + 2 * 2 * 32, device=device, dtype=dtype)
+    ctx, nblocks = ragged_ctx([n], [0], device)
+    kc = torch.zeros(nblocks, 16, 2, 32, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    prefill = impl.forward(qkv, q_norm, k_norm, kc, vc, ctx)  # one prefill of n tokens
+    ctx1, _ = ragged_ctx([1], [n - 1], device, recurrent=[True])
+    decode = impl.forward(qkv[n - 1:], q_norm, k_norm, kc, vc, ctx1)  # its last token as a decode row
+    assert impl.prepare(ctx1).dec_seqs.shape[0] == 1 and impl.prepare(ctx).dec_seqs.shape[0] == 0
+    assert torch.equal(decode, prefill[n - 1:])
+
+
+def test_align_routes_every_pair_once(device):
+    from bi_core.kernels.moe import align
+
+    for tokens, k, e, shared in ((1, 2, 8, True), (13, 2, 8, False), (600, 8, 64, True)):
+        ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(tokens)])
+        r = align(ids, e + shared, shared)
+        pairs = r.sorted_pairs.tolist()
+        real = [p for p in pairs if p < r.num_pairs]
+        assert sorted(real) == list(range(tokens * (k + shared)))
+        for row, p in enumerate(pairs):
+            if p < r.num_pairs:
+                t, slot = divmod(p, r.slots)
+                expert = e if slot == k else int(ids[t, slot])
+                assert r.block_expert[row // r.block_m] == expert
+        # stable within an expert: pairs in increasing order
+        for b in range(r.block_expert.shape[0]):
+            block = [p for p in pairs[b * r.block_m:(b + 1) * r.block_m] if p < r.num_pairs]
+            assert block == sorted(block)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_topk_and_fused_moe(device, shared):
     from bi_core.kernels.moe import fused_moe
     from bi_core.kernels.topk import softmax_topk
 
     t, e, k, h, i = 13, 8, 2, 64, 32
-    logits = torch.randn(t, e, device=device)
+    logits = torch.randn(t, e + 1, device=device)
     logits[0, 3] = logits[0, 5] = 10.0  # a tie: the lower id must come first
-    w, ids = softmax_topk(logits, k)
-    w_ref, ids_ref = ReferenceTopKImpl(k).forward(logits)
+    w, ids = softmax_topk(logits[:, :e], k)  # a strided view, as the model passes it
+    w_ref, ids_ref = ReferenceTopKImpl(k).forward(logits[:, :e])
     assert torch.equal(ids, ids_ref) and ids[0].tolist() == [3, 5]
     torch.testing.assert_close(w, w_ref)
     x = torch.randn(t, h, device=device)
-    w13 = torch.randn(e, 2 * i, h, device=device) / 8
-    w2 = torch.randn(e, h, i, device=device) / 6
-    got = fused_moe(x, w, ids, w13, w2)
-    want = ReferenceMoEImpl().forward(x, w, ids, w13, w2)
+    w13 = torch.randn(e + shared, 2 * i, h, device=device) / 8
+    w2 = torch.randn(e + shared, h, i, device=device) / 6
+    gate = logits[:, e] if shared else None
+    got = fused_moe(x, w, ids, w13, w2, gate)
+    want = ReferenceMoEImpl().forward(x, w, ids, w13, w2, gate)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -185,11 +278,14 @@ def test_sampler(device):
     logits[2, 17] = logits[2, 15000] = 50.0  # greedy tie across chunks -> lower index
     seeds = torch.tensor([11, 12, 13, 14, 15, 16], device=device)
     greedy = torch.zeros(6, device=device)
-    tokens, lse = sample(logits, seeds, greedy)
+    tokens, lse, packed = sample(logits, seeds, greedy)
     assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[2] == 17
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-5)
+    assert packed[:, 0].long().tolist() == tokens.tolist()
+    torch.testing.assert_close(packed[:, 1].float(), torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0],
+                               atol=1e-4, rtol=1e-5)
     hot = torch.ones(6, device=device)
-    a, _ = sample(logits, seeds, hot)
-    b, _ = sample(logits[3:4], seeds[3:4], hot[3:4])
-    c, _ = sample(logits, seeds + 100, hot)
+    a = sample(logits, seeds, hot)[0]
+    b = sample(logits[3:4], seeds[3:4], hot[3:4])[0]
+    c = sample(logits, seeds + 100, hot)[0]
     assert a[3] == b[0] and a.tolist() != c.tolist()

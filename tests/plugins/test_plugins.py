@@ -31,12 +31,38 @@ def test_example_plugin_selected_from_yaml(tmp_path):
                     "backend: reference\npolicy: {ops: {norm: [example_norm, reference]}}\n")
     cfg = EngineConfig.from_yaml(path)
     text = explain(cfg)
-    assert "norm          -> example_norm, reference" in text
-    assert "refused example_norm: only zero-centred RMSNorm, not rms_gated" in text
+    assert "norm          -> example_norm" in text
     ours = build_engine(cfg).generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
     ref = build_engine(EngineConfig.from_yaml(path).replace(policy={"ops": {}})).generate(
         [[1, 2, 3, 4]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
     assert ours.token_ids == ref.token_ids
+
+
+class NarrowNorm:
+    """A plugin whose norm builder refuses some specs: explain shows its reasons, and the selector
+    falls through to the next backend in the policy's order for those specs only."""
+
+    @hookimpl
+    def bi_register_backends(self, register):
+        from bi_core.backends.reference.norm import ReferenceNormBuilder
+
+        class Narrow(ReferenceNormBuilder):
+            def check(self, spec, policy):
+                return [f"rows of {spec.hidden_size} are wider than 32"] if spec.hidden_size > 32 else []
+
+        register(Backend(name="narrow_norm", builders=(Narrow(),)))
+
+
+def test_refusals_are_explained_and_fall_through(tmp_path):
+    from bi_core.runtime.engine import explain
+
+    cfg = EngineConfig.from_dict(tiny_config(policy={"ops": {"norm": ["narrow_norm", "reference"]}}))
+    registry = load_registry(extra_plugins=(NarrowNorm(),))
+    text = explain(cfg, registry)
+    assert "norm          -> reference" in text
+    assert "refused narrow_norm: rows of 64 are wider than 32" in text
+    ours = build_engine(cfg, registry).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert len(ours.token_ids) == 4
 
 
 def test_disable_and_allowlist(monkeypatch):

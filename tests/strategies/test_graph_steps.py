@@ -56,7 +56,7 @@ def test_padded_mtp_steps_equal_ar(preset, mode):
     out = eng.generate(ps, params)
     for a, m in zip(ar, out):
         assert m.token_ids == a.token_ids
-        torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=1e-5)
     verify = 1 + N_SPEC
     assert eng.runner.num_replays[verify] > 0, "verify steps never replayed a graph"
     assert eng.strategy.runner.num_replays[verify] > 0, "MTP catch-up never replayed a graph"
@@ -121,16 +121,16 @@ def test_only_uniform_recurrent_steps_replay():
     other step (prefill rows, mixed lengths, another L, more sequences than the largest bucket,
     a different state ring) runs eagerly."""
     from bi_core.backends.cuda_common.graph_runner import buckets
-    from bi_core.runtime.batch import build_context
+    from bi_core.runtime.batch import plan_batch
 
     eng = build_engine(config("tiny-dense", "mtp"))
     runner = rerun_runner(eng, eng.runner_spec)  # query_lens (1, 4), max bucket 8, ring 4
     assert buckets(8) == [1, 2, 4, 8] and buckets(40) == [1, 2, 4, 8, 16, 32, 40]
 
     def key(lens, recurrent=True, ring=4):
-        _, ctx = build_context([[1] * q for q in lens], [5] * len(lens), [[0]] * len(lens), list(range(len(lens))),
-                               [recurrent] * len(lens), block_size=16, device=torch.device("cpu"), ring=ring)
-        return runner.graph_key(ctx)
+        hb = plan_batch([[1] * q for q in lens], [5] * len(lens), [[0]] * len(lens), list(range(len(lens))),
+                        [recurrent] * len(lens), block_size=16, ring=ring)
+        return runner.graph_key(hb)
 
     assert key([1]) == (1, 1) and key([4, 4, 4]) == (4, 4) and key([1] * 5) == (1, 8)
     assert key([4, 1]) is None and key([2, 2]) is None and key([1] * 9) is None

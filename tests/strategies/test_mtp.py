@@ -62,7 +62,7 @@ def test_mtp_equals_ar(preset, mode, kind):
         for a, m in zip(expected, out):
             assert m.token_ids == a.token_ids
             torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs),
-                                       atol=1e-5, rtol=0)
+                                       atol=1e-5, rtol=1e-5)
             if kind == "all":
                 assert m.num_accepted_draft_tokens == m.num_draft_tokens > 0
                 assert m.draft_acceptance == 1.0 and m.mean_accepted_per_step > 1

@@ -4,40 +4,77 @@ from __future__ import annotations
 
 import inspect
 
+import attrs
 import torch
 
-from bi_core.backends.reference.attention import write_kv
 from bi_core.ops.attention import AttentionSpec
 from bi_core.ops.context import ForwardContext
 
 WORKSPACE_BYTES = 128 << 20
 
 
+def _inv_freq(spec: AttentionSpec) -> torch.Tensor:
+    dim = spec.rotary_dim
+    return 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=spec.device) / dim))
+
+
+def _qk_norm_rope(spec: AttentionSpec, inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx) -> torch.Tensor:
+    from bi_core.kernels.qk_norm_rope import qk_norm_rope_write
+
+    return qk_norm_rope_write(qkv, q_norm, k_norm, inv_freq, ctx.positions, ctx.slot_mapping, k_cache, v_cache,
+                              spec.num_heads, spec.norm_eps, spec.rotary_dim)
+
+
+@attrs.frozen
+class _TritonPlan:
+    dec_seqs: torch.Tensor  # sequences in decode form (recurrent, at most a tile of query tokens)
+    max_q: int
+    splits: int  # programs per decode sequence and KV head (scheduling only: any value gives the same bits)
+    tile_seq: torch.Tensor  # prefill tiles
+    tile_start: torch.Tensor
+
+
 class TritonPagedAttentionImpl:
-    """One kernel for prefill, decode and mixed steps (see bi_core/kernels/attention.py)."""
+    """The fused per-token kernel (q/k norm, RoPE, KV write), then the fixed-split paged attention
+    of ``kernels/attention.py``: decode/verify sequences through split programs and an ordered
+    merge, prefill tiles in one program each; both end in the output gate."""
 
     def __init__(self, spec: AttentionSpec) -> None:
         from bi_core.kernels.attention import tokens_per_tile
 
         self.spec = spec
         self.tile_tokens = tokens_per_tile(spec.num_heads, spec.num_kv_heads)
+        self.inv_freq = _inv_freq(spec)
 
-    def prepare(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query tiles of the step (a graph's static context keeps the ones made at capture)."""
+    def prepare(self, ctx: ForwardContext) -> _TritonPlan:
+        """Which sequences run in decode form, and the prefill tiles (a graph's static context
+        keeps the plan made at capture: every sequence decodes)."""
         from bi_core.kernels.attention import make_tiles
 
-        key = ("attn_tiles", self.tile_tokens)
+        key = ("attn_plan", self.tile_tokens)
         if key not in ctx.extras:
-            ctx.extras[key] = make_tiles(ctx.query_lens_host, self.tile_tokens, ctx.positions.device)
+            dev, lens = ctx.positions.device, ctx.query_lens_host
+            dec = [i for i, q in enumerate(lens) if ctx.is_recurrent_host[i] and q <= self.tile_tokens]
+            pre = sorted(set(range(len(lens))) - set(dec))
+            dec_seqs = ctx.recurrent_ids if len(dec) == len(lens) else torch.tensor(dec, dtype=torch.int64, device=dev)
+            splits = max(1, min(64, -(-264 // max(1, len(dec) * self.spec.num_kv_heads))))
+            tile_seq, tile_start = make_tiles(lens, pre, self.tile_tokens, dev)
+            ctx.extras[key] = _TritonPlan(dec_seqs, max((lens[i] for i in dec), default=1), splits, tile_seq,
+                                          tile_start)
         return ctx.extras[key]
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
-        from bi_core.kernels.attention import paged_attention
+    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+        from bi_core.kernels.attention import decode_attention, prefill_attention
 
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        tile_seq, tile_start = self.prepare(ctx)
-        return paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
-                               tile_seq, tile_start, self.spec.scale)
+        s = self.spec
+        q = _qk_norm_rope(s, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx)
+        out = torch.empty((qkv.shape[0], s.num_heads * s.head_dim), dtype=qkv.dtype, device=qkv.device)
+        gate = qkv[:, s.head_dim:]  # head h's gate at columns h*2D + D (q_proj's [query | gate] layout)
+        plan = self.prepare(ctx)
+        args = (q, k_cache, v_cache, gate, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
+        decode_attention(*args, plan.dec_seqs, s.scale, plan.max_q, plan.splits)
+        prefill_attention(*args, plan.tile_seq, plan.tile_start, s.scale)
+        return out
 
 
 class FlashInferAttentionImpl:
@@ -49,6 +86,7 @@ class FlashInferAttentionImpl:
         import flashinfer
 
         self.spec = spec
+        self.inv_freq = _inv_freq(spec)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
@@ -108,16 +146,19 @@ class FlashInferAttentionImpl:
                          q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
         else:
             hint = {"uniform_q_len": q_len} if bucket is not None and self._takes_uniform_q_len else {}
-            wrapper.plan(ctx.cu_seqlens_q, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
+            qo_indptr = torch.tensor(ctx.cu_seqlens_host, dtype=torch.int32, device=dev)
+            wrapper.plan(qo_indptr, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
                          page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype,
                          **hint)
         ctx.extras[key] = wrapper
         return wrapper
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+        from bi_core.kernels.qk_norm_rope import apply_gate
+
+        q = _qk_norm_rope(self.spec, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx)
         wrapper = ctx.extras.get(("flashinfer", id(self))) or self.prepare(ctx)
-        return wrapper.run(q, (k_cache, v_cache))
+        return apply_gate(wrapper.run(q, (k_cache, v_cache)), qkv[:, self.spec.head_dim:])
 
 
 def _cumsum(values):

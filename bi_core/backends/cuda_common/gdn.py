@@ -1,5 +1,7 @@
-"""Gated DeltaNet on CUDA: our Triton conv1d and recurrent kernels (state slots, in place) and
-fla's ``chunk_gated_delta_rule`` for prefill sequences (varlen, states gathered/scattered)."""
+"""Gated DeltaNet on CUDA: decode/verify sequences through the fused recurrent kernel
+(``kernels/gdn_decode.py``: conv, gates, delta rule, gated norm in one launch, state slots in
+place); prefill sequences through our conv kernel, fla's ``chunk_gated_delta_rule`` (varlen,
+states gathered/scattered by slot) and the gated-norm kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 import torch
 
 from bi_core.ops.context import ForwardContext
-from bi_core.ops.gdn import GdnSpec
+from bi_core.ops.gdn import GdnSpec, GdnWeights
 
 
 def pin_fla_autotune() -> int:
@@ -32,60 +34,74 @@ def pin_fla_autotune() -> int:
 
 class CudaGdnImpl:
     def __init__(self, spec: GdnSpec, *, pin_autotune: bool) -> None:
-        import fla.ops.gated_delta_rule  # noqa: F401 - imported here so pinning sees every module
-
         self.spec = spec
         self.scale = spec.head_k_dim**-0.5
         if pin_autotune:
+            import fla.ops.gated_delta_rule  # noqa: F401 - imported first, so pinning sees every module
+
             pin_fla_autotune()
 
-    def conv(self, x, weight, conv_state, ctx: ForwardContext) -> torch.Tensor:
-        from bi_core.kernels.conv1d import causal_conv1d
+    def forward(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext) -> torch.Tensor:
+        from bi_core.kernels.gdn_decode import gdn_decode
 
-        return causal_conv1d(x, weight, conv_state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                             ctx.token_state_slots, per_token=ctx.state_ring > 1)
+        s = self.spec
+        out = torch.empty((proj.shape[0], s.value_dim), dtype=proj.dtype, device=proj.device)
+        if ctx.recurrent_ids.shape[0]:
+            gdn_decode(proj, weights.conv1d, weights.A_log, weights.dt_bias, weights.norm, conv_state, state,
+                       ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots, ctx.recurrent_ids,
+                       out, num_k_heads=s.num_k_heads, head_k_dim=s.head_k_dim, eps=s.norm_eps,
+                       per_token=ctx.state_ring > 1)
+        meta = self._chunk_meta(ctx)
+        if meta is not None:
+            self._prefill(proj, weights, conv_state, state, ctx, meta, out)
+        return out
 
     def _chunk_meta(self, ctx: ForwardContext):
+        """Token rows, cu_seqlens, read slots, has-past flags, last-token slots and ids of the
+        chunked-form sequences (None in decode-only steps, e.g. every captured graph)."""
         key = "gdn_chunk"
         if key not in ctx.extras:
-            dev = ctx.positions.device
             seqs = [i for i, r in enumerate(ctx.is_recurrent_host) if not r]
-            if not seqs:  # decode-only step (also every captured graph): nothing to build
-                ctx.extras[key] = (None, None, None, None, 0, None)
-                return ctx.extras[key]
+            if not seqs:
+                ctx.extras[key] = None
+                return None
+            dev = ctx.positions.device
             tokens, cu = [], [0]
             for i in seqs:
                 a, b = ctx.token_range(i)
                 tokens += range(a, b)
                 cu.append(cu[-1] + b - a)
-            has_past = [ctx.past_len(i) > 0 for i in seqs]
-            last_token_slots = [ctx.token_state_slots_host[ctx.token_range(i)[1] - 1] for i in seqs]
-            ctx.extras[key] = (
-                torch.tensor(tokens, dtype=torch.int64, device=dev),
-                torch.tensor(cu, dtype=torch.int64, device=dev),
-                torch.tensor([ctx.state_slots_host[i] for i in seqs], dtype=torch.int64, device=dev),
-                torch.tensor(has_past, dtype=torch.bool, device=dev),
-                len(seqs),
-                torch.tensor(last_token_slots, dtype=torch.int64, device=dev),
-            )
+            last = [ctx.token_state_slots_host[ctx.token_range(i)[1] - 1] for i in seqs]
+            ctx.extras[key] = dict(
+                tokens=torch.tensor(tokens, dtype=torch.int64, device=dev),
+                cu=torch.tensor(cu, dtype=torch.int64, device=dev),
+                slots=torch.tensor([ctx.state_slots_host[i] for i in seqs], dtype=torch.int64, device=dev),
+                has_past=torch.tensor([ctx.past_len(i) > 0 for i in seqs], dtype=torch.bool, device=dev),
+                final_slots=torch.tensor(last, dtype=torch.int64, device=dev),
+                seq_ids=torch.tensor(seqs, dtype=torch.int64, device=dev))
         return ctx.extras[key]
 
-    def delta_rule(self, q, k, v, g, beta, state, ctx: ForwardContext) -> torch.Tensor:
-        from bi_core.kernels.gdn_recurrent import gdn_recurrent
+    def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        out = torch.empty_like(v)
-        if ctx.recurrent_ids.shape[0]:
-            gdn_recurrent(q, k, v, g, beta, state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                          ctx.token_state_slots, per_token=ctx.state_ring > 1, seq_ids=ctx.recurrent_ids, out=out)
-        tokens, cu, slots, has_past, num, final_slots = self._chunk_meta(ctx)
-        if num:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from bi_core.backends.reference.gdn import gates, split_proj
+        from bi_core.kernels.conv1d import causal_conv1d
+        from bi_core.kernels.norm import gated_rms_norm
 
-            init = torch.where(has_past[:, None, None, None], state[slots].float(), 0.0)
-            o, final = chunk_gated_delta_rule(
-                q[tokens][None], k[tokens][None], v[tokens][None], g=g[tokens][None], beta=beta[tokens][None],
-                scale=self.scale, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                cu_seqlens=cu)
-            state.index_copy_(0, final_slots, final.to(state.dtype))
-            out.index_copy_(0, tokens, o[0].to(out.dtype))
-        return out
+        s = self.spec
+        mixed, z, b, a = split_proj(proj, s)
+        mixed = causal_conv1d(mixed, weights.conv1d, conv_state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
+                              ctx.token_state_slots, per_token=ctx.state_ring > 1, seq_ids=meta["seq_ids"])
+        tokens = meta["tokens"]
+        n = tokens.shape[0]
+        q, k, v = torch.split(mixed[tokens], [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        g, beta = gates(a[tokens], b[tokens], weights)
+        init = torch.where(meta["has_past"][:, None, None, None], state[meta["slots"]].float(), 0.0)
+        o, final = chunk_gated_delta_rule(
+            q.reshape(1, n, s.num_k_heads, s.head_k_dim), k.reshape(1, n, s.num_k_heads, s.head_k_dim),
+            v.reshape(1, n, s.num_v_heads, s.head_v_dim), g=g[None], beta=beta[None], scale=self.scale,
+            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=meta["cu"])
+        state.index_copy_(0, meta["final_slots"], final.to(state.dtype))
+        dv = s.head_v_dim
+        normed = gated_rms_norm(o[0].to(proj.dtype).reshape(-1, dv), z[tokens].reshape(-1, dv), weights.norm, s.norm_eps)
+        out.index_copy_(0, tokens, normed.reshape(n, s.value_dim))

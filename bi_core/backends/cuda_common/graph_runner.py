@@ -2,13 +2,14 @@
 (L = 1: an AR decode step; L = 1 + N: an MTP verify step or MTP head catch-up).
 
 One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16. A step of B
-sequences replays the graph of the smallest bucket >= B on static buffers; sequences B..bucket-1
-are padding whose KV writes go to a reserved scratch page and whose GDN state is a reserved
-scratch slot, so padding never touches a real sequence. Other steps (prefill rows, mixed
-lengths, L not captured, more sequences than the largest bucket) run eagerly.
-``prepare(ctx)`` (host-side planning, e.g. FlashInfer's) runs before every forward, outside the
-graph. ``extra`` is an optional per-token input (the MTP head's main-model hidden states) that
-gets a static buffer like the token ids."""
+sequences is packed straight into the static buffers of the smallest bucket >= B (one transfer
+of the integer fields, one of the block table); sequences B..bucket-1 are padding whose KV
+writes go to a reserved scratch page and whose GDN state is a reserved scratch slot, so padding
+never touches a real sequence. A graph computes the logits of every row (decode and verify
+sample every row). Other steps (prefill rows, mixed lengths, L not captured, more sequences
+than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's)
+runs before every forward, outside the graph. ``extra`` is an optional per-token input (the MTP
+head's main-model hidden states) that gets a static buffer like the token ids."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from bi_core.ops.context import ForwardContext
+from bi_core.ops.context import ForwardContext, HostBatch
 from bi_core.ops.graph_runner import GraphRunnerSpec
+from bi_core.runtime.batch import context_from, upload
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -25,26 +27,88 @@ def buckets(max_batch: int) -> list[int]:
     return sorted(set(out + [max_batch]))
 
 
+def _pinned(values: list[int]) -> torch.Tensor:
+    """A host int64 tensor the device can copy from asynchronously (the pinned caching allocator
+    keeps it alive until the copy is done)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+class StaticBatch:
+    """The static inputs of one (L, bucket) graph: int64 device buffers the graph reads, filled
+    per step from a pinned host staging tensor."""
+
+    def __init__(self, spec: GraphRunnerSpec, q: int, bucket: int, block_size: int, device: torch.device) -> None:
+        self.spec, self.q, self.bucket, self.block_size = spec, q, bucket, block_size
+        t = bucket * q
+        self.num_tokens = t
+        self.region = torch.zeros(4 * t + 2 * bucket, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((bucket, spec.max_blocks_per_seq), spec.scratch_page, dtype=torch.int64,
+                                       device=device)
+        ids, pos, slots, token_states, ctx_lens, states = torch.split(self.region, [t, t, t, t, bucket, bucket])
+        self.input_ids = ids
+        self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
+                          state_slots=states)
+        self.cu_seqlens = torch.arange(0, t + 1, q, dtype=torch.int64, device=device)
+        self.all_rows = torch.arange(t, dtype=torch.int64, device=device)
+        self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
+        self.extras = {"graph_bucket": bucket, "graph_q_len": q}  # shared by every step of this graph
+        self.extra: torch.Tensor | None = None  # static per-token input, allocated at capture
+        self.current: HostBatch | None = None  # the real batch last loaded
+
+    def padded(self, hb: HostBatch | None) -> HostBatch:
+        """``hb`` plus padding sequences up to the bucket (all padding when ``hb`` is None): q
+        tokens at positions 0..q-1 of the scratch page, the scratch state slot, no logits."""
+        q, pad = self.q, self.bucket - (hb.num_seqs if hb else 0)
+        page, slot = self.spec.scratch_page, self.spec.scratch_slot
+        bs = self.block_size
+        real = hb or HostBatch([], [], [], [], [], [], [], [], [], [], bs, self.spec.state_ring)
+        return HostBatch(
+            token_ids=real.token_ids + [0] * (pad * q), positions=real.positions + list(range(q)) * pad,
+            slot_mapping=real.slot_mapping + [page * bs + i for i in range(q)] * pad,
+            token_state_slots=real.token_state_slots + [slot] * (pad * q), query_lens=real.query_lens + [q] * pad,
+            context_lens=real.context_lens + [q] * pad, state_slots=real.state_slots + [slot] * pad,
+            blocks=real.blocks + [[page]] * pad, is_recurrent=real.is_recurrent + [True] * pad,
+            logits_rows=real.logits_rows, block_size=bs, ring=real.ring)
+
+    def load(self, hb: HostBatch | None) -> HostBatch:
+        """Copy a (padded) batch into the static buffers; returns the padded batch."""
+        p = self.padded(hb)
+        self.region.copy_(_pinned(p.token_ids + p.positions + p.slot_mapping + p.token_state_slots +
+                                  p.context_lens + p.state_slots), non_blocking=True)
+        width = max(len(b) for b in p.blocks)
+        table = _pinned([x for b in p.blocks for x in b + [self.spec.scratch_page] * (width - len(b))])
+        self.block_tables[:, :width].copy_(table.view(self.bucket, width), non_blocking=True)
+        return p
+
+    def context(self, p: HostBatch) -> ForwardContext:
+        return context_from(p, cu_seqlens=self.cu_seqlens, block_tables=self.block_tables,
+                            logits_indices=self.all_rows, recurrent_ids=self.seq_ids, extras=self.extras,
+                            logits_all_rows=True, **self.views)
+
+
 class _Captured:
-    """A captured CUDA graph and its static output."""
+    """A captured CUDA graph and its static outputs."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
-        self.graph, self.out = graph, out
+    def __init__(self, graph: torch.cuda.CUDAGraph, outs: tuple[torch.Tensor, ...]) -> None:
+        self.graph, self.outs = graph, outs
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
         self.graph.replay()
-        return self.out
+        return self.outs
 
 
 class _Rerun:
-    """Test stand-in for a graph (``capture=False``): reruns the step on the same static buffers,
-    so bucketing, padding and the static context are exercised without CUDA."""
+    """Test stand-in for a graph (``capture=False``): reruns the step on the same static buffers
+    (with this step's host lists, which the reference backend reads), so bucketing, padding and
+    the static context are exercised without CUDA."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[[ForwardContext], tuple[torch.Tensor, ...]]) -> None:
         self.fn = fn
 
-    def replay(self) -> torch.Tensor:
-        return self.fn()
+    def replay(self, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+        check_mirrors(ctx)
+        return self.fn(ctx)
 
 
 def check_mirrors(ctx: ForwardContext) -> None:
@@ -67,139 +131,87 @@ class CudaGraphRunnerImpl:
         self.spec = spec
         self.capture = capture
         self.buckets = buckets(spec.max_batch_size)
-        self.max_q_len = max(spec.query_lens)
-        self.graphs: dict[tuple[int, int], tuple[_Captured | _Rerun, ForwardContext]] = {}
-        self.bufs: dict[str, torch.Tensor] | None = None
-        self.pad_offsets: dict[int, torch.Tensor] = {}  # q -> 0..q-1 repeated for every bucket row
+        self.statics: dict[tuple[int, int], StaticBatch] = {}
+        self.graphs: dict[tuple[int, int], _Captured | _Rerun] = {}
         self.pool = None
         self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length
 
-    def graph_key(self, ctx: ForwardContext) -> tuple[int, int] | None:
+    def graph_key(self, hb: HostBatch) -> tuple[int, int] | None:
         """(L, bucket) if this step can replay a graph, else None."""
-        b, lens = ctx.num_seqs, ctx.query_lens_host
+        lens = hb.query_lens
         q = lens[0]
-        if not (self.spec.use_graphs and b <= self.buckets[-1] and q in self.spec.query_lens):
+        if not (self.spec.use_graphs and hb.num_seqs <= self.buckets[-1] and q in self.spec.query_lens):
             return None
-        if ctx.state_ring != self.spec.state_ring or any(x != q for x in lens) or not all(ctx.is_recurrent_host):
+        if hb.ring != self.spec.state_ring or any(x != q for x in lens) or not all(hb.is_recurrent):
             return None
-        return q, next(x for x in self.buckets if x >= b)
+        return q, next(x for x in self.buckets if x >= hb.num_seqs)
+
+    def make_context(self, hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
+        key = self.graph_key(hb)
+        if key is None:
+            return upload(hb, device)
+        if key not in self.statics:
+            assert key[0] <= hb.block_size, "a padding sequence's tokens must fit in the scratch page"
+            self.statics[key] = StaticBatch(self.spec, *key, hb.block_size, device)
+        static = self.statics[key]
+        static.current = hb
+        ctx = static.context(static.load(hb))
+        ctx.extras["graph_key"] = key
+        ctx.logits_indices_host = list(hb.logits_rows)  # the rows the caller wants (a graph computes all)
+        return static.input_ids[: len(hb.token_ids)], ctx
 
     def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None):
-        key = self.graph_key(ctx)
+        """``step(input_ids, ctx[, extra])`` returns (per-token output, per-logits-row outputs...)."""
+        key = ctx.extras.get("graph_key")
         if key is None:
             if prepare is not None:
                 prepare(ctx)
             return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
+        static = self.statics[key]
         if key not in self.graphs:
-            self._record(key, step, ctx, prepare, extra)
-        graph, ctx_s = self.graphs[key]
-        self._fill(ctx_s, input_ids, ctx, extra, key)
+            self._record(key, step, prepare, extra)
+            static.load(static.current)  # capture ran on padding: put this step's rows back
+        if extra is not None:
+            static.extra[: extra.shape[0]].copy_(extra)
         if prepare is not None:
-            prepare(ctx_s)
-        out = graph.replay()
+            prepare(ctx)
+        outs = self.graphs[key].replay(ctx)
         self.num_replays[key[0]] += 1
-        return out[: ctx.num_tokens]
+        return self._outputs(outs, ctx, input_ids.shape[0])
 
-    # ------------------------------------------------------------------ static buffers
+    @staticmethod
+    def _outputs(outs, ctx: ForwardContext, num_tokens: int):
+        """Real rows of the padded outputs; logits rows the caller asked for (a graph computes all)."""
+        rows = ctx.logits_indices_host
+        if rows == list(range(num_tokens)):
+            return tuple(o[:num_tokens] for o in outs)
+        index = torch.tensor(rows, dtype=torch.int64, device=outs[0].device)
+        return (outs[0][:num_tokens], *(o[index] for o in outs[1:]))
 
-    def _alloc(self, ctx: ForwardContext, extra: torch.Tensor | None) -> None:
-        n, dev = self.buckets[-1], ctx.positions.device
-        t = n * self.max_q_len
-        self.bufs = {
-            "input_ids": torch.zeros(t, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(t, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.zeros(t, dtype=torch.int64, device=dev),
-            "token_state_slots": torch.full((t,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
-            "context_lens": torch.ones(n, dtype=torch.int32, device=dev),
-            "block_tables": torch.full((n, self.spec.max_blocks_per_seq), self.spec.scratch_page,
-                                       dtype=torch.int32, device=dev),
-            "state_slots": torch.full((n,), self.spec.scratch_slot, dtype=torch.int64, device=dev),
-            "ids": torch.arange(n, dtype=torch.int32, device=dev),
-        }
-        if extra is not None:
-            self.bufs["extra"] = torch.zeros((t, *extra.shape[1:]), dtype=extra.dtype, device=dev)
+    def _record(self, key, step, prepare, extra) -> None:
+        """Capture the graph of ``key`` on padding rows only (the static buffers hold this step's
+        real rows: a warm-up on them would advance real sequences' GDN states)."""
+        static = self.statics[key]
+        pad_ctx = static.context(static.load(None))
+        if extra is not None and static.extra is None:
+            static.extra = torch.zeros((static.num_tokens, *extra.shape[1:]), dtype=extra.dtype, device=extra.device)
 
-    def _static_ctx(self, key: tuple[int, int], block_size: int) -> ForwardContext:
-        q, bucket = key
-        b, t, dev = self.bufs, bucket * q, self.bufs["ids"].device
-        scratch = self.spec.scratch_slot
-        return ForwardContext(
-            positions=b["positions"][:t],
-            cu_seqlens_q=torch.arange(0, t + 1, q, dtype=torch.int32, device=dev),
-            context_lens=b["context_lens"][:bucket], block_tables=b["block_tables"][:bucket],
-            slot_mapping=b["slot_mapping"][:t], state_slots=b["state_slots"][:bucket],
-            logits_indices=torch.arange(q - 1, t, q, dtype=torch.int64, device=dev),
-            query_lens_host=[q] * bucket, cu_seqlens_host=list(range(0, t + 1, q)),
-            context_lens_host=[q] * bucket, state_slots_host=[scratch] * bucket,
-            token_state_slots=b["token_state_slots"][:t], token_state_slots_host=[scratch] * t,
-            state_ring=self.spec.state_ring, is_recurrent_host=[True] * bucket, recurrent_ids=b["ids"][:bucket],
-            block_tables_host=[[self.spec.scratch_page]] * bucket, block_size=block_size,
-            extras={"graph_bucket": bucket, "graph_q_len": q})
+        def call(c: ForwardContext):
+            return step(static.input_ids, c) if extra is None else step(static.input_ids, c, static.extra)
 
-    def _fill(self, ctx_s: ForwardContext, input_ids, ctx: ForwardContext, extra, key) -> None:
-        q, bucket = key
-        b, t, buf = ctx.num_seqs, ctx.num_tokens, self.bufs
-        buf["input_ids"][:t].copy_(input_ids)
-        buf["positions"][:t].copy_(ctx.positions)
-        buf["slot_mapping"][:t].copy_(ctx.slot_mapping)
-        buf["token_state_slots"][:t].copy_(ctx.token_state_slots)
-        buf["context_lens"][:b].copy_(ctx.context_lens)
-        buf["state_slots"][:b].copy_(ctx.state_slots)
-        buf["block_tables"][:b, : ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        if extra is not None:
-            buf["extra"][:t].copy_(extra)
-        self._pad(b, bucket, q, ctx.block_size)
-        pad, scratch = bucket - b, self.spec.scratch_slot
-        ctx_s.context_lens_host = ctx.context_lens_host + [q] * pad
-        ctx_s.block_tables_host = ctx.block_tables_host + [[self.spec.scratch_page]] * pad
-        ctx_s.state_slots_host = ctx.state_slots_host + [scratch] * pad
-        ctx_s.token_state_slots_host = ctx.token_state_slots_host + [scratch] * (pad * q)
-
-    def _pad(self, start: int, end: int, q: int, block_size: int) -> None:
-        """Sequences [start, end) become padding: q tokens at positions 0..q-1 of the scratch page,
-        the scratch state slot."""
-        if start >= end:
-            return
-        buf, page = self.bufs, self.spec.scratch_page
-        if q not in self.pad_offsets:
-            self.pad_offsets[q] = torch.arange(q, device=buf["ids"].device).repeat(self.buckets[-1])
-        offsets = self.pad_offsets[q][: (end - start) * q]
-        tokens = slice(start * q, end * q)
-        buf["input_ids"][tokens].zero_()  # (a stale ``extra`` row is harmless: its outputs go to scratch)
-        buf["positions"][tokens].copy_(offsets)
-        torch.add(offsets, page * block_size, out=buf["slot_mapping"][tokens])
-        buf["token_state_slots"][tokens].fill_(self.spec.scratch_slot)
-        buf["context_lens"][start:end].fill_(q)
-        buf["state_slots"][start:end].fill_(self.spec.scratch_slot)
-        buf["block_tables"][start:end].fill_(page)
-
-    def _record(self, key, step, ctx: ForwardContext, prepare, extra) -> None:
-        q, bucket = key
-        assert q <= ctx.block_size, "a padding sequence's tokens must fit in the scratch page"
-        if self.bufs is None:
-            self._alloc(ctx, extra)
-        # The static buffers still hold the last replay's real rows: warm-up and capture must run on
-        # padding only, or they would advance real sequences' GDN states.
-        self._pad(0, bucket, q, ctx.block_size)
-        ctx_s = self._static_ctx(key, ctx.block_size)
-        ids = self.bufs["input_ids"][: bucket * q]
-        args = (ids, ctx_s) if extra is None else (ids, ctx_s, self.bufs["extra"][: bucket * q])
         if prepare is not None:
-            prepare(ctx_s)
+            prepare(pad_ctx)
         if not self.capture:
-            def rerun():
-                check_mirrors(ctx_s)
-                return step(*args)
-            self.graphs[key] = (_Rerun(rerun), ctx_s)
+            self.graphs[key] = _Rerun(call)
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and autotune outside the capture
-                step(*args)
+                call(pad_ctx)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step(*args)
+            outs = call(pad_ctx)
         self.pool = graph.pool()
-        self.graphs[key] = (_Captured(graph, out), ctx_s)
+        self.graphs[key] = _Captured(graph, tuple(outs))

@@ -9,15 +9,31 @@ import torch.nn.functional as F
 class CublasLinearImpl:
     """cuBLAS through torch: fastest, but its kernel choice depends on M (not batch-invariant)."""
 
+    def __init__(self, silu_mul: bool = False) -> None:
+        self.silu_mul = silu_mul
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
+        y = F.linear(x, weight)
+        if not self.silu_mul:
+            return y
+        from bi_core.kernels.elementwise import silu_mul
+
+        return silu_mul(y)
 
 
 class TritonLinearImpl:
+    """The fixed-K-order split-K GEMM (``kernels/gemm.py``), SiLU-and-mul in its epilogue."""
+
+    def __init__(self, device: torch.device, silu_mul: bool = False) -> None:
+        from bi_core.kernels.gemm import tile_locks
+
+        self.silu_mul = silu_mul
+        tile_locks(device)  # allocated now, never inside a CUDA-graph capture
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from bi_core.kernels.gemm import linear
 
-        return linear(x, weight)
+        return linear(x, weight, silu_mul=self.silu_mul)
 
 
 class TritonRMSNormImpl:
@@ -35,16 +51,6 @@ class TritonRMSNormImpl:
         return rms_norm(x, weight, self.eps, residual=residual)
 
 
-class TritonGatedRMSNormImpl:
-    def __init__(self, eps: float) -> None:
-        self.eps = eps
-
-    def forward(self, x, gate, weight):
-        from bi_core.kernels.norm import gated_rms_norm
-
-        return gated_rms_norm(x, gate, weight, self.eps)
-
-
 class TritonTopKImpl:
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
@@ -56,10 +62,10 @@ class TritonTopKImpl:
 
 
 class TritonMoEImpl:
-    def forward(self, x, topk_weights, topk_ids, w13, w2):
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None):
         from bi_core.kernels.moe import fused_moe
 
-        return fused_moe(x, topk_weights, topk_ids, w13, w2)
+        return fused_moe(x, topk_weights, topk_ids, w13, w2, shared_logits)
 
 
 class GroupedMMMoEImpl:
@@ -67,16 +73,21 @@ class GroupedMMMoEImpl:
     expert, one grouped GEMM per projection, then the same fp32 slot-order combine. Its kernel and
     tiling follow the per-expert row counts, so it makes no invariance promise."""
 
-    def forward(self, x, topk_weights, topk_ids, w13, w2):
-        from bi_core.kernels.elementwise import moe_combine, silu_mul
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None):
+        from bi_core.kernels.elementwise import silu_mul
+        from bi_core.kernels.moe import moe_combine
 
         num_tokens, top_k = topk_ids.shape
+        if shared_logits is not None:  # the shared expert is the last expert, one more slot per token
+            shared = torch.full((num_tokens, 1), w13.shape[0] - 1, dtype=topk_ids.dtype, device=x.device)
+            topk_ids = torch.cat([topk_ids, shared], dim=1)
+        slots = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=offs)
+        h = torch._grouped_mm(x[order // slots], w13.transpose(1, 2), offs=offs)
         y_sorted = torch._grouped_mm(silu_mul(h), w2.transpose(1, 2), offs=offs)
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
-        return moe_combine(y, topk_weights)
+        return moe_combine(y, topk_weights, shared_logits)

@@ -1,5 +1,7 @@
-"""GPU sampler: one Triton program per row (greedy or Gumbel-max with Philox keyed by the row's
-key); rows with top-k/top-p get their logits filtered row by row first."""
+"""GPU sampler: one Triton program per (row, vocabulary chunk) then one per row (greedy or
+Gumbel-max with Philox keyed by the row's key, reading the logits in their own dtype); rows with
+top-k/top-p get their logits filtered row by row first. Without top-N logprobs the kernel writes
+the (token, logprob) pairs the host reads back in one transfer."""
 
 from __future__ import annotations
 
@@ -14,11 +16,16 @@ class CudaSamplerImpl:
         from bi_core.kernels.sampling import sample
 
         dev = logits.device
-        logits = logits.float()
-        keys = torch.tensor(batch.keys, dtype=torch.int64).to(dev)
-        temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(dev)
-        tokens, lse = sample(logits, keys, temps)
+        keys = torch.tensor(batch.keys, dtype=torch.int64).to(dev, non_blocking=True)
+        temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+        tokens, lse, packed = sample(logits, keys, temps)
         filtered = [i for i in range(logits.shape[0]) if batch.needs_filter(i)]
+        n = batch.num_logprobs
+        if not filtered and n == 0:
+            empty = torch.empty((logits.shape[0], 0), device=dev)
+            return SamplerOutput(token_ids=tokens, logprobs=packed[:, 1].float(), top_ids=empty.long(),
+                                 top_logprobs=empty, packed=packed)
+        logits = logits.float()
         if filtered:
             # Row by row, so a row's filtering never runs a batched kernel whose shape depends on the batch.
             rows = torch.stack([filter_logits(logits[i] / batch.temperatures[i], batch.top_ks[i], batch.top_ps[i])
@@ -27,6 +34,6 @@ class CudaSamplerImpl:
             ones = torch.ones(len(filtered), dtype=torch.float32, device=dev)
             tokens[idx] = sample(rows, keys[idx], ones)[0]
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse
-        top = torch.topk(logits, batch.num_logprobs, dim=-1)
+        top = torch.topk(logits, n, dim=-1)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_ids=top.indices,
                              top_logprobs=top.values - lse[:, None])

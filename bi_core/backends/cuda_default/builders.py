@@ -20,12 +20,19 @@ from bi_core.ops import (
 BF16_FP32 = (torch.bfloat16, torch.float32)
 
 
+def rope_reasons(spec) -> list[str]:
+    """What the fused q/k-norm + RoPE kernel needs."""
+    if spec.rotary_dim % 2 or not 0 < spec.rotary_dim <= spec.head_dim:
+        return [f"rotary_dim must be even and in (0, head_dim], not {spec.rotary_dim}"]
+    return []
+
+
 class DefaultAttentionBuilder(AttentionBuilder):
     def check(self, spec, policy):
         reasons = cuda_reasons(spec, modules=("flashinfer",))
         if spec.head_dim not in (64, 128, 256):
             reasons.append(f"FlashInfer supports head_dim 64/128/256, not {spec.head_dim}")
-        return reasons
+        return reasons + rope_reasons(spec)
 
     def build(self, spec):
         from bi_core.backends.cuda_common.attention import FlashInferAttentionImpl
@@ -38,7 +45,7 @@ class DefaultLinearBuilder(LinearBuilder):
         return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
 
     def build(self, spec):
-        return ops.CublasLinearImpl()
+        return ops.CublasLinearImpl(spec.silu_mul)
 
 
 class DefaultNormBuilder(NormBuilder):
@@ -46,7 +53,7 @@ class DefaultNormBuilder(NormBuilder):
         return cuda_reasons(spec, dtypes=BF16_FP32)
 
     def build(self, spec):
-        return ops.TritonGatedRMSNormImpl(spec.eps) if spec.kind == "rms_gated" else ops.TritonRMSNormImpl(spec.eps)
+        return ops.TritonRMSNormImpl(spec.eps)
 
 
 class DefaultTopKBuilder(TopKBuilder):
@@ -74,6 +81,10 @@ class DefaultGdnBuilder(GdnBuilder):
             reasons.append(f"the conv kernel is written for width 4, not {spec.conv_kernel}")
         if spec.num_v_heads % spec.num_k_heads:
             reasons.append("num_v_heads must be a multiple of num_k_heads")
+        for name in ("head_k_dim", "head_v_dim"):
+            dim = getattr(spec, name)
+            if dim & (dim - 1) or dim > 256:
+                reasons.append(f"{name} must be a power of two <= 256, not {dim}")
         return reasons
 
     def build(self, spec):

@@ -23,7 +23,7 @@ class InvariantAttentionBuilder(AttentionBuilder):
             reasons.append(f"GQA group {spec.num_heads}/{spec.num_kv_heads} must divide 64")
         if spec.head_dim & (spec.head_dim - 1) or spec.head_dim > 256:
             reasons.append(f"head_dim must be a power of two <= 256, not {spec.head_dim}")
-        return reasons
+        return reasons + d.rope_reasons(spec)
 
     def build(self, spec):
         from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
@@ -38,7 +38,7 @@ class InvariantLinearBuilder(LinearBuilder):
         return _hopper(spec)
 
     def build(self, spec):
-        return ops.TritonLinearImpl()
+        return ops.TritonLinearImpl(spec.device, spec.silu_mul)
 
 
 class _OnHopper:

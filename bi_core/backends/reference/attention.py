@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 
 from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.norm import rms_norm_1p
 from bi_core.ops.attention import AttentionBuilder, AttentionSpec
 from bi_core.ops.context import ForwardContext
 
@@ -21,28 +22,66 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
 
 
+class Rope:
+    """Partial NeoX RoPE on the first ``rotary_dim`` dims; tables in fp32, applied in the model dtype
+    (text-only M-RoPE equals 1-D RoPE)."""
+
+    def __init__(self, rotary_dim: int, theta: float, device: torch.device) -> None:
+        self.dim = rotary_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        half = self.dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def split_qkv(qkv: torch.Tensor, spec: AttentionSpec):
+    """``[T, 2HqD + 2HkvD]`` -> q ``[T, Hq, D]``, gate ``[T, Hq*D]``, k, v ``[T, Hkv, D]`` (q_proj rows are
+    per-head [query | gate])."""
+    t, hq, hkv, d = qkv.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qg = qkv[:, : 2 * hq * d].view(t, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
+    k = qkv[:, 2 * hq * d : 2 * hq * d + hkv * d].view(t, hkv, d)
+    v = qkv[:, 2 * hq * d + hkv * d :].view(t, hkv, d)
+    return q, gate, k, v
+
+
 class ReferenceAttentionImpl:
-    """Eager attention per sequence, HF's rounding: scores in the model dtype, softmax in fp32."""
+    """Transformers' order: q/k norm, RoPE, then eager attention per sequence (scores in the model
+    dtype, softmax in fp32), then ``o * sigmoid(gate)``."""
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
         self.group = spec.num_heads // spec.num_kv_heads
+        self.rope = Rope(spec.rotary_dim, spec.rope_theta, spec.device)
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+        s = self.spec
+        q, gate, k, v = split_qkv(qkv, s)
+        q, k = rms_norm_1p(q.contiguous(), q_norm, s.norm_eps), rms_norm_1p(k.contiguous(), k_norm, s.norm_eps)
+        cos, sin = self.rope.cos_sin(ctx.positions, qkv.dtype)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        write_kv(k, v.contiguous(), k_cache, v_cache, ctx.slot_mapping)
         out = torch.empty_like(q)
         for i in range(ctx.num_seqs):
             start, end = ctx.token_range(i)
             length, past = ctx.context_lens_host[i], ctx.past_len(i)
             keys = gather_kv(k_cache, ctx.block_tables[i], length).repeat_interleave(self.group, dim=1)
             values = gather_kv(v_cache, ctx.block_tables[i], length).repeat_interleave(self.group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * self.spec.scale
+            scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * s.scale
             q_pos = torch.arange(past, length, device=q.device)[:, None]
             k_pos = torch.arange(length, device=q.device)[None, :]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
-        return out
+        return out.reshape(out.shape[0], -1) * torch.sigmoid(gate)
 
 
 class ReferenceAttentionBuilder(AttentionBuilder):

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.norm import gated_rms_norm
 from bi_core.ops.context import ForwardContext
-from bi_core.ops.gdn import GdnBuilder, GdnSpec
+from bi_core.ops.gdn import GdnBuilder, GdnSpec, GdnWeights
 
 CHUNK = 64
 
@@ -60,16 +61,43 @@ def chunk_delta_rule(q, k, v, g, beta, state):
     return out.reshape(num_heads, -1, out.shape[-1])[:, :length], state
 
 
+def split_proj(proj: torch.Tensor, spec: GdnSpec):
+    """in_proj output -> (pre-conv qkv ``[T, conv_dim]``, z ``[T, Hv*Dv]``, b ``[T, Hv]``, a ``[T, Hv]``)."""
+    hv = spec.num_v_heads
+    return torch.split(proj, [spec.conv_dim, spec.value_dim, hv, hv], dim=-1)
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, w: GdnWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta): ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32, ``beta = sigmoid(b)`` in the
+    model dtype (as transformers computes them)."""
+    return -w.A_log.exp() * F.softplus(a.float() + w.dt_bias), torch.sigmoid(b)
+
+
 class ReferenceGdnImpl:
     def __init__(self, spec: GdnSpec) -> None:
         self.spec = spec
         self.group = spec.num_v_heads // spec.num_k_heads
 
-    def conv(self, x, weight, conv_state, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext,
+                seqs: list[int] | None = None) -> torch.Tensor:
+        """``seqs``: compute only these sequences (their rows of the result; default all)."""
+        s = self.spec
+        t = proj.shape[0]
+        seqs = range(ctx.num_seqs) if seqs is None else seqs
+        mixed, z, b, a = split_proj(proj, s)
+        mixed = self.conv(mixed.contiguous(), weights.conv1d, conv_state, ctx, seqs)
+        q, k, v = torch.split(mixed, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        g, beta = gates(a, b, weights)
+        o = self.delta_rule(q.reshape(t, s.num_k_heads, s.head_k_dim), k.reshape(t, s.num_k_heads, s.head_k_dim),
+                            v.reshape(t, s.num_v_heads, s.head_v_dim), g, beta, state, ctx, seqs)
+        dv = s.head_v_dim
+        return gated_rms_norm(o.reshape(-1, dv), z.reshape(-1, dv), weights.norm, s.norm_eps).reshape(t, s.value_dim)
+
+    def conv(self, x, weight, conv_state, ctx: ForwardContext, seqs=None) -> torch.Tensor:
         width = weight.shape[1] - 1
-        out = torch.empty_like(x)
+        out = torch.zeros_like(x)
         w = weight.float()
-        for i in range(ctx.num_seqs):
+        for i in range(ctx.num_seqs) if seqs is None else seqs:
             start, end = ctx.token_range(i)
             slot = ctx.state_slots_host[i]
             if ctx.past_len(i) > 0:
@@ -86,10 +114,10 @@ class ReferenceGdnImpl:
                 conv_state[dst] = full[t + 1 : t + 1 + width].transpose(0, 1).to(conv_state.dtype)
         return out
 
-    def delta_rule(self, q, k, v, g, beta, state, ctx: ForwardContext) -> torch.Tensor:
-        out = torch.empty_like(v)
+    def delta_rule(self, q, k, v, g, beta, state, ctx: ForwardContext, seqs=None) -> torch.Tensor:
+        out = torch.zeros_like(v)
         scale = self.spec.head_k_dim**-0.5
-        for i in range(ctx.num_seqs):
+        for i in range(ctx.num_seqs) if seqs is None else seqs:
             start, end = ctx.token_range(i)
             slot = ctx.state_slots_host[i]
             qi = l2norm(q[start:end].float().repeat_interleave(self.group, dim=1)).transpose(0, 1) * scale

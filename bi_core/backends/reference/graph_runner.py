@@ -1,9 +1,13 @@
 from __future__ import annotations
 
 from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
+from bi_core.runtime.batch import upload
 
 
 class EagerRunnerImpl:
+    def make_context(self, batch, device):
+        return upload(batch, device)
+
     def run(self, step, input_ids, ctx, prepare=None, extra=None):
         if prepare is not None:
             prepare(ctx)

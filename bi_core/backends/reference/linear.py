@@ -7,9 +7,18 @@ from bi_core.backends.reference.common import check_dtype
 from bi_core.ops.linear import LinearBuilder, LinearSpec
 
 
+def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class ReferenceLinearImpl:
+    def __init__(self, silu_mul: bool = False) -> None:
+        self.silu_mul = silu_mul
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
+        y = F.linear(x, weight)
+        return silu_and_mul(y) if self.silu_mul else y
 
 
 class ReferenceLinearBuilder(LinearBuilder):
@@ -17,4 +26,4 @@ class ReferenceLinearBuilder(LinearBuilder):
         return check_dtype(spec)
 
     def build(self, spec: LinearSpec) -> ReferenceLinearImpl:
-        return ReferenceLinearImpl()
+        return ReferenceLinearImpl(spec.silu_mul)

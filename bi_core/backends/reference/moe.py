@@ -4,27 +4,33 @@ import torch
 import torch.nn.functional as F
 
 from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.linear import silu_and_mul
 from bi_core.ops.moe import MoEBuilder, MoESpec
+
+
+def expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
 
 
 class ReferenceMoEImpl:
     """Loops over the experts hit; each (token, slot) output is kept, then summed in slot order in
     fp32, so the combine does not depend on expert order. Weights are applied in the model dtype
-    like transformers does."""
+    like transformers does; the shared expert's gated output is added in the model dtype."""
 
-    def forward(self, x, topk_weights, topk_ids, w13, w2) -> torch.Tensor:
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
         per_slot = torch.zeros(num_tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)
         weights = topk_weights.to(x.dtype)
         for e in torch.unique(topk_ids).tolist():
             rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)
-            gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e])
-            per_slot[rows, slots] = (y * weights[rows, slots, None]).float()
+            per_slot[rows, slots] = (expert(x[rows], w13[e], w2[e]) * weights[rows, slots, None]).float()
         out = per_slot[:, 0]
         for j in range(1, top_k):
             out = out + per_slot[:, j]
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        if shared_logits is not None:
+            out = out + torch.sigmoid(shared_logits[:, None]) * expert(x, w13[-1], w2[-1])
+        return out
 
 
 class ReferenceMoEBuilder(MoEBuilder):

@@ -27,8 +27,6 @@ class TorchRMSNormImpl:
 
 class TorchNormBuilder(NormBuilder):
     def check(self, spec: NormSpec, policy) -> list[str]:
-        if spec.kind != "rms_1p":
-            return [f"only zero-centred RMSNorm, not {spec.kind}"]
         if not hasattr(F, "rms_norm"):
             return ["torch.nn.functional.rms_norm needs torch >= 2.4"]
         return []
