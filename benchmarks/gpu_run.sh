@@ -31,7 +31,7 @@ for step in "$@"; do
     tests-all) timeout 330 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     compare*) rm -f "$OUT/kernels.jsonl"
       PYTHONPATH=$PWD/.baseline:/tmp/site timeout 240 python3 benchmarks/kernel_bench.py --json "$OUT/kernels.jsonl" > "$OUT/kernels_old.log" 2>&1
-      timeout ${STEP_TIMEOUT:-300} python3 benchmarks/kernel_bench.py ${step#compare} --json "$OUT/kernels.jsonl" > "$OUT/kernels_new.log" 2>&1
+      timeout ${STEP_TIMEOUT:-300} python3 benchmarks/kernel_bench.py ${step#compare:} --json "$OUT/kernels.jsonl" > "$OUT/kernels_new.log" 2>&1
       grep -h -i "error\|Traceback" "$OUT"/kernels_*.log | head -5
       python3 benchmarks/kernel_compare.py "$OUT/kernels.jsonl" | tee "$OUT/kernels_table.txt" ;;
     old:*) (cd .baseline && PYTHONPATH=$PWD:/tmp/site timeout ${STEP_TIMEOUT:-300} ${step#old:}) 2>&1 | tee -a "$OUT/old.log" | tail -30 ;;

@@ -110,6 +110,43 @@ def bench_attention() -> None:
                 record("attention", "paged (one program per head)", b, us, nbytes, context=n)
 
 
+def bench_attention_sweep() -> None:
+    """Decode attention configs (split size and BLOCK_N are part of a row's arithmetic: one of
+    them is chosen and fixed; warps, stages and tile rows are scheduling)."""
+    from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
+    from bi_core.kernels import attention as A
+    from bi_core.ops.attention import AttentionSpec
+
+    spec = AttentionSpec(dtype=BF16, device=DEV, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=D**-0.5,
+                         rotary_dim=64, rope_theta=1e7, norm_eps=1e-6)
+    saved = (A.KV_SPLIT, A.BLOCK_N, A.DECODE_WARPS, A.DECODE_STAGES, A.DECODE_MIN_ROWS)
+    cases = []
+    for b, n in ((1, 512), (1, 3500), (8, 3500), (64, 3500)):
+        ctx, pages = _ctx(b, n)
+        kc = torch.randn(pages + 1, 16, HKV, D, device=DEV, dtype=BF16)
+        cases.append((b, n, ctx, kc, torch.randn_like(kc), torch.randn(b, HQ, D, device=DEV, dtype=BF16)))
+    for split in (128, 256, 512):
+        for block_n in (32, 64):
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+                for rows in (16, 64):
+                    A.KV_SPLIT, A.BLOCK_N, A.DECODE_WARPS, A.DECODE_STAGES, A.DECODE_MIN_ROWS = \
+                        split, block_n, warps, stages, rows
+                    cfg = dict(split=split, block_n=block_n, warps=warps, stages=stages, rows=rows)
+                    for b, n, ctx, kc, vc, q in cases:
+                        plan = TritonPagedAttentionImpl(spec).prepare(ctx)
+                        gate = torch.randn(b, 2 * HQ * D, device=DEV, dtype=BF16)[:, D:]
+                        out = torch.empty(b, HQ * D, device=DEV, dtype=BF16)
+                        try:
+                            us = timed(lambda: A.decode_attention(q, kc, vc, gate, out, ctx.block_tables,
+                                                                  ctx.context_lens, ctx.cu_seqlens_q, plan.dec_seqs,
+                                                                  D**-0.5, 1, plan.splits))
+                        except Exception as e:  # noqa: BLE001 - an unsupported config is a sweep result
+                            print(f"  sweep attention {cfg}: {type(e).__name__}", flush=True)
+                            continue
+                        record("attn-sweep", f"B{b} ctx{n}", b, us, 2 * b * n * HKV * D * 2, config=cfg, context=n)
+    A.KV_SPLIT, A.BLOCK_N, A.DECODE_WARPS, A.DECODE_STAGES, A.DECODE_MIN_ROWS = saved
+
+
 def _flashinfer(b, n, kc, vc, q, ctx, nbytes) -> None:
     try:
         import flashinfer
@@ -170,13 +207,13 @@ def bench_gdn() -> None:
         a_log, dt_bias = torch.rand(HV, device=DEV), torch.randn(HV, device=DEV)
         norm_w = torch.ones(DV, device=DEV, dtype=BF16)
         conv = torch.randn(b, conv_dim, 3, device=DEV, dtype=BF16)
-        state = torch.randn(b, HV, DK, DV, device=DEV)
+        state = torch.randn(b, HV, DV, DK, device=DEV)
         nbytes = 2 * state.numel() * 4 + 2 * conv.numel() * 2 + proj.numel() * 2 + b * value_dim * 2
         if NEW:
             from bi_core.kernels import gdn_decode as gd
 
             out = torch.empty(b, value_dim, device=DEV, dtype=BF16)
-            for warps in (8, 16):
+            for warps in (4, 8, 16):
                 gd.NUM_WARPS = warps
                 us = timed(lambda: gd.gdn_decode(proj, conv_w, a_log, dt_bias, norm_w, conv, state, ctx.cu_seqlens_q,
                                                  ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
@@ -274,7 +311,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} tree={'new' if NEW else 'old'}", flush=True)
-    for fn in (bench_gemm, bench_attention, bench_qk_rope, bench_gdn, bench_moe, bench_sampler):
+    groups = [bench_gemm, bench_attention, bench_qk_rope, bench_gdn, bench_moe, bench_sampler]
+    if NEW and args.sweep:
+        groups.append(bench_attention_sweep)
+    for fn in groups:
         try:
             fn(args.sweep) if fn is bench_gemm else fn()
         except Exception as e:  # noqa: BLE001 - report and go on to the next group

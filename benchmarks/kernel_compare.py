@@ -15,7 +15,7 @@ def main() -> None:
         if "error" in r:
             print(f"ERROR in {r['tree']} {r['group']}: {r['error']}")
             continue
-        if r["group"] == "gemm-sweep":
+        if r["group"].endswith("-sweep"):
             continue
         table[(r["group"], r["kernel"].split(":")[0] if r["group"] == "gemm" else r["group"], r.get("context"),
                r["batch"])][r["tree"] + (":cublas" if r["kernel"].endswith(":cublas") else "")].append(r)
@@ -29,10 +29,20 @@ def main() -> None:
         speed = f"{o['us'] / n['us']:7.2f}x" if o and n else " " * 8
         cell = lambda r: f"{r['us']:9.1f} {r['tb_s']:5.2f}" if r else " " * 15  # noqa: E731
         print(f"{group:<10} {what[:12]:<12} {ctx or '':>5} {b:>3} | {cell(o)} | {cell(n)} | {speed} | {other}")
-    sweep = [r for r in rows if r.get("group") == "gemm-sweep"]
-    for name in sorted({r["kernel"] for r in sweep}):
-        best = sorted((r for r in sweep if r["kernel"] == name), key=lambda r: r["us"])[:3]
-        print(f"sweep {name}: " + "; ".join(f"{r['us']:.1f}us {r['tb_s']:.2f}TB/s {r['config']}" for r in best))
+    for group in ("gemm-sweep", "attn-sweep"):
+        sweep = [r for r in rows if r.get("group") == group]
+        for name in sorted({r["kernel"] for r in sweep}):
+            best = sorted((r for r in sweep if r["kernel"] == name), key=lambda r: r["us"])[:4]
+            print(f"{group} {name}: " + "; ".join(f"{r['us']:.1f}us {r['tb_s']:.2f}TB/s {r['config']}" for r in best))
+    # the attention config best over all of its cases (sum of times)
+    attn = [r for r in rows if r.get("group") == "attn-sweep"]
+    totals: dict[str, list[float]] = defaultdict(list)
+    for r in attn:
+        totals[json.dumps(r["config"], sort_keys=True)].append(r["us"])
+    n_cases = max((len(v) for v in totals.values()), default=0)
+    ranked = sorted((sum(v), k) for k, v in totals.items() if len(v) == n_cases)
+    for total, k in ranked[:5]:
+        print(f"attn-sweep total {total:.1f}us over {n_cases} cases: {k}")
 
 
 if __name__ == "__main__":

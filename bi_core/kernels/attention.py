@@ -30,7 +30,9 @@ M_ROWS = 64  # rows per program (tokens per tile = M_ROWS // GROUP)
 BLOCK_N = 32
 KV_SPLIT = 256  # tokens per KV chunk: fixed, part of every row's arithmetic
 LOG2E = 1.4426950408889634
-NUM_WARPS = 8  # a [64, 256] fp32 accumulator per program: 4 warps spill
+NUM_WARPS = 8  # prefill: a [64, 256] fp32 accumulator per program (4 warps spill)
+DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MMA tile of 16
+DECODE_WARPS, DECODE_STAGES = 4, 2
 
 
 @triton.jit
@@ -258,7 +260,8 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
     if num_dec == 0:
         return
     decode_tokens = triton.next_power_of_2(max(max_q_len, 1))
-    assert decode_tokens * group <= M_ROWS
+    rows = max(DECODE_MIN_ROWS, decode_tokens * group)  # MMA rows: decode rows waste less of a small tile
+    assert rows <= M_ROWS
     cache_tokens = k_cache.shape[0] * page
     slots = workspace_slots(num_dec * decode_tokens, cache_tokens, decode_tokens)
     ws_acc = torch.empty((slots, num_heads, head_dim), dtype=torch.float32, device=q.device)
@@ -268,9 +271,9 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
     _decode_split_kernel[(num_dec, splits_per_seq, num_kv_heads)](
         q, k_cache, v_cache, ws_acc, ws_m, ws_l, block_tables, context_lens, cu_seqlens, dec_seqs,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=M_ROWS, BLOCK_N=BLOCK_N,
-        KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype), num_warps=NUM_WARPS,
-        num_stages=2)
+        block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=rows, BLOCK_N=BLOCK_N,
+        KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype),
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
     _merge_kernel[(num_dec, num_heads)](
         ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,
         D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, num_warps=4)

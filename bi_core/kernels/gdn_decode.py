@@ -69,7 +69,7 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
     # phase 2, per value head: gates, L2 norms, the delta rule on the state tile, the gated norm
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    tile = dk[:, None] * DV + dv[None, :]  # int32 offsets inside one head's state
+    tile = dv[:, None] * DK + dk[None, :]  # int32 offsets inside one head's state, stored transposed [DV, DK]
     for g in tl.static_range(GROUP):
         hv = hk * GROUP + g
         head = STATE + hv * stride_sh
@@ -87,10 +87,11 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
             softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+            # h is S transposed, [DV, DK]: S^T k and S^T q reduce over DK, the contiguous (in-warp) axis
             h = h * tl.exp(neg_a * softplus)
-            u = (v - tl.sum(h * k[:, None], axis=0)) * beta
-            h = h + k[:, None] * u[None, :]
-            o = tl.sum(h * q[:, None], axis=0).to(dt).to(tl.float32)
+            u = (v - tl.sum(h * k[None, :], axis=1)) * beta
+            h = h + u[:, None] * k[None, :]
+            o = tl.sum(h * q[None, :], axis=1).to(dt).to(tl.float32)
             # gated RMSNorm, transformers' rounding: normalise, cast, times weight, times silu(z) in fp32
             rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)
             y = (norm_w * (o * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -109,9 +110,9 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tenso
                context_lens: torch.Tensor, slots: torch.Tensor, token_slots: torch.Tensor, seq_ids: torch.Tensor,
                out: torch.Tensor, *, num_k_heads: int, head_k_dim: int, eps: float, per_token: bool) -> torch.Tensor:
     """``proj [T, qkv | z | b | a]`` -> gated-normed ``out [T, Hv*Dv]`` rows of the sequences
-    ``seq_ids``; conv state ``[slots, conv_dim, 3]`` and fp32 (or bf16) state ``[slots, Hv, Dk, Dv]``
-    updated in place."""
-    num_v_heads, _, head_v_dim = state.shape[1:]
+    ``seq_ids``; conv state ``[slots, conv_dim, 3]`` and fp32 (or bf16) state
+    updated in place, both as the cache stores them (S transposed: ``[slots, Hv, Dv, Dk]``)."""
+    num_v_heads, head_v_dim, _ = state.shape[1:]
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     assert proj.stride(-1) == 1 and conv_weight.shape[1] == 4 and state.is_contiguous()
     assert conv_state.stride(2) == 1

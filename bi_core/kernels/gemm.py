@@ -20,7 +20,7 @@ from bi_core.kernels.common import dot_mode, mma
 
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs) at decode
 DECODE_BLOCK_N = 32  # the tile width a decode GEMV uses; split counts are planned against it
-MIN_SPLIT_K = 512  # no split range shorter than this many K elements
+MIN_SPLIT_K = 256  # no split range shorter than this many K elements
 MAX_LOCKS = 1 << 16  # per-tile arrival counters (tiles of a split GEMM, any M up to 65536 rows)
 
 _locks: dict[torch.device, torch.Tensor] = {}
@@ -101,31 +101,35 @@ def block_m_for(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
-def block_k_for(k: int) -> int:
-    """Part of the K order: fixed by K."""
-    return 128 if k >= 1024 else 64
+def block_k_for(n: int, k: int) -> int:
+    """Part of the K order: fixed by (N, K). 64, or 128 for vocabulary-sized heads (measured best
+    at M=1 on an H200, benchmarks/kernel_bench.py --sweep)."""
+    return 128 if n >= 65536 and k >= 1024 else 64
 
 
 def split_k_for(n: int, k: int) -> int:
     """Part of the K order: fixed by (N, K). Enough splits that a one-row GEMM fills about
     TARGET_PROGRAMS programs, each split at least MIN_SPLIT_K long and a multiple of BLOCK_K."""
-    tiles, bk, split = triton.cdiv(n, DECODE_BLOCK_N), block_k_for(k), 1
+    tiles, bk, split = triton.cdiv(n, DECODE_BLOCK_N), block_k_for(n, k), 1
     while tiles * split < TARGET_PROGRAMS and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * bk) == 0:
         split *= 2
     return split
 
 
-def gemm_config(m: int, n: int, k: int) -> dict:
-    """BLOCK_K and SPLIT_K fix the K order from (N, K); the rest follows M for speed."""
-    bm = block_m_for(m)
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """BLOCK_K and SPLIT_K fix the K order from (N, K); the rest follows M for speed (decode tiles
+    from the M=1 sweep; wider tiles for more rows, narrowed until about TARGET_PROGRAMS programs)."""
+    bm, split = block_m_for(m), split_k_for(n, k)
     if bm <= 16:
-        bn, warps, stages = DECODE_BLOCK_N, 4, 4
-    elif bm <= 64:
-        bn, warps, stages = 64, 4, 4
+        bn, warps, stages = (16 if n <= 1024 else DECODE_BLOCK_N if n <= 16384 else 64), 2, 4
     else:
-        bn, warps, stages = 128, 8, 3
+        bn, warps, stages = 128, (8 if bm == 128 else 4), (3 if bm >= 64 else 4)
+        while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * split < TARGET_PROGRAMS:
+            bn //= 2
+    if dtype == torch.float32:
+        stages = 2  # fp32 tiles are twice the bytes: three stages of 128x128 tiles overflow shared memory
     bn = min(bn, max(16, triton.next_power_of_2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(k), "SPLIT_K": split_k_for(n, k),
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(n, k), "SPLIT_K": split,
             "num_warps": warps, "num_stages": stages}
 
 
@@ -151,7 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     c = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return c.view(*shape[:-1], n)
-    cfg = dict(config or gemm_config(m, n, k))
+    cfg = dict(config or gemm_config(m, n, k, x.dtype))
     split = cfg.pop("SPLIT_K")
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1 and tiles > MAX_LOCKS:

@@ -163,7 +163,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: 
     _grouped_gemm_kernel[grid](a, w, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k,
                                num_experts, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
                                A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BLOCK_M=routing.block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k_for(k), DOT=dot_mode(a.dtype), num_warps=4,
+                               BLOCK_K=block_k_for(n, k), DOT=dot_mode(a.dtype), num_warps=4,
                                num_stages=3 if silu_mul else 4)
     return out
 

@@ -37,7 +37,7 @@ class ModelCaches:
     k: list[torch.Tensor]  # per attention layer: [num_blocks, block_size, Hkv, D]
     v: list[torch.Tensor]
     conv: list[torch.Tensor]  # per GDN layer: [num_slots, conv_dim, Kc - 1]
-    recurrent: list[torch.Tensor]  # per GDN layer: [num_slots, Hv, Dk, Dv] float32
+    recurrent: list[torch.Tensor]  # per GDN layer: [num_slots, Hv, Dv, Dk] float32 (S transposed)
 
 
 class Linear(nn.Module):

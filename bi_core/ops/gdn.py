@@ -51,7 +51,7 @@ class GdnImpl(Protocol):
         proj: torch.Tensor,  # [T, conv_dim + value_dim + 2*Hv]: in_proj output, qkv | z | b | a
         weights: GdnWeights,
         conv_state: torch.Tensor,  # [num_slots, conv_dim, Kc - 1], the last Kc-1 pre-conv rows
-        state: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 (or bfloat16), updated in place
+        state: torch.Tensor,  # [num_slots, Hv, Dv, Dk] float32 (or bfloat16): S transposed, in place
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, value_dim], the gated-normed output (out_proj's input)
         """silu(conv(qkv)) -> q, k, v; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias);

@@ -70,7 +70,9 @@ class CacheManager:
         kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
         conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
-        rec_shape = (num_states, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        # the state is stored transposed, [Hv, Dv, Dk] (Dk contiguous): the recurrent kernel's
+        # per-token reductions over Dk then stay inside a warp
+        rec_shape = (num_states, args.linear_num_value_heads, args.linear_value_head_dim, args.linear_key_head_dim)
         rec = [torch.zeros(rec_shape, dtype=state_dtype, device=device) for _ in range(num_gdn)]
         n_main = len(args.full_attention_layers)
         self.main = ModelCaches(k=kv[0:n_main], v=kv[n_main:2 * n_main], conv=conv, recurrent=rec)

@@ -231,7 +231,7 @@ def _gdn(n, ring=1):
                          A_log=torch.rand(hv, device="cuda") * 2, dt_bias=torch.randn(hv, device="cuda"),
                          norm=(1 + 0.1 * torch.randn(dv, device="cuda")).to(torch.bfloat16))
     conv0 = torch.randn(n * ring, c, 3, device="cuda", dtype=torch.bfloat16)
-    s0 = torch.randn(n * ring, hv, dk, dv, device="cuda")
+    s0 = torch.randn(n * ring, hv, dv, dk, device="cuda")  # S transposed, as the cache stores it
     return proj, weights, conv0, s0
 
 
@@ -301,7 +301,8 @@ def test_gdn_negative_control():
     q, k, v = torch.split(mixed, [2048, 2048, 4096], dim=-1)
     g, beta = gates(a, b, weights)
     o, _ = chunk_gated_delta_rule(q.reshape(1, 4, 16, 128), k.reshape(1, 4, 16, 128), v.reshape(1, 4, 32, 128),
-                                  g=g[None], beta=beta[None], scale=128**-0.5, initial_state=s0[:1].clone(),
+                                  g=g[None], beta=beta[None], scale=128**-0.5,
+                                  initial_state=s0[:1].transpose(-1, -2).contiguous(),  # fla: [N, Hv, Dk, Dv]
                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
                                   cu_seqlens=torch.tensor([0, 4], device="cuda"))
     from bi_core.kernels.norm import gated_rms_norm

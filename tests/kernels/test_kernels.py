@@ -71,7 +71,7 @@ def gdn_inputs(spec, num_tokens, num_slots, device, dtype):
                          dt_bias=torch.randn(spec.num_v_heads, device=device),
                          norm=(1 + 0.1 * torch.randn(spec.head_v_dim, device=device)).to(dtype))
     conv = torch.randn(num_slots, spec.conv_dim, 3, device=device, dtype=dtype)
-    state = torch.randn(num_slots, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, device=device)
+    state = torch.randn(num_slots, spec.num_v_heads, spec.head_v_dim, spec.head_k_dim, device=device)
     return proj, weights, conv, state
 
 
@@ -141,11 +141,11 @@ def test_gdn_decode_ring_keeps_the_state_after_every_token(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(72, 200), (40, 2048)])  # the second splits K in 4
+@pytest.mark.parametrize("n,k", [(72, 200), (40, 2048)])  # the second splits K in 8
 def test_linear(device, dtype, n, k):
     from bi_core.kernels.gemm import gemm_config, linear
 
-    assert gemm_config(1, 40, 2048)["SPLIT_K"] == 4
+    assert gemm_config(1, 40, 2048)["SPLIT_K"] == 8
     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
     w2 = torch.randn(2 * n, k, device=device, dtype=dtype) / k**0.5
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
@@ -210,8 +210,10 @@ def test_gated_attention_mixed_prefill_decode_verify(device, dtype):
 
 
 def test_decode_form_equals_prefill_form(device):
-    """A decode row (split programs + ordered merge) gives the bits the same row gets inside a
-    prefill tile (chunks folded in one program), at a KV length spanning three splits."""
+    """A decode row (split programs + ordered merge, a 16-row MMA tile) gives the bits the same row
+    gets inside a prefill tile (chunks folded in one program, a 64-row tile), at a KV length
+    spanning three splits. Bitwise on the GPU; under the interpreter a dot is numpy's matmul,
+    whose rounding may follow the tile's row count, so there it checks agreement to 1e-6."""
     from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
     from bi_core.kernels.attention import KV_SPLIT
 
@@ -227,7 +229,10 @@ def test_decode_form_equals_prefill_form(device):
     ctx1, _ = ragged_ctx([1], [n - 1], device, recurrent=[True])
     decode = impl.forward(qkv[n - 1:], q_norm, k_norm, kc, vc, ctx1)  # its last token as a decode row
     assert impl.prepare(ctx1).dec_seqs.shape[0] == 1 and impl.prepare(ctx).dec_seqs.shape[0] == 0
-    assert torch.equal(decode, prefill[n - 1:])
+    if device.type == "cuda":
+        assert torch.equal(decode, prefill[n - 1:])
+    else:
+        assert rel(decode, prefill[n - 1:]) < 1e-6
 
 
 def test_align_routes_every_pair_once(device):

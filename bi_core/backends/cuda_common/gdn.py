@@ -96,12 +96,13 @@ class CudaGdnImpl:
         n = tokens.shape[0]
         q, k, v = torch.split(mixed[tokens], [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         g, beta = gates(a[tokens], b[tokens], weights)
-        init = torch.where(meta["has_past"][:, None, None, None], state[meta["slots"]].float(), 0.0)
+        # fla's states are [N, Hv, Dk, Dv]; the cache holds them transposed ([Hv, Dv, Dk])
+        init = torch.where(meta["has_past"][:, None, None, None], state[meta["slots"]].float().transpose(-1, -2), 0.0)
         o, final = chunk_gated_delta_rule(
             q.reshape(1, n, s.num_k_heads, s.head_k_dim), k.reshape(1, n, s.num_k_heads, s.head_k_dim),
             v.reshape(1, n, s.num_v_heads, s.head_v_dim), g=g[None], beta=beta[None], scale=self.scale,
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=meta["cu"])
-        state.index_copy_(0, meta["final_slots"], final.to(state.dtype))
+        state.index_copy_(0, meta["final_slots"], final.transpose(-1, -2).to(state.dtype))
         dv = s.head_v_dim
         normed = gated_rms_norm(o[0].to(proj.dtype).reshape(-1, dv), z[tokens].reshape(-1, dv), weights.norm, s.norm_eps)
         out.index_copy_(0, tokens, normed.reshape(n, s.value_dim))

@@ -124,16 +124,18 @@ class ReferenceGdnImpl:
             ki = l2norm(k[start:end].float().repeat_interleave(self.group, dim=1)).transpose(0, 1)
             vi = v[start:end].float().transpose(0, 1)
             gi, bi = g[start:end].float().transpose(0, 1), beta[start:end].float().transpose(0, 1)
-            s0 = state[slot] if ctx.past_len(i) > 0 else torch.zeros_like(state[slot])
+            # the cache holds S transposed ([Hv, Dv, Dk]); the math here uses S [Hv, Dk, Dv]
+            s0 = state[slot].transpose(-1, -2)
+            s0 = s0 if ctx.past_len(i) > 0 else torch.zeros_like(s0)
             slots = ctx.token_state_slots_host[start:end]
             if ctx.is_recurrent_host[i]:
                 def keep(t, s, slots=slots):
                     if ctx.state_ring > 1 or t == len(slots) - 1:
-                        state[slots[t]] = s
+                        state[slots[t]] = s.transpose(-1, -2)
                 o, _ = recurrent_delta_rule(qi, ki, vi, gi, bi, s0.float(), on_token=keep)
             else:
                 o, s1 = chunk_delta_rule(qi, ki, vi, gi, bi, s0.float())
-                state[slots[-1]] = s1
+                state[slots[-1]] = s1.transpose(-1, -2)
             out[start:end] = o.transpose(0, 1).to(v.dtype)
         return out
 
