@@ -223,9 +223,9 @@ def bench_gdn() -> None:
             gd.NUM_WARPS = 8
         else:
             import torch.nn.functional as F
+            from bi_core.kernels.gdn_recurrent import gdn_recurrent
 
             from bi_core.kernels.conv1d import causal_conv1d
-            from bi_core.kernels.gdn_recurrent import gdn_recurrent
             from bi_core.kernels.norm import gated_rms_norm
 
             def old():  # the old GatedDeltaNet.forward between in_proj and out_proj
