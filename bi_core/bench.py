@@ -111,17 +111,18 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from bi_core.ops.sampling import mix_seed
     from bi_core.runtime.batch import plan_batch, upload
 
     hb = plan_batch([[s.all_ids[-1]] for s in seqs], [s.num_computed for s in seqs], [s.blocks for s in seqs],
                     [s.state_slot for s in seqs], [True] * len(seqs), block_size=engine.cache.block_size,
-                    ring=engine.cache.state_ring, logits_rows=[[0]] * len(seqs))
-    ids, ctx = upload(hb, engine.device)  # an eager context: no graph key
-    batch = engine.sampling_batch(seqs, [s.num_tokens for s in seqs], 0)
+                    ring=engine.cache.state_ring, logits_rows=[[0]] * len(seqs),
+                    sample_keys=[mix_seed(s.seed, s.num_tokens) for s in seqs],
+                    temperatures=[s.params.temperature for s in seqs])
+    ids, ctx = upload(hb, engine.device)  # an eager context (no graph key), sampling on the device like a graph
     torch.cuda.synchronize()
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _, logits = engine.run_model(ids, ctx)
-        engine.model.sampler.forward(logits, batch).to_host()
+        engine.run_model(ids, ctx).samples.cpu()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
 

@@ -35,6 +35,8 @@ class ForwardContext:
     block_size: int
     logits_indices_host: list[int] = attrs.field(factory=list)
     logits_all_rows: bool = False  # logits_indices is every row (a graph's static batch): no gather
+    sample_keys: torch.Tensor | None = None  # [R] int64 per logits row: mix_seed(request seed, position)
+    temperatures: torch.Tensor | None = None  # [R] float64 per logits row (0 = greedy)
     extras: dict = attrs.field(factory=dict)  # per-step metadata impls compute once and share across layers
 
     @property
@@ -68,6 +70,8 @@ class HostBatch:
     logits_rows: list[int]  # flat rows whose logits the step returns
     block_size: int
     ring: int
+    sample_keys: list[int] = attrs.field(factory=list)  # per logits row, when the step samples on the device
+    temperatures: list[float] = attrs.field(factory=list)
 
     @property
     def num_seqs(self) -> int:

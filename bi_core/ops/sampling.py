@@ -51,6 +51,11 @@ class SamplerImpl(Protocol):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits [B, V]`` (any float dtype) -> one token per row."""
 
+    def sample_device(self, logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """Greedy / plain-temperature sampling with per-row keys and temperatures already on the
+        device (capturable in a CUDA graph): ``[B, 2]`` float64 rows (token, logprob), the same
+        values ``forward`` gives for those rows without top-k/top-p or top-N logprobs."""
+
 
 class SamplingBuilder(OpBuilder[SamplingSpec]):
     op = "sampling"

@@ -22,9 +22,12 @@ def plan_batch(
     block_size: int,
     ring: int = 1,
     logits_rows: list[list[int]] | None = None,
+    sample_keys: list[int] | None = None,
+    temperatures: list[float] | None = None,
 ) -> HostBatch:
     """``logits_rows[i]``: rows of sequence i (offsets into its tokens) whose logits are needed;
-    default its last row. ``ring`` > 1 (speculative decoding): a sequence owns ``ring``
+    default its last row. ``sample_keys`` / ``temperatures`` (one per logits row, flat): the step
+    also samples those rows on the device (greedy or plain temperature). ``ring`` > 1 (speculative decoding): a sequence owns ``ring``
     consecutive state slots; at past length L it reads slot ``L % ring`` and the state after its
     t-th new token goes to slot ``(L + t + 1) % ring``, so rejecting drafts is just a shorter
     length, never a copy."""
@@ -45,7 +48,12 @@ def plan_batch(
         query_lens=query_lens, context_lens=[p + q for p, q in zip(past_lens, query_lens)],
         state_slots=[base * ring + past % ring for base, past in zip(state_slots, past_lens)],
         blocks=[list(b) for b in blocks], is_recurrent=list(is_recurrent), logits_rows=rows,
-        block_size=block_size, ring=ring)
+        block_size=block_size, ring=ring, sample_keys=list(sample_keys or []), temperatures=list(temperatures or []))
+
+
+def float_bits(values: list[float]) -> list[int]:
+    """float64 bit patterns as int64s, so floats travel in the same int64 transfer."""
+    return torch.tensor(values, dtype=torch.float64).view(torch.int64).tolist()
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -57,7 +65,8 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                  context_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
                  state_slots: torch.Tensor, logits_indices: torch.Tensor, token_state_slots: torch.Tensor,
-                 recurrent_ids: torch.Tensor, extras: dict | None = None, logits_all_rows: bool = False
+                 recurrent_ids: torch.Tensor, extras: dict | None = None, logits_all_rows: bool = False,
+                 sample_keys: torch.Tensor | None = None, temperatures: torch.Tensor | None = None
                  ) -> ForwardContext:
     """A ForwardContext over device tensors (fresh or static views) and the host lists of ``hb``."""
     return ForwardContext(
@@ -68,8 +77,8 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
         token_state_slots_host=list(hb.token_state_slots), state_ring=hb.ring,
         is_recurrent_host=list(hb.is_recurrent), recurrent_ids=recurrent_ids,
         block_tables_host=[list(b) for b in hb.blocks], block_size=hb.block_size,
-        logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows,
-        extras=extras if extras is not None else {})
+        logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows, sample_keys=sample_keys,
+        temperatures=temperatures, extras=extras if extras is not None else {})
 
 
 def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
@@ -78,12 +87,13 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     table = [x for b in hb.blocks for x in b + [-1] * (max_blocks - len(b))]
     recurrent = [i for i, r in enumerate(hb.is_recurrent) if r]
     fields = [hb.token_ids, hb.positions, hb.cu_seqlens, hb.context_lens, table, hb.slot_mapping, hb.state_slots,
-              hb.logits_rows, recurrent, hb.token_state_slots]
+              hb.logits_rows, recurrent, hb.token_state_slots, hb.sample_keys, float_bits(hb.temperatures)]
     parts = torch.split(to_device([x for f in fields for x in f], device), [len(f) for f in fields])
-    ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states = parts
+    ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states, keys, temps = parts
+    sampling = {"sample_keys": keys, "temperatures": temps.view(torch.float64)} if hb.sample_keys else {}
     ctx = context_from(hb, positions=pos, cu_seqlens=cu, context_lens=ctx_lens,
                        block_tables=table_t.view(hb.num_seqs, max_blocks), slot_mapping=slots, state_slots=states,
-                       logits_indices=logits, token_state_slots=token_states, recurrent_ids=rec)
+                       logits_indices=logits, token_state_slots=token_states, recurrent_ids=rec, **sampling)
     return ids, ctx
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence as Seq
 
+import attrs
 import torch
 from tqdm import tqdm
 
@@ -102,23 +103,34 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def model_step(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, ctx, self.cache.main)
+    def model_step(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, ...]:
+        """(hidden, logits[, samples]): with ``ctx.sample_keys`` the step samples its logits rows on
+        the device too (inside a CUDA graph when it replays one)."""
+        hidden, logits = self.model(input_ids, ctx, self.cache.main)
+        if ctx.sample_keys is None:
+            return hidden, logits
+        return hidden, logits, self.model.sampler.sample_device(logits, ctx.sample_keys, ctx.temperatures)
 
     def make_batch(self, token_ids: list[list[int]], seqs: list[Sequence], is_recurrent: list[bool],
-                   logits_rows: list[list[int]], *, past_lens: list[int] | None = None, runner=None):
+                   logits_rows: list[list[int]], *, sample_positions: list[list[int]] | None = None,
+                   past_lens: list[int] | None = None, runner=None):
         """Input ids and context of a step over ``token_ids[i]`` of ``seqs[i]`` (from position
-        ``past_lens[i]``, default its ``num_computed``), packed by ``runner`` (default the main model's)."""
+        ``past_lens[i]``, default its ``num_computed``), packed by ``runner`` (default the main
+        model's). ``sample_positions[i]``: the position each of sequence i's logits rows samples
+        (its randomness key), so the step can sample on the device."""
         past = [s.num_computed for s in seqs] if past_lens is None else past_lens
-        hb = plan_batch(token_ids, past, [s.blocks for s in seqs],
-                        [s.state_slot for s in seqs], is_recurrent, block_size=self.cache.block_size,
-                        ring=self.cache.state_ring, logits_rows=logits_rows)
+        keys = temps = None
+        if sample_positions is not None:
+            keys = [mix_seed(s.seed, p) for s, ps in zip(seqs, sample_positions) for p in ps]
+            temps = [s.params.temperature for s, ps in zip(seqs, sample_positions) for _ in ps]
+        hb = plan_batch(token_ids, past, [s.blocks for s in seqs], [s.state_slot for s in seqs], is_recurrent,
+                        block_size=self.cache.block_size, ring=self.cache.state_ring, logits_rows=logits_rows,
+                        sample_keys=keys, temperatures=temps)
         return (runner or self.runner).make_context(hb, self.device)
 
-    def run_model(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """The main model over one step's tokens, through the graph runner: (hidden states of every
-        token, logits of the rows ``ctx.logits_indices_host``)."""
-        return self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step)
+    def run_model(self, input_ids: torch.Tensor, ctx) -> StepOutput:
+        """The main model over one step's tokens, through the graph runner."""
+        return StepOutput(*self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step))
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Queue one request; raises RequestError / PromptTooLongError for a bad one."""
@@ -158,14 +170,21 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return done
 
-    def sample_rows(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor):
+    def sample_rows(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
+                    samples: torch.Tensor | None = None):
         """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
         ``positions[i]`` (its randomness is keyed by that request's seed and that position).
+        ``samples``: the step's own device samples of these rows (used unless a request wants
+        top-k/top-p filtering or top-N logprobs, which the sampler does row by row).
         Returns per row (token, logprob, top-N dict or None)."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        packed = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n)).to_host()
+        batch = self.sampling_batch(seqs, positions, n)
+        if samples is not None and n == 0 and not any(batch.needs_filter(i) for i in range(len(seqs))):
+            packed = samples.cpu()
+        else:
+            packed = self.model.sampler.forward(logits, batch).to_host()
         tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
         top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
         rows = []
@@ -178,9 +197,10 @@ class LLMEngine:
             rows.append((tokens[i], lps[i], top))
         return rows
 
-    def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def sample_and_append(self, seqs: list[Sequence], out: StepOutput) -> None:
         """One new token per sequence (autoregressive step)."""
-        for seq, (token, lp, top) in zip(seqs, self.sample_rows(seqs, [s.num_tokens for s in seqs], logits)):
+        rows = self.sample_rows(seqs, [s.num_tokens for s in seqs], out.logits, out.samples)
+        for seq, (token, lp, top) in zip(seqs, rows):
             seq.append(token, lp, top, self.eos_ids)
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int], num_logprobs: int) -> SamplingBatch:
@@ -229,6 +249,16 @@ class LLMEngine:
             finish_reason=s.finish_reason, error=s.error,
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
             num_verify_steps=s.num_verify_steps)
+
+
+@attrs.frozen
+class StepOutput:
+    """What a model step returns: every token's hidden state, the logits of the rows it was asked
+    for, and (when the context carried sampling keys) those rows sampled on the device."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    samples: torch.Tensor | None = None  # [R, 2] float64 (token, logprob)
 
 
 def _param_gib(args: ModelArgs, dtype: torch.dtype) -> float:

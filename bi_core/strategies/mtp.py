@@ -101,20 +101,22 @@ class MTPStrategy(Strategy):
     def step(self, scheduled: list[Scheduled]) -> None:
         eng = self.engine
         plans = [self._plan(s) for s in scheduled]
+        sample_positions = [[p.seq.num_computed + j + 1 for j in p.sample_rows] for p in plans]
         input_ids, ctx = eng.make_batch([p.tokens for p in plans], [p.seq for p in plans],
-                                        [p.recurrent for p in plans], [p.sample_rows for p in plans])
-        hidden, logits = eng.run_model(input_ids, ctx)
+                                        [p.recurrent for p in plans], [p.sample_rows for p in plans],
+                                        sample_positions=sample_positions)
+        out = eng.run_model(input_ids, ctx)
         row_seqs, positions = [], []
-        for p, offset in zip(plans, ctx.cu_seqlens_host):
+        for p, offset, sp in zip(plans, ctx.cu_seqlens_host, sample_positions):
             p.offset = offset
-            row_seqs += [p.seq] * len(p.sample_rows)
-            positions += [p.seq.num_computed + j + 1 for j in p.sample_rows]
-        sampled = eng.sample_rows(row_seqs, positions, logits) if row_seqs else []
+            row_seqs += [p.seq] * len(sp)
+            positions += sp
+        sampled = eng.sample_rows(row_seqs, positions, out.logits, out.samples) if row_seqs else []
         cursor = 0
         for p in plans:
             self._accept(p, sampled[cursor:cursor + len(p.sample_rows)])
             cursor += len(p.sample_rows)
-        self._propose(plans, hidden)
+        self._propose(plans, out.hidden)
 
     def _plan(self, s: Scheduled) -> _Plan:
         seq = s.seq

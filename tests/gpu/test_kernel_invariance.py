@@ -285,10 +285,12 @@ def test_gdn_negative_control():
     pytest.importorskip("fla")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    from bi_core.backends.cuda_common.gdn import pin_fla_autotune
     from bi_core.backends.reference.gdn import gates, split_proj
     from bi_core.kernels.conv1d import causal_conv1d
     from bi_core.ops.gdn import GdnSpec
 
+    pin_fla_autotune()  # as the invariant backend does (an unpinned first call autotunes for minutes)
     torch.manual_seed(0)
     proj, weights, conv0, s0 = _gdn(4)
     ctx, _ = _ragged([4], [8], [True])

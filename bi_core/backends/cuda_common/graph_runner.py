@@ -5,7 +5,8 @@ One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16. A
 sequences is packed straight into the static buffers of the smallest bucket >= B (one transfer
 of the integer fields, one of the block table); sequences B..bucket-1 are padding whose KV
 writes go to a reserved scratch page and whose GDN state is a reserved scratch slot, so padding
-never touches a real sequence. A graph computes the logits of every row (decode and verify
+never touches a real sequence. A graph computes the logits of every row and samples every row
+(greedy or plain temperature, keys and temperatures are static inputs too: decode and verify
 sample every row). Other steps (prefill rows, mixed lengths, L not captured, more sequences
 than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's)
 runs before every forward, outside the graph. ``extra`` is an optional per-token input (the MTP
@@ -19,7 +20,7 @@ import torch
 
 from bi_core.ops.context import ForwardContext, HostBatch
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.runtime.batch import context_from, upload
+from bi_core.runtime.batch import context_from, float_bits, upload
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -42,13 +43,14 @@ class StaticBatch:
         self.spec, self.q, self.bucket, self.block_size = spec, q, bucket, block_size
         t = bucket * q
         self.num_tokens = t
-        self.region = torch.zeros(4 * t + 2 * bucket, dtype=torch.int64, device=device)
+        self.region = torch.zeros(6 * t + 2 * bucket, dtype=torch.int64, device=device)
         self.block_tables = torch.full((bucket, spec.max_blocks_per_seq), spec.scratch_page, dtype=torch.int64,
                                        device=device)
-        ids, pos, slots, token_states, ctx_lens, states = torch.split(self.region, [t, t, t, t, bucket, bucket])
+        ids, pos, slots, token_states, keys, temps, ctx_lens, states = torch.split(
+            self.region, [t, t, t, t, t, t, bucket, bucket])
         self.input_ids = ids
         self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
-                          state_slots=states)
+                          state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64))
         self.cu_seqlens = torch.arange(0, t + 1, q, dtype=torch.int64, device=device)
         self.all_rows = torch.arange(t, dtype=torch.int64, device=device)
         self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
@@ -69,13 +71,17 @@ class StaticBatch:
             token_state_slots=real.token_state_slots + [slot] * (pad * q), query_lens=real.query_lens + [q] * pad,
             context_lens=real.context_lens + [q] * pad, state_slots=real.state_slots + [slot] * pad,
             blocks=real.blocks + [[page]] * pad, is_recurrent=real.is_recurrent + [True] * pad,
-            logits_rows=real.logits_rows, block_size=bs, ring=real.ring)
+            logits_rows=real.logits_rows, block_size=bs, ring=real.ring, sample_keys=real.sample_keys,
+            temperatures=real.temperatures)
 
     def load(self, hb: HostBatch | None) -> HostBatch:
         """Copy a (padded) batch into the static buffers; returns the padded batch."""
         p = self.padded(hb)
-        self.region.copy_(_pinned(p.token_ids + p.positions + p.slot_mapping + p.token_state_slots +
-                                  p.context_lens + p.state_slots), non_blocking=True)
+        keys, temps = [0] * self.num_tokens, [0.0] * self.num_tokens  # every row samples in a graph (padding: greedy)
+        for row, key, temp in zip(p.logits_rows, p.sample_keys, p.temperatures):
+            keys[row], temps[row] = key, temp
+        self.region.copy_(_pinned(p.token_ids + p.positions + p.slot_mapping + p.token_state_slots + keys +
+                                  float_bits(temps) + p.context_lens + p.state_slots), non_blocking=True)
         width = max(len(b) for b in p.blocks)
         table = _pinned([x for b in p.blocks for x in b + [self.spec.scratch_page] * (width - len(b))])
         self.block_tables[:, :width].copy_(table.view(self.bucket, width), non_blocking=True)

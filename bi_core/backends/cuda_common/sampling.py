@@ -12,6 +12,11 @@ from bi_core.ops.sampling import SamplerOutput, SamplingBatch
 
 
 class CudaSamplerImpl:
+    def sample_device(self, logits, keys, temperatures) -> torch.Tensor:
+        from bi_core.kernels.sampling import sample
+
+        return sample(logits, keys, temperatures.float())[2]
+
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         from bi_core.kernels.sampling import sample
 

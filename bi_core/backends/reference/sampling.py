@@ -28,6 +28,12 @@ def gumbel_noise(key: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 class ReferenceSamplerImpl:
+    def sample_device(self, logits, keys, temperatures) -> torch.Tensor:
+        n = logits.shape[0]
+        batch = SamplingBatch(temperatures=temperatures.tolist(), top_ks=[0] * n, top_ps=[1.0] * n,
+                              keys=keys.tolist(), num_logprobs=0)
+        return self.forward(logits, batch).to_host().to(logits.device)
+
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits, dim=-1)
