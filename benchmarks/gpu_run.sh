@@ -2,7 +2,7 @@
 # One device run: unpack GPU deps, then each step in order. Logs under $OUT.
 # Steps: tests | tests-all | pytest:<args> | compare[:--sweep] (kernel_bench in .baseline and in this
 # tree, then the side-by-side table) | old:<cmd> (a command run with the pre-change tree first on
-# PYTHONPATH, e.g. old:python3 -m bi_core.cli bench ...) | <script.sh> | <script.py args>.
+# PYTHONPATH, e.g. old:python3 -m bi_core.cli bench ...) | cmd:<command> | <script.sh> | <script.py args>.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/site && tar -xJf .gpu-deps/flashinfer.tar.xz -C /tmp/site && \
@@ -34,6 +34,7 @@ for step in "$@"; do
       timeout ${STEP_TIMEOUT:-300} python3 benchmarks/kernel_bench.py ${step#compare:} --json "$OUT/kernels.jsonl" > "$OUT/kernels_new.log" 2>&1
       grep -h -i "error\|Traceback" "$OUT"/kernels_*.log | head -5
       python3 benchmarks/kernel_compare.py "$OUT/kernels.jsonl" | tee "$OUT/kernels_table.txt" ;;
+    cmd:*) timeout ${STEP_TIMEOUT:-300} ${step#cmd:} 2>&1 | tee -a "$OUT/bench.log" | tail -30 ;;
     old:*) (cd .baseline && PYTHONPATH=$PWD:/tmp/site timeout ${STEP_TIMEOUT:-300} ${step#old:}) 2>&1 | tee -a "$OUT/old.log" | tail -30 ;;
     *.sh*) timeout ${STEP_TIMEOUT:-300} bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
     *) timeout ${STEP_TIMEOUT:-240} python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;

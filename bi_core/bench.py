@@ -114,9 +114,10 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
     from bi_core.ops.sampling import mix_seed
     from bi_core.runtime.batch import plan_batch, upload
 
-    hb = plan_batch([[s.all_ids[-1]] for s in seqs], [s.num_computed for s in seqs], [s.blocks for s in seqs],
-                    [s.state_slot for s in seqs], [True] * len(seqs), block_size=engine.cache.block_size,
-                    ring=engine.cache.state_ring, logits_rows=[[0]] * len(seqs),
+    # the last computed position again (its KV page exists in every mode; the KV write repeats it)
+    hb = plan_batch([[s.all_ids[s.num_computed - 1]] for s in seqs], [s.num_computed - 1 for s in seqs],
+                    [s.blocks for s in seqs], [s.state_slot for s in seqs], [True] * len(seqs),
+                    block_size=engine.cache.block_size, ring=engine.cache.state_ring, logits_rows=[[0]] * len(seqs),
                     sample_keys=[mix_seed(s.seed, s.num_tokens) for s in seqs],
                     temperatures=[s.params.temperature for s in seqs])
     ids, ctx = upload(hb, engine.device)  # an eager context (no graph key), sampling on the device like a graph
