@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from bi_core.runtime.engine import LLMEngine
-from bi_core.runtime.sequence import SamplingParams
+from bi_core.runtime.sequence import SamplingParams, Status
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -97,7 +97,8 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    kernels = kernels_per_decode_step(engine, seqs) if count_kernels else None
+    running = [s for s in seqs if s.status is Status.RUNNING]  # early-admitted ones may have finished
+    kernels = kernels_per_decode_step(engine, running) if count_kernels and running else None
     while engine.scheduler.has_work():
         engine.step()
     return statistics.median(times) * 1e3, kernels
