@@ -1,9 +1,10 @@
 """Routed MoE experts (plus the shared expert, folded in as expert E) as two grouped GEMMs over
 (token, slot) pairs sorted by expert.
 
-Routing (``align``) is one Triton program: per-expert counts (``tl.histogram``), each expert's
-run padded to BLOCK_M rows, a stable counting sort of the pairs (``tl.sort`` on expert-major
-keys) and the expert of every BLOCK_M block, with static shapes (CUDA-graph capturable). A
+Routing (``align``) at decode and verify sizes is one Triton program: per-expert counts
+(``tl.histogram``), each expert's run padded to BLOCK_M rows, a stable counting sort of the
+pairs (``tl.sort`` on expert-major keys) and the expert of every BLOCK_M block, with static
+shapes (CUDA-graph capturable); prefill-sized batches use the same sort through torch ops. A
 pair's result never depends on where it lands: every grouped-GEMM row is its own dot products
 over K in the fixed order of ``gemm.py`` (BLOCK_K fixed by K), whatever BLOCK_M, the expert's
 row count or the row's place in the tile. The first GEMM computes the gate and up halves of an
@@ -89,7 +90,10 @@ def max_rows_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
-    """Pairs sorted by expert; ``num_experts`` counts the shared expert (the last) when ``shared``."""
+    """Pairs sorted by expert; ``num_experts`` counts the shared expert (the last) when ``shared``.
+    Up to SORT_CHUNK pairs (decode, verify) one Triton program does it all; more (prefill) go
+    through parallel torch ops, since one program sorting chunk after chunk is slow there. Both
+    give a valid grouping, and no row's result depends on which (see the module docstring)."""
     num_tokens, top_k = topk_ids.shape
     slots = top_k + (1 if shared else 0)
     num_pairs = num_tokens * slots
@@ -97,6 +101,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
     max_rows = max_rows_for(num_pairs, num_experts, bm)
     max_blocks = max_rows // bm
     dev = topk_ids.device
+    if num_pairs > SORT_CHUNK:
+        return _align_sorted(topk_ids, num_experts, shared, bm, max_rows)
     sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     if num_pairs:
@@ -107,6 +113,28 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
                             E_BLOCK=triton.next_power_of_2(num_experts + 1), BLOCK_M=bm, CHUNK=chunk, FILL=1024,
                             num_warps=4)
     return Routing(sorted_pairs, block_expert, bm, num_pairs, slots)
+
+
+def _align_sorted(topk_ids: torch.Tensor, num_experts: int, shared: bool, bm: int, max_rows: int) -> Routing:
+    """The same routing through torch ops (a stable sort of the pairs by expert; static shapes)."""
+    num_tokens, top_k = topk_ids.shape
+    ids = topk_ids
+    if shared:
+        ids = torch.cat([ids, torch.full((num_tokens, 1), num_experts - 1, dtype=ids.dtype, device=ids.device)], 1)
+    flat = ids.reshape(-1)
+    num_pairs = flat.shape[0]
+    order = torch.argsort(flat, stable=True)
+    # scatter_add, not bincount: bincount reads the max back to the host (no CUDA-graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm
+    padded_end = torch.cumsum(padded, 0)
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs.scatter_(0, (padded_end - padded)[expert_of] + rank, order.to(torch.int32))
+    block_start = torch.arange(0, max_rows, bm, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return Routing(sorted_pairs, block_expert, bm, num_pairs, ids.shape[1])
 
 
 @triton.jit
@@ -157,14 +185,15 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: 
     out = torch.empty((routing.num_pairs, n), dtype=a.dtype, device=a.device)
     if routing.num_pairs == 0:
         return out
-    block_n = 32 if routing.block_m <= 16 else 64 if routing.block_m <= 64 else 128
+    block_n = 32 if routing.block_m <= 16 else 64 if routing.block_m <= 64 or silu_mul else 128
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    warps = 8 if routing.block_m == 128 else 4  # two [128, 64] fp32 accumulators (SiLU) or one [128, 128]
     grid = (routing.block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, w, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k,
                                num_experts, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
                                A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BLOCK_M=routing.block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k_for(n, k), DOT=dot_mode(a.dtype), num_warps=4,
-                               num_stages=3 if silu_mul else 4)
+                               BLOCK_K=block_k_for(n, k), DOT=dot_mode(a.dtype), num_warps=warps,
+                               num_stages=3 if silu_mul or routing.block_m == 128 else 4)
     return out
 
 

@@ -294,3 +294,15 @@ def test_sampler(device):
     b = sample(logits[3:4], seeds[3:4], hot[3:4])[0]
     c = sample(logits, seeds + 100, hot)[0]
     assert a[3] == b[0] and a.tolist() != c.tolist()
+
+
+def test_align_paths_agree(device):
+    """The one-program routing and the torch sort give the same rows for the same pairs."""
+    from bi_core.kernels.moe import SORT_CHUNK, _align_sorted, align, max_rows_for
+
+    ids = torch.stack([torch.randperm(16, device=device)[:4] for _ in range(200)])
+    r = align(ids, 17, True)
+    assert r.num_pairs <= SORT_CHUNK
+    s = _align_sorted(ids, 17, True, r.block_m, max_rows_for(r.num_pairs, 17, r.block_m))
+    assert torch.equal(r.sorted_pairs, s.sorted_pairs) and torch.equal(r.block_expert.clamp(max=17),
+                                                                       s.block_expert.clamp(max=17))
