@@ -84,7 +84,12 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
     """Median ms of ``steps`` full engine steps (schedule + forward + sample) once every prompt
     decodes, after 3 warm-up steps (which also capture this bucket's graph); with
     ``count_kernels``, also the device kernels of one such step (``kernels_per_decode_step``)."""
-    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
+    # Long enough that the first requests admitted are still decoding once the last has prefilled
+    # (one prefill chunk of the budget per step, plus one admission per step at worst).
+    budget = engine.config.scheduler.max_num_batched_tokens
+    fill = -(-sum(len(p) for p in prompts) // budget) + len(prompts)
+    room = engine.max_model_len - max(len(p) for p in prompts) - 1
+    params = SamplingParams(max_new_tokens=max(1, min(steps + 8 + fill, room)), ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()

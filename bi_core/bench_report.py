@@ -52,15 +52,16 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
     engine = build_engine(cfg)
     out: dict = {"label": _label(cfg), "backend": cfg.backend, "invariant": cfg.policy.batch_invariant,
                  "graphs": cfg.graph.enabled, "decode": []}
-    for b in batch_sizes:
-        r = bench_decode(engine, b, args.context_len, args.steps, bandwidth)
+    contexts = [int(c) for c in str(args.context_len).split(",") if c]
+    for b, context in ((b, c) for c in contexts for b in batch_sizes):
+        r = bench_decode(engine, b, context, args.steps, bandwidth)
         layers = engine.args.num_hidden_layers
         out["decode"].append({"batch": b, "context_len": r.context_len, "ms_per_step": r.ms_per_step,
                               "tokens_per_s": r.tokens_per_s, "floor_ms": r.floor_ms, "over_floor": r.over_floor,
                               "kernels_per_step": r.kernels_per_step})
         kernels = (f"  {r.kernels_per_step} kernels/step ({r.kernels_per_step / layers:.1f}/layer)"
                    if r.kernels_per_step else "")
-        print(f"  decode B={b:<4} {r.ms_per_step:8.3f} ms/step  floor {r.floor_ms:7.3f} ms  x{r.over_floor:5.2f}  "
+        print(f"  decode B={b:<4} ctx {context:<5} {r.ms_per_step:8.3f} ms/step  floor {r.floor_ms:7.3f} ms  x{r.over_floor:5.2f}  "
               f"{r.tokens_per_s:9.1f} tok/s{kernels}", flush=True)
     if tput:
         out["throughput"] = bench_throughput(engine, *tput)
@@ -138,7 +139,7 @@ def run_bench(args, configs: list[EngineConfig]) -> int:
     for other in report["configs"][1:]:
         print(f"== {other['label']} vs {base['label']}")
         for a, b in zip(other["decode"], base["decode"]):
-            print(f"  decode B={a['batch']:<4} {a['ms_per_step'] / b['ms_per_step']:.3f}x time")
+            print(f"  decode B={a['batch']:<4} ctx {a['context_len']:<5} {a['ms_per_step'] / b['ms_per_step']:.3f}x time")
         if "throughput" in other and "throughput" in base:
             ratio = base["throughput"]["seconds"] / other["throughput"]["seconds"]
             print(f"  throughput {ratio:.3f}x")

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None, help=INVARIANT_HELP)
     bench.add_argument("--num-layers", type=int, help="cut a random preset to this many layers")
     bench.add_argument("--batch-sizes", default="1,8,64")
-    bench.add_argument("--context-len", type=int, default=512)
+    bench.add_argument("--context-len", default="512", help="prompt length(s) of the decode runs, e.g. 512,3500")
     bench.add_argument("--steps", type=int, default=30)
     bench.add_argument("--throughput", default="256x512x256", help="REQUESTSxINPUTxOUTPUT, or 'none'")
     bench.add_argument("--prefill", default="8x2048", help="BATCHxLENGTH, or 'none'")

@@ -33,6 +33,7 @@ LOG2E = 1.4426950408889634
 NUM_WARPS = 8  # prefill: a [64, 256] fp32 accumulator per program (4 warps spill)
 DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MMA tile of 16
 DECODE_WARPS, DECODE_STAGES = 4, 2
+PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
 
 
 @triton.jit
@@ -267,7 +268,7 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
     ws_acc = torch.empty((slots, num_heads, head_dim), dtype=torch.float32, device=q.device)
     ws_m = torch.empty((slots, num_heads), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
-    block_b = min(1024, triton.next_power_of_2(num_dec))
+    block_b = PREFIX_BLOCK  # fixed: a batch-dependent constexpr would compile a variant per batch size
     _decode_split_kernel[(num_dec, splits_per_seq, num_kv_heads)](
         q, k_cache, v_cache, ws_acc, ws_m, ws_l, block_tables, context_lens, cu_seqlens, dec_seqs,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

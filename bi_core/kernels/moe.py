@@ -107,7 +107,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     if num_pairs:
         ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        chunk = min(SORT_CHUNK, max(16, triton.next_power_of_2(num_pairs)))
+        chunk = next(c for c in (256, 1024, SORT_CHUNK) if c >= num_pairs)  # few sizes: few compiled variants
         _align_kernel[(1,)](ids, sorted_pairs, block_expert, None, num_tokens, num_pairs, max_rows, max_blocks,
                             TOP_K=top_k, SLOTS=slots, NUM_EXPERTS=num_experts,
                             E_BLOCK=triton.next_power_of_2(num_experts + 1), BLOCK_M=bm, CHUNK=chunk, FILL=1024,

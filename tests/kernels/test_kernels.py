@@ -108,6 +108,7 @@ def run_gdn_decode(spec, proj, weights, conv, state, ctx, out=None):
 def test_gdn_decode_matches_reference(device, dtype):
     """The fused decode kernel (conv, gates, delta rule, gated norm) against the reference mixer
     core, decode rows and multi-token recurrent (verify-like) rows, new and continuing sequences."""
+    torch.manual_seed(4)
     spec = gdn_spec(device, dtype)
     qlens, plens = [3, 1, 1, 4], [0, 4, 9, 2]
     ctx, _ = ragged_ctx(qlens, plens, device, recurrent=[True] * 4)
@@ -115,7 +116,9 @@ def test_gdn_decode_matches_reference(device, dtype):
     conv_ref, state_ref = conv.clone(), state.clone()
     out = run_gdn_decode(spec, proj, weights, conv, state, ctx)
     want = ReferenceGdnImpl(spec).forward(proj, weights, conv_ref, state_ref, ctx)
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    # seven bf16 roundings in a row (conv, silu, beta, o, the norm's three): the interpreter truncates
+    # each (docs/notes.md, tolerances), the GPU rounds to nearest even
+    tol = (5e-2 if device.type == "cpu" else 2e-2) if dtype == torch.bfloat16 else 1e-4
     assert rel(out, want) < tol
     assert rel(state, state_ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     torch.testing.assert_close(conv, conv_ref)  # windows are copies of inputs: exact
