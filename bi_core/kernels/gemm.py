@@ -36,7 +36,7 @@ def _epilogue(acc, acc_up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
     return acc.to(dt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
 def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr):

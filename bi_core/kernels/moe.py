@@ -34,7 +34,7 @@ class Routing:
     slots: int  # pairs per token: top_k, plus 1 with a shared expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_pairs", "max_rows", "max_blocks"])  # batch-dependent
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, SCRATCH, num_tokens, num_pairs, max_rows, max_blocks,
                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
@@ -137,7 +137,7 @@ def _align_sorted(topk_ids: torch.Tensor, num_experts: int, shared: bool, bm: in
     return Routing(sorted_pairs, block_expert, bm, num_pairs, ids.shape[1])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_we,
                          stride_wn, stride_cm, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
