@@ -44,12 +44,23 @@ def choose(registry: Registry, policy: Policy, op: str, spec: OpSpec) -> Choice:
     return Choice(op, spec, None, tuple(refusals))
 
 
-class OpFactory:
-    """Builds impls for the model; memoises by (op, spec) and remembers every choice."""
+@attrs.frozen
+class Planned:
+    """What a plan-only factory returns instead of an impl (``explain`` builds nothing)."""
 
-    def __init__(self, registry: Registry, policy: Policy, device: torch.device, dtype: torch.dtype) -> None:
+    op: str
+    backend: str
+
+
+class OpFactory:
+    """Builds impls for the model; memoises by (op, spec) and remembers every choice. With
+    ``plan_only`` it selects but builds nothing (no device memory, no kernel compiles)."""
+
+    def __init__(self, registry: Registry, policy: Policy, device: torch.device, dtype: torch.dtype,
+                 plan_only: bool = False) -> None:
         self.registry = registry
         self.policy = policy
+        self.plan_only = plan_only
         self.base = {"device": device, "dtype": dtype}  # every spec's common fields
         self.choices: dict[tuple[str, OpSpec], Choice] = {}
         self._impls: dict[tuple[str, OpSpec], object] = {}
@@ -59,11 +70,19 @@ class OpFactory:
         if key not in self._impls:
             choice = choose(self.registry, self.policy, op, spec)
             self.choices[key] = choice
+            if choice.backend is None and self.plan_only:  # explain: record it and go on to the other ops
+                self._impls[key] = Planned(op, "NONE")
+                return self._impls[key]
             if choice.backend is None:
                 raise BackendSelectionError(op, [(b, list(r)) for b, r in choice.refusals])
             builder = self.registry.backends[choice.backend].builder(op)
-            self._impls[key] = builder.build(spec)
+            self._impls[key] = Planned(op, choice.backend) if self.plan_only else builder.build(spec)
         return self._impls[key]
+
+    def failures(self) -> list[str]:
+        """The selection errors of ops no backend could serve (a plan-only factory records them)."""
+        return [str(BackendSelectionError(c.op, [(b, list(r)) for b, r in c.refusals]))
+                for c in self.choices.values() if c.backend is None]
 
     def explain(self) -> str:
         lines = [f"policy: {self.policy.name}"]

@@ -227,5 +227,10 @@ def load_weights(model: torch.nn.Module, index: CheckpointIndex) -> None:
         with torch.no_grad():
             param.copy_(t.to(param.dtype))
     unused = [n for n in index.unused() if not (model.args.tie_word_embeddings and n == "lm_head.weight")]
+    mtp = [n for n in unused if n.startswith("mtp.")]
+    if mtp and not model.args.mtp_num_hidden_layers:
+        log.warning("checkpoint has %d MTP head tensors (mtp.*) but config.json has no mtp_num_hidden_layers: the "
+                    "MTP head is not loaded (add \"mtp_num_hidden_layers\": 1 to use strategy mtp)", len(mtp))
+        unused = [n for n in unused if not n.startswith("mtp.")]
     if unused:
         log.warning("checkpoint has %d tensors the model does not use, e.g. %s", len(unused), unused[:5])

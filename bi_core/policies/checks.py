@@ -10,6 +10,13 @@ from bi_core.policies.base import Policy
 from bi_core.registry import Registry
 
 
+def planned_device(spec: str) -> torch.device:
+    """The device a config asks for, whether or not this machine has it (for explain)."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -19,8 +26,10 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def check_config(config: EngineConfig, policy: Policy, registry: Registry, device: torch.device) -> None:
-    """Raise the first problem found; order: strategy, backends named, mode-specific refusals."""
+def check_config(config: EngineConfig, policy: Policy, registry: Registry, device: torch.device, *,
+                 live: bool = True) -> None:
+    """Raise the first problem found; order: strategy, backends named, mode-specific refusals.
+    ``live=False``: the device is not on this machine, so its compute capability is not checked."""
     strategy = config.strategy
     if strategy.name not in registry.strategies:
         raise ConfigError(
@@ -47,6 +56,8 @@ def check_config(config: EngineConfig, policy: Policy, registry: Registry, devic
             registry.backends[name].validate(policy)
     if device.type != "cuda":
         raise PolicyError(f"batch-invariant mode needs an SM90 (Hopper) GPU; model.device resolves to {device}")
+    if not live:
+        return
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         raise PolicyError(f"batch-invariant mode needs an SM90 (Hopper) GPU; {device} is SM{major}{minor} "

@@ -20,11 +20,12 @@ from bi_core.models.tokenizer import ByteTokenizer, load_tokenizer
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, mix_seed
 from bi_core.plugins import load_registry
-from bi_core.policies import check_config, make_policy, resolve_device
+from bi_core.policies import check_config, make_policy, planned_device, resolve_device
 from bi_core.policies.apply import applied, check_environment
 from bi_core.registry import Registry
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.scheduler import Scheduler
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
 from bi_core.selector import OpFactory
@@ -40,15 +41,18 @@ def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | No
     return ModelArgs.from_hf_config(read_config(config.model.path)), CheckpointIndex(config.model.path)
 
 
-def prepare(config: EngineConfig, registry: Registry | None):
-    """The steps every entry point shares: registry, policy, device, config checks, op factory."""
+def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = True, plan_only: bool = False):
+    """The steps every entry point shares: registry, policy, device, config checks, op factory.
+    ``live=False`` (explain on a machine without the configured GPU): the device is taken as
+    configured and the checks that need it present are skipped."""
     registry = registry or load_registry()
     policy = make_policy(batch_invariant=config.policy.batch_invariant, backend=config.backend,
                          op_overrides=config.policy.ops)
-    device = resolve_device(config.model.device)
-    check_config(config, policy, registry, device)
-    check_environment(policy, device)
-    return registry, policy, OpFactory(registry, policy, device, getattr(torch, config.model.dtype))
+    device = resolve_device(config.model.device) if live else planned_device(config.model.device)
+    check_config(config, policy, registry, device, live=live)
+    if live:
+        check_environment(policy, device)
+    return registry, policy, OpFactory(registry, policy, device, getattr(torch, config.model.dtype), plan_only)
 
 
 class LLMEngine:
@@ -62,7 +66,8 @@ class LLMEngine:
         if self.max_model_len > args.max_position_embeddings:
             raise ConfigError("model.max_model_len", f"{self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {args.max_position_embeddings}")
-        with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
+        self.checkpoint_has_mtp = index is not None and index.has_prefix("mtp.")
+        with_mtp = self.checkpoint_has_mtp if index is not None else args.mtp_num_hidden_layers > 0
         try:
             self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp)
         except torch.OutOfMemoryError:
@@ -99,6 +104,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tok_path) if tok_path else ByteTokenizer()
         self.eos_ids = args.eos_token_ids
         self.on_logits = None  # debugging hook: called with (sequences, logits) before sampling
+        self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self._next_id = 0
 
     # ------------------------------------------------------------------ requests
@@ -132,8 +138,9 @@ class LLMEngine:
         """The main model over one step's tokens, through the graph runner."""
         return StepOutput(*self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step))
 
-    def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
-        """Queue one request; raises RequestError / PromptTooLongError for a bad one."""
+    def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
+        """Queue one request; raises RequestError / PromptTooLongError for a bad one. With ``text``
+        (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt is text but this checkpoint has no tokenizer; pass a list of token ids")
@@ -148,13 +155,29 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
                                      f"{self.max_model_len} including at least one generated token")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         rid = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed,
                        max_total_len=min(len(ids) + params.max_new_tokens, self.max_model_len))
+        if (text or params.stop) and self.tokenizer is not None:
+            seq.text = TextStream(self.tokenizer, params.stop)
         self.scheduler.add(seq)
+        self.requests[rid] = seq
         return seq
+
+    def abort(self, request_id: int) -> bool:
+        """Drop an unfinished request (``finish_reason='abort'``); its KV pages and state slot are
+        free for the next step. False if there is no such request. Call between steps."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        self.strategy.forget(seq)
+        seq.finish("abort")
+        return True
 
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it."""
@@ -168,6 +191,8 @@ class LLMEngine:
         done = [s.seq for s in scheduled if s.seq.status is Status.FINISHED]
         for seq in done:
             self.scheduler.finish(seq)
+            self.strategy.forget(seq)
+            self.requests.pop(seq.request_id, None)
         return done
 
     def sample_rows(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
@@ -234,19 +259,20 @@ class LLMEngine:
         while self.scheduler.has_work():
             bar.update(len(self.step()))
         bar.close()
-        return [self._output(s) for s in seqs]
+        return [self.output_of(s) for s in seqs]
 
-    def _output(self, s: Sequence | tuple[list[int], str]) -> RequestOutput:
+    def output_of(self, s: Sequence | tuple[list[int], str]) -> RequestOutput:
+        """A request's result as the user sees it (also for a request still running)."""
         if not isinstance(s, Sequence):
             ids, error = s
             return RequestOutput(request_id=-1, prompt_token_ids=ids, token_ids=[], text=None, token_logprobs=[],
                                  logprobs=None, finish_reason="error", error=error)
+        text = s.text.text if s.text is not None else self.tokenizer.decode(s.output_ids) if self.tokenizer else None
         return RequestOutput(
-            request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids),
-            text=self.tokenizer.decode(s.output_ids) if self.tokenizer else None,
+            request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
             token_logprobs=list(s.token_logprobs),
             logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
-            finish_reason=s.finish_reason, error=s.error,
+            finish_reason=s.finish_reason, error=s.error, stop_reason=s.stop_reason, num_preemptions=s.num_preemptions,
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
             num_verify_steps=s.num_verify_steps)
 
@@ -274,20 +300,21 @@ def _param_gib(args: ModelArgs, dtype: torch.dtype) -> float:
 
 
 def explain(config: EngineConfig, registry: Registry | None = None) -> str:
-    """Which builder serves each op and why the others were refused, without loading weights."""
-    from bi_core.errors import BackendSelectionError
-
-    _, _, factory = prepare(config, registry)
+    """Which builder serves each op and why the others were refused, without loading weights or
+    building anything."""
+    wanted = planned_device(config.model.device)
+    live = wanted.type != "cuda" or torch.cuda.is_available()
+    _, _, factory = prepare(config, registry, live=live, plan_only=True)
     args, index = resolve_model(config)
     with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
-    failure = None
-    try:
-        Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp)
-        factory.build("graph_runner", GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled,
-                                                      max_batch_size=config.scheduler.max_num_seqs))
-    except BackendSelectionError as e:
-        failure = str(e)
+    Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp)
+    factory.build("graph_runner", GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled,
+                                                  max_batch_size=config.scheduler.max_num_seqs))
+    failure = "\n".join(dict.fromkeys(factory.failures()))
     text = factory.explain()
+    if not live:
+        text = (f"note: {wanted} is not available on this machine: the plan is shown as selected for it, without "
+                "the checks that need the device present (CUDA, SM90); package checks are this machine's\n" + text)
     return text + ("\n\nSELECTION FAILED:\n" + failure if failure else "")
 
 

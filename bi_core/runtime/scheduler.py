@@ -9,6 +9,7 @@ admission, so it is never preempted (recompute would re-run its decode tokens as
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import attrs
@@ -18,6 +19,7 @@ from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
+PREEMPTION_LOG_INTERVAL_S = 10.0  # preemptions are reported as counts at most this often
 
 
 @attrs.frozen
@@ -42,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._logged_preemptions, self._logged_at = 0, time.monotonic()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -105,8 +108,14 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption (default mode only): drop its cache, re-queue it first."""
         assert not self.reserve_full
-        log.warning("KV cache full: preempting request %d (it will be recomputed)", seq.request_id)
         self.num_preemptions += 1
+        seq.num_preemptions += 1
+        now = time.monotonic()
+        if now - self._logged_at >= PREEMPTION_LOG_INTERVAL_S or self._logged_preemptions == 0:
+            log.warning("KV cache full: %d preemption(s) since the last report (%d in total); preempted "
+                        "requests are recomputed. More cache.num_blocks or fewer scheduler.max_num_seqs avoid them",
+                        self.num_preemptions - self._logged_preemptions, self.num_preemptions)
+            self._logged_preemptions, self._logged_at = self.num_preemptions, now
         self._release(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         self.waiting.appendleft(seq)
@@ -122,3 +131,14 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self._release(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is; its pages and state slot are free for the next step."""
+        if seq in self.running:
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.cache.num_blocks - self.cache.blocks.num_free

@@ -7,6 +7,12 @@ import enum
 import attrs
 
 from bi_core.errors import RequestError
+from bi_core.runtime.detokenize import TextStream
+
+
+def _as_tuple(value) -> tuple:
+    """A string is one item (a stop string), any other iterable its items."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -24,7 +30,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # top-N logprobs per step (vLLM style); None = only the sampled token's
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)  # ends when the text contains one
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -35,6 +42,7 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), f"seed must be an int >= 0, got {self.seed!r}")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs!r}")
+        _check(all(isinstance(s, str) for s in self.stop), f"stop must be strings, got {self.stop!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -45,8 +53,10 @@ class RequestOutput:
     text: str | None
     token_logprobs: list[float]  # log p of each generated token (raw distribution)
     logprobs: list[dict[int, float]] | None  # per step: top-N and the sampled token
-    finish_reason: str | None  # stop | length | error
+    finish_reason: str | None  # stop | length | abort | error
     error: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_preemptions: int = 0  # times its cache was dropped for space and recomputed (default mode)
     num_accepted_draft_tokens: int = 0
     num_draft_tokens: int = 0
     num_verify_steps: int = 0  # speculative steps that verified at least one draft
@@ -85,6 +95,9 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_verify_steps: int = 0
+    num_preemptions: int = 0
+    text: TextStream | None = None  # incremental text, when the caller asked for it or for stop strings
+    stop_reason: str | int | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,10 +118,18 @@ class Sequence:
         if top is not None:
             self.top_logprobs.append(top)
         stops = self.params.stop_token_ids + (() if self.params.ignore_eos else eos_ids)
+        if self.text is not None:
+            self.text.feed(token)
         if token in stops:
+            self.stop_reason = token
+            self.finish("stop")
+        elif self.text is not None and self.text.stop_reason is not None:
+            self.stop_reason = self.text.stop_reason
             self.finish("stop")
         elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_total_len:
             self.finish("length")
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+        if self.text is not None:
+            self.text.flush()

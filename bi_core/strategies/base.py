@@ -42,6 +42,9 @@ class Strategy(abc.ABC):
     def check(cls, engine: LLMEngine) -> None:
         """Raise a clear error if this strategy cannot run with the engine's model/config."""
 
+    def forget(self, seq) -> None:
+        """The request finished or was aborted: drop anything kept for it."""
+
     @abc.abstractmethod
     def step(self, scheduled: list[Scheduled]) -> None:
         """Run the model on the scheduled tokens and append sampled tokens to the sequences."""

@@ -81,6 +81,10 @@ class MTPStrategy(Strategy):
 
     @classmethod
     def check(cls, engine) -> None:
+        if engine.model.mtp is None and getattr(engine, "checkpoint_has_mtp", False):
+            raise ConfigError("strategy.name", "the checkpoint has MTP head tensors (mtp.*) but its config.json "
+                              "does not declare them: add \"mtp_num_hidden_layers\": 1 (to text_config, or the top "
+                              "level of a text-only config)")
         if engine.model.mtp is None:
             raise ConfigError("strategy.name", "mtp needs a checkpoint with an MTP head (mtp.* tensors); "
                               "this model has none")
@@ -117,6 +121,9 @@ class MTPStrategy(Strategy):
             self._accept(p, sampled[cursor:cursor + len(p.sample_rows)])
             cursor += len(p.sample_rows)
         self._propose(plans, out.hidden)
+
+    def forget(self, seq) -> None:
+        self.drafts.pop(seq.request_id, None)
 
     def _plan(self, s: Scheduled) -> _Plan:
         seq = s.seq

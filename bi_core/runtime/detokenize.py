@@ -1,0 +1,59 @@
+"""Incremental detokenization and stop strings.
+
+A request's text grows token by token: decoding only a short window after the last emitted
+point, and holding back text that ends in an incomplete character (U+FFFD), gives the same text
+as decoding everything at once, without re-decoding the whole output every step. Stop strings
+are matched on that text as it grows (a match may span tokens); the text ends before the match,
+as OpenAI's ``stop`` returns it."""
+
+from __future__ import annotations
+
+from bi_core.models.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    """The text of one request's generated tokens, with its stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""
+        self.stop_reason: str | None = None  # the stop string that ended the text
+        self._prefix = 0  # ids[_prefix:_read] decode to text already emitted (context for the next token)
+        self._read = 0
+
+    def feed(self, token: int) -> None:
+        """Add one token; ``text`` grows by what it completes; sets ``stop_reason`` on a match."""
+        if self.stop_reason is not None:
+            return
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        now = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(now) > len(before) and not now.endswith(REPLACEMENT):
+            self._add(now[len(before):])
+            self._prefix, self._read = self._read, len(self.ids)
+
+    @property
+    def settled(self) -> int:
+        """How much of ``text`` can no longer be cut by a stop string (stream this much)."""
+        if not self.stop or self.stop_reason is not None:
+            return len(self.text)
+        return max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
+
+    def flush(self) -> None:
+        """At the end: text held back for an incomplete character is emitted as it decodes."""
+        if self.stop_reason is None and self._read < len(self.ids):
+            before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+            self._add(self.tokenizer.decode(self.ids[self._prefix:])[len(before):])
+            self._read = len(self.ids)
+
+    def _add(self, delta: str) -> None:
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += delta
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            cut, reason = min(hits)
+            self.text, self.stop_reason = self.text[:cut], reason
