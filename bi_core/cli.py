@@ -11,7 +11,7 @@ import attrs
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
 
-SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench")
+SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench", "serve")
 INVARIANT_HELP = (
     "override policy.batch_invariant. Invariant mode makes every request's tokens and logprobs bitwise "
     "independent of the batch; it runs only on SM90 (Hopper) GPUs with the cuda_hopper_invariant backend, "
@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--strategies", default="ar",
                         help="ar, or ar,mtp: also check that MTP speculative decoding emits the AR outputs bitwise")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_config_args(serve)
+    serve.add_argument("--host", help="override serve.host (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="override serve.port (default 8000)")
+    serve.add_argument("--api-key", help="override serve.api_key: require 'Authorization: Bearer <key>'")
     bench = sub.add_parser("bench", help="decode latency, throughput, prefill; several configs side by side")
     bench.add_argument("--config", action="append", required=True, help="repeat to compare configs in one run")
     bench.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None, help=INVARIANT_HELP)
@@ -118,6 +123,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from bi_core.serve import run_server
+
+    config = load_config(args)
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise BiEngineError(f"--port: expected 0..65535, got {args.port}")
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key))
+                 if v is not None}
+    return run_server(config.replace(serve=overrides) if overrides else config)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from bi_core.bench_report import run_bench
 
@@ -153,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     outputs = engine.generate(prompts, params, progress=len(prompts) >= 8 and not args.json)
     if args.json:
         print(json.dumps([_as_dict(o) for o in outputs], indent=1))
-        return 0
+        return _status(outputs)
     for i, (prompt, o) in enumerate(zip(prompts, outputs)):
         shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
         if o.error:
@@ -161,6 +177,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             continue
         text = f"{o.text!r} " if o.text is not None else ""
         print(f"[{i}] {shown!r} -> {text}{o.token_ids} ({o.finish_reason}, {len(o.token_ids)} tokens)")
+    return _status(outputs)
+
+
+def _status(outputs) -> int:
+    """1 when no request succeeded (every one failed validation), else 0."""
+    if outputs and all(o.error for o in outputs):
+        print("bi-engine: error: no request could be served (see the errors above)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -202,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"run": cmd_run, "explain": cmd_explain, "plugins": cmd_plugins, "verify": cmd_verify,
-                    "bench": cmd_bench}
+                    "bench": cmd_bench, "serve": cmd_serve}
         return commands[args.command](args)
     except BiEngineError as e:
         print(f"bi-engine: error: {e}", file=sys.stderr)

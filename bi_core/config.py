@@ -247,6 +247,20 @@ class SamplingConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ServeConfig:
+    """``bi-engine serve``: the OpenAI-compatible HTTP server (CLI flags override host/port/api_key)."""
+
+    host: str = _field(_str, "127.0.0.1")
+    port: int = _field(_int(0, 65535), 8000)
+    model_name: str | None = _field(_optional(_str), None, doc="the model id clients send (default: checkpoint "
+                                                              "directory or preset name)")
+    api_key: str | None = _field(_optional(_str), None, doc="require 'Authorization: Bearer <key>'")
+    max_waiting_requests: int = _field(_int(1), 4096, doc="requests queued beyond this are refused with 503")
+    shutdown_timeout_s: float = _field(_float(0.0, 3600.0), 30.0, doc="on SIGTERM/SIGINT, in-flight requests "
+                                                                     "finish within this, then are aborted")
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """The whole engine, as in the YAML file."""
 
@@ -258,6 +272,7 @@ class EngineConfig:
     graph: GraphConfig = _field(_section(GraphConfig), factory=GraphConfig)
     strategy: StrategyConfig = _field(_section(StrategyConfig), factory=StrategyConfig)
     sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
+    serve: ServeConfig = _field(_section(ServeConfig), factory=ServeConfig)
     prompts: tuple = _field(_prompts, factory=tuple)
     seed: int = _field(_int(0), 0, doc="seeds requests that have no seed of their own")
 

@@ -14,17 +14,38 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may be part of a UTF-8 character)."""
+
+    def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
+        """A conversation as prompt ids ending in the assistant's turn, and the token ids that end
+        a turn; raises CheckpointError when the tokenizer has no chat template."""
+
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255; 256 = <|endoftext|>, 257/258 = im_start/im_end, 259 = pad."""
+    """UTF-8 bytes as token ids 0..255; 256 = <|endoftext|>, 257/258 = im_start/im_end, 259 = pad.
+
+    Its chat template is plain ChatML, the format of Qwen's own: for each message
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``; a turn ends at
+    ``<|im_end|>``."""
 
     eos_token_id = BYTE_EOS
+    im_start, im_end = BYTE_EOS + 1, BYTE_EOS + 2
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b""
+
+    def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
+        ids: list[int] = []
+        for m in messages:
+            ids += [self.im_start, *self.encode(f"{m['role']}\n{m['content']}"), self.im_end, *self.encode("\n")]
+        return ids + [self.im_start, *self.encode("assistant\n")], (self.im_end,)
 
 
 class HFTokenizer:
@@ -41,6 +62,43 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Qwen's tokenizer is byte-level BPE: a token's string maps back to bytes through GPT-2's
+        byte-to-unicode table; a token outside it (a special token) is its UTF-8 text."""
+        token = self._tok.convert_ids_to_tokens(token_id)
+        if token is None:
+            return b""
+        table = _unicode_to_byte()
+        if all(c in table for c in token):
+            return bytes(table[c] for c in token)
+        return token.encode("utf-8")
+
+    def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
+        if not getattr(self._tok, "chat_template", None):
+            raise CheckpointError("this checkpoint's tokenizer has no chat template; use /v1/completions")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        end = self._tok.convert_tokens_to_ids("<|im_end|>")
+        stops = tuple(i for i in (end, self._tok.eos_token_id) if isinstance(i, int) and i != self._tok.unk_token_id)
+        return self.encode(text), stops
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: printable bytes stand for themselves, the others
+    are shifted to code points 256 and up."""
+    global _BYTE_TABLE
+    if _BYTE_TABLE is None:
+        keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        table, extra = {chr(b): b for b in keep}, 0
+        for b in range(256):
+            if b not in keep:
+                table[chr(256 + extra)] = b
+                extra += 1
+        _BYTE_TABLE = table
+    return _BYTE_TABLE
+
+
+_BYTE_TABLE: dict[str, int] | None = None
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer | None:

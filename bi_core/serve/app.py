@@ -1,0 +1,334 @@
+"""The HTTP front: a FastAPI app with OpenAI's endpoints over one EngineLoop.
+
+Every response carries ``X-Batch-Invariant: true|false``: whether the engine behind it makes a
+request's tokens and logprobs independent of the other requests it shares steps with."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from bi_core.config import ServeConfig
+from bi_core.errors import BiEngineError, CheckpointError, PromptTooLongError, RequestError
+from bi_core.runtime.engine import LLMEngine
+from bi_core.runtime.sequence import RequestOutput, SamplingParams
+from bi_core.serve import formats
+from bi_core.serve.loop import Delta, EngineLoop
+from bi_core.serve.metrics import Metrics
+from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+INVARIANT_HEADER = "X-Batch-Invariant"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, formats.error_body(message, type_, param, code)
+
+
+@attrs.define(eq=False)
+class _Choice:
+    index: int
+    prompt_tokens: int
+    request_id: int
+    output: RequestOutput | None = None
+    text_sent: int = 0
+
+
+class Server:
+    """What the routes share: the engine loop, the model's name, the mode, the settings."""
+
+    def __init__(self, engine: LLMEngine, config: ServeConfig, model_name: str) -> None:
+        self.engine, self.config, self.model_name = engine, config, model_name
+        self.metrics = Metrics()
+        self.loop = EngineLoop(engine, self.metrics, max_waiting=config.max_waiting_requests)
+        self.invariant = engine.policy.batch_invariant
+        self.shutting_down = False
+        self.created = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
+                           param="model", code="model_not_found")
+
+    async def start(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[asyncio.Queue, list[_Choice]]:
+        """Submit every (prompt ids, params) job; their deltas arrive on one queue as (index, delta)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        choices: list[_Choice] = []
+        for index, (ids, params) in enumerate(jobs):
+            def emit(delta: Delta, index: int = index) -> None:
+                aloop.call_soon_threadsafe(queue.put_nowait, (index, delta))
+            try:
+                rid = await asyncio.wrap_future(self.loop.submit(ids, params, emit))
+            except BiEngineError as e:
+                self.abort(choices)
+                if not self.loop.accepting or "too many waiting" in str(e):
+                    raise ApiError(503, str(e), "service_unavailable") from None
+                raise ApiError(400, str(e), param="prompt" if isinstance(e, PromptTooLongError) else None) from None
+            choices.append(_Choice(index, len(ids), rid))
+        return queue, choices
+
+    def abort(self, choices: list[_Choice]) -> None:
+        for c in choices:
+            if c.output is None:
+                self.loop.abort(c.request_id)
+
+    async def wait(self, queue: asyncio.Queue, choices: list[_Choice], request: Request) -> None:
+        """Until every choice has finished; a client that goes away aborts its requests."""
+        while any(c.output is None for c in choices):
+            try:
+                index, delta = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.abort(choices)
+                    return
+                continue
+            if delta.finished:
+                choices[index].output = delta.output
+        _raise_errors(choices)
+
+
+def _raise_errors(choices: list[_Choice]) -> None:
+    failed = next((c.output for c in choices if c.output is not None and c.output.finish_reason == "error"), None)
+    if failed is not None:
+        raise ApiError(500, failed.error or "the engine failed", "server_error")
+
+
+def _max_new_tokens(engine: LLMEngine, ids: list[int], requested: int | None, param: str) -> int:
+    room = engine.max_model_len - len(ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                            f"{engine.max_model_len} tokens including at least one generated token", param="prompt")
+    if requested is not None and requested > room:
+        raise ApiError(400, f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has "
+                            f"{len(ids)} and {param} is {requested}", param=param)
+    return requested if requested is not None else room
+
+
+def _encode(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    if engine.tokenizer is None:
+        raise ApiError(400, "text prompts need a tokenizer; this checkpoint has none: send token ids", param="prompt")
+    ids = engine.tokenizer.encode(prompt)
+    if not ids:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    return ids
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def _usage(choices: list[_Choice], n: int) -> dict:
+    prompt = sum(c.prompt_tokens for c in choices[::n])  # a prompt counts once, whatever n
+    return formats.usage(prompt, sum(len(c.output.token_ids) for c in choices if c.output is not None))
+
+
+async def completions(server: Server, req: CompletionRequest, request: Request):
+    server.check_model(req.model)
+    engine = server.engine
+    try:
+        prompts = [_encode(engine, p) for p in req.prompts()]
+    except ValueError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+    jobs = [(ids, req.sampling_params(_max_new_tokens(engine, ids, req.max_tokens, "max_tokens"), req.logprobs, i))
+            for ids in prompts for i in range(req.n)]
+
+    def choice(c: _Choice) -> dict:
+        o = c.output
+        lp = (formats.completion_logprobs(engine.tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [], 0)
+              if req.logprobs is not None else None)
+        return {"index": c.index, "text": o.text or "", "logprobs": lp, "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
+
+    return await _respond(server, req, request, jobs, choice, chat=False)
+
+
+async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):
+    server.check_model(req.model)
+    engine = server.engine
+    if engine.tokenizer is None:
+        raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
+    try:
+        ids, turn_end = engine.tokenizer.chat(req.conversation())
+        num_logprobs = req.num_logprobs()
+    except (ValueError, CheckpointError) as e:
+        raise ApiError(400, str(e), param="messages") from None
+    limit = req.max_completion_tokens or req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    new_tokens = _max_new_tokens(engine, ids, limit, param)
+    jobs = []
+    for i in range(req.n):
+        params = req.sampling_params(new_tokens, num_logprobs, i)
+        jobs.append((ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end)))
+
+    def choice(c: _Choice) -> dict:
+        o = c.output
+        lp = (formats.chat_logprobs(engine.tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
+                                    req.top_logprobs or 0) if req.logprobs else None)
+        return {"index": c.index, "message": {"role": "assistant", "content": o.text or ""}, "logprobs": lp,
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+
+    return await _respond(server, req, request, jobs, choice, chat=True)
+
+
+async def _respond(server: Server, req, request: Request, jobs: list, choice, *, chat: bool):
+    """Run the jobs; a stream of chunks, or one response whose choices ``choice`` formats."""
+    queue, choices = await server.start(jobs)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.stream:
+        return _stream(server, queue, choices, req, rid, chat=chat)
+    await server.wait(queue, choices, request)
+    return formats.envelope("chat.completion" if chat else "text_completion", rid, server.model_name,
+                            [choice(c) for c in choices], usage=_usage(choices, req.n))
+
+
+def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, rid: str, chat: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    tok = server.engine.tokenizer
+
+    def chunk(index: int, delta: Delta | None, text: str, finish: str | None, offset: int) -> dict:
+        if chat:
+            lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0)
+                  if req.logprobs and delta is not None and delta.token_ids else None)
+            body = {"index": index, "delta": {"content": text} if text or delta is None else {}, "logprobs": lp,
+                    "finish_reason": finish}
+        else:
+            lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
+                  if req.logprobs is not None and delta is not None and delta.token_ids else None)
+            body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        return formats.envelope(kind, rid, server.model_name, [body])
+
+    async def events():
+        try:
+            if chat:
+                for c in choices:
+                    yield _sse(formats.envelope(kind, rid, server.model_name, [
+                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]))
+            while any(c.output is None for c in choices):
+                index, delta = await queue.get()
+                c = choices[index]
+                if delta.finished:
+                    c.output = delta.output
+                    if c.output.finish_reason == "error":
+                        yield _sse(formats.error_body(c.output.error or "the engine failed", "server_error"))
+                        break
+                if delta.text or delta.finished or (delta.token_ids and req.logprobs):
+                    yield _sse(chunk(c.index, delta, delta.text, c.output.finish_reason if c.output else None,
+                                     c.text_sent))
+                    c.text_sent += len(delta.text)
+            else:
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield _sse(formats.envelope(kind, rid, server.model_name, [], usage=_usage(choices, req.n)))
+            yield _sse("[DONE]")
+        finally:  # the client went away (or we are done): unfinished requests stop at the next step
+            server.abort(choices)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(engine: LLMEngine, config: ServeConfig, model_name: str, *, loop_thread: bool = True) -> FastAPI:
+    """The app; with ``loop_thread`` the engine loop gets a thread of its own at startup, else the
+    caller runs ``app.state.server.loop.run()`` on its thread (what ``bi-engine serve`` does)."""
+    server = Server(engine, config, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if loop_thread:
+            server.loop.start()
+        yield
+        server.shutting_down = True
+        await asyncio.to_thread(server.loop.stop, 0.0)  # uvicorn already waited for in-flight responses
+
+    app = FastAPI(title="bi-engine", lifespan=lifespan)
+    app.state.server = server
+    _install_middleware(app, server)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        down = server.shutting_down or not server.loop.accepting
+        body = {"status": "unavailable" if down else "ok", "batch_invariant": server.invariant,
+                "reason": server.loop.failure or ("shutting down" if server.shutting_down else None)}
+        return JSONResponse(body, status_code=503 if down else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "bi-engine", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def post_completions(req: CompletionRequest, request: Request):
+        return await completions(server, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def post_chat(req: ChatCompletionRequest, request: Request):
+        return await chat_completions(server, req, request)
+
+    return app
+
+
+def _install_middleware(app: FastAPI, server: Server) -> None:
+    @app.middleware("http")
+    async def mode_auth_and_shutdown(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            key = server.config.api_key
+            if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+                response = _error(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                           "authentication_error", code="invalid_api_key"))
+            elif server.shutting_down and request.method == "POST":
+                response = _error(ApiError(503, "the server is shutting down", "service_unavailable"))
+            else:
+                response = await call_next(request)
+        else:
+            response = await call_next(request)
+        response.headers[INVARIANT_HEADER] = "true" if server.invariant else "false"
+        return response
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body, status_code=e.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":
+            return _error(ApiError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'parse error')}"))
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if not loc:  # the body as a whole: not an object (or not sent as JSON)
+            return _error(ApiError(400, "the request body must be a JSON object (Content-Type: application/json); "
+                                        f"{err.get('msg', 'invalid body')}"))
+        param = loc[0]
+        return _error(ApiError(400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return _error(ApiError(e.status_code, str(e.detail), "invalid_request_error"))
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError):
+        return _error(ApiError(400, str(e)))

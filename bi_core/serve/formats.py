@@ -1,0 +1,52 @@
+"""OpenAI response shapes: completion and chat objects, stream chunks, logprobs, usage, errors."""
+
+from __future__ import annotations
+
+import time
+
+from bi_core.models.tokenizer import Tokenizer
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, request_id: str, model: str, choices: list[dict], **extra) -> dict:
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model,
+            "system_fingerprint": None, "choices": choices, **extra}
+
+
+def token_text(tokenizer: Tokenizer | None, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]],
+                        offset: int) -> dict:
+    """The legacy completions format; ``offset``: characters of text before these tokens."""
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": [{token_text(tokenizer, i): lp for i, lp in top.items()} for top in tops] if tops else None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]],
+                  num_top: int) -> dict:
+    def entry(token: int, lp: float) -> dict:
+        text = token_text(tokenizer, token)
+        raw = tokenizer.token_bytes(token) if tokenizer is not None else text.encode("utf-8")
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
+
+    content = []
+    for i, (token, lp) in enumerate(zip(token_ids, logprobs)):
+        best = sorted(tops[i].items(), key=lambda kv: -kv[1])[:num_top] if tops else []
+        content.append({**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in best]})
+    return {"content": content}

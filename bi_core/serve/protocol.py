@@ -1,0 +1,136 @@
+"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos) and the
+mapping to SamplingParams. Validation errors name the field; unknown fields are refused, so a
+misspelled parameter never silently does nothing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from bi_core.ops.sampling import mix_seed
+from bi_core.runtime.sequence import SamplingParams
+
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Parameters both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported (they would make a token depend on earlier samples' "
+                             "counts, which the engine does not track); use 0")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None, sample: int) -> SamplingParams:
+        """SamplingParams of sample ``sample`` (0..n-1) of this request; see ``sample_seed``."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(self.top_k, 0), seed=sample_seed(self.seed, sample), logprobs=logprobs,
+                              stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop, ignore_eos=self.ignore_eos)
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """Sample i of a request with ``n`` samples: sample 0 uses the request's seed, sample i > 0 the
+    seed mixed with i (splitmix64, as positions are). So sample 0 equals the same request sent
+    with n=1, and no two samples share a random stream."""
+    if seed is None or sample == 0:
+        return seed
+    return mix_seed(seed, sample)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = ""
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None

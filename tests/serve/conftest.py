@@ -1,0 +1,72 @@
+"""A real ``bi-engine serve`` process on a free port, with the embedded tiny model on the CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+API_KEY = "test-key"
+CONFIG = """
+model: {random: {preset: tiny-dense, seed: 0}, dtype: float32, device: cpu, max_model_len: 512}
+backend: reference
+scheduler: {max_num_seqs: 64, max_num_batched_tokens: 2048}
+cache: {block_size: 16, num_blocks: 1024}
+serve: {model_name: tiny, shutdown_timeout_s: 20}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        cfg = tmp / "serve.yaml"
+        cfg.write_text(CONFIG)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = (tmp / "server.log").open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bi_core.cli", "serve", "--config", str(cfg), "--port",
+                                      str(self.port), *extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {(tmp / 'server.log').read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not come up")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("serve"), "--api-key", API_KEY)
+    yield s
+    s.stop()

@@ -1,0 +1,211 @@
+"""``bi-engine serve`` over real HTTP: a uvicorn server process with the tiny model on the CPU,
+driven by the official openai client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import signal
+import threading
+import time
+
+import pytest
+from conftest import API_KEY, ServerProcess, httpx
+
+openai = pytest.importorskip("openai")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_models_health_and_mode_header(server):
+    r = httpx.get(f"{server.url}/v1/models", headers=AUTH)
+    assert r.status_code == 200 and r.headers["x-batch-invariant"] == "false"
+    assert [m.id for m in client(server).models.list()] == ["tiny"]
+    h = httpx.get(f"{server.url}/health")
+    assert h.json()["status"] == "ok" and h.json()["batch_invariant"] is False
+
+
+def test_completion_streams_join_to_the_same_text(server):
+    c = client(server)
+    full = c.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0)
+    text, usage = "", None
+    for chunk in c.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}):
+        text += "".join(ch.text for ch in chunk.choices)
+        usage = chunk.usage or usage
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    assert text == full.choices[0].text and usage.completion_tokens == 12
+    assert usage.prompt_tokens == full.usage.prompt_tokens == 5
+
+
+def test_chat_and_chat_stream(server):
+    c = client(server)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    full = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.object == "chat.completion"
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_logprobs_formats(server):
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # top-3 plus the sampled token, keyed by token text: byte tokens >= 128 all read "\ufffd" and collapse
+        assert 1 <= len(top) <= 4 and value <= 0
+        if token != "\ufffd":
+            assert top[token] == value
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        # the byte tokenizer's tokens are one byte each (specials none), not the text's re-encoding
+        assert len(entry.bytes) <= 1 and bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_seeded_sampling_reproducible_and_n(server):
+    c = client(server)
+    kw = dict(model="tiny", prompt="seed me", max_tokens=12, temperature=0.9)
+    a = c.completions.create(**kw, seed=11).choices[0].text
+    assert c.completions.create(**kw, seed=11).choices[0].text == a
+    many = c.completions.create(**kw, seed=11, n=3)
+    texts = [ch.text for ch in sorted(many.choices, key=lambda ch: ch.index)]
+    assert texts[0] == a and len(set(texts)) == 3  # sample 0 uses the seed itself; each sample its own stream
+    assert many.usage.prompt_tokens == 7 and many.usage.completion_tokens == 36
+
+
+def test_stop_strings_and_token_id_prompts(server):
+    c = client(server)
+    full = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=24, temperature=0).choices[0].text
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=24, temperature=0, stop=[stop, "never!"])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt=[1, 2, 3], max_tokens=24, temperature=0, stop=stop, stream=True) if ch.choices)
+    assert streamed == r.choices[0].text  # nothing past the stop string was ever sent
+    two = c.completions.create(model="tiny", prompt=[[1, 2], [3, 4, 5]], max_tokens=3, temperature=0)
+    assert [ch.index for ch in two.choices] == [0, 1] and two.usage.prompt_tokens == 5
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": "tiny", "prompt": "x" * 600}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": [999]}, 400, None),
+    ({"model": "tiny", "prompt": "x", "temprature": 0.5}, 400, "temprature"),
+    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "tiny", "prompt": []}, 400, "prompt"),
+])
+def test_completion_errors(server, body, status, param):
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH)
+    err = r.json()["error"]
+    assert r.status_code == status and err["param"] == param and err["message"] and err["type"]
+    assert r.headers["x-batch-invariant"] == "false"
+
+
+def test_chat_malformed_json_and_auth_errors(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json",
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"[1, 2]", headers=AUTH)
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_hundreds_of_concurrent_requests_each_equal_alone(server):
+    """256 requests at once (greedy and seeded sampling): none lost, each one's tokens equal to the
+    same request sent alone (the reference backend keeps tokens, not bits, across batches)."""
+    rng = random.Random(0)
+    reqs = [dict(model="tiny", prompt=[rng.randrange(256) for _ in range(rng.randint(1, 40))],
+                 max_tokens=rng.randint(1, 10), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000),
+                 logprobs=0) for _ in range(256)]
+
+    async def burst():
+        ac = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(ac.completions.create(**r) for r in reqs))
+        finally:
+            await ac.close()
+
+    together = asyncio.run(burst())
+    c = client(server)
+    for r, t in zip(reqs, together):
+        alone = c.completions.create(**r)
+        assert t.choices[0].logprobs.tokens == alone.choices[0].logprobs.tokens
+        assert t.choices[0].text == alone.choices[0].text
+
+
+def test_client_disconnect_aborts_and_frees_pages(server):
+    others = {}
+
+    def other():
+        others["out"] = client(server).completions.create(model="tiny", prompt="steady", max_tokens=40,
+                                                          temperature=0).choices[0].text
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": "tiny", "prompt": "long", "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+        thread = threading.Thread(target=other)
+        thread.start()
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    thread.join(60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (metric(server, "bi_requests_running") or
+                                           metric(server, "bi_kv_pages_used")):
+        time.sleep(0.2)
+    assert metric(server, "bi_requests_running") == 0 and metric(server, "bi_kv_pages_used") == 0
+    assert 'bi_requests_finished_total{reason="abort"}' in httpx.get(f"{server.url}/metrics").text
+    alone = client(server).completions.create(model="tiny", prompt="steady", max_tokens=40, temperature=0)
+    assert others["out"] == alone.choices[0].text
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
+    s = ServerProcess(tmp_path)
+    result = {}
+
+    def stream():
+        text, finish = "", None
+        for chunk in client(s).completions.create(model="tiny", prompt="bye", max_tokens=300, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+                result.setdefault("first", time.monotonic())
+        result["text"], result["finish"] = text, finish
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while "first" not in result and t.is_alive():
+        time.sleep(0.01)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises((httpx.HTTPError, AssertionError)):  # refused: connection closed, or 503
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "late"}, timeout=5)
+        assert r.status_code == 200
+    t.join(60)
+    assert result["finish"] == "length" and s.stop() == 0
