@@ -4,12 +4,16 @@
 Accepted: ``model.language_model.*`` (multimodal) and ``model.*`` (text-only) names; fused
 ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (or transposed), or per-expert
 ``experts.{e}.{gate,up,down}_proj.weight``, independently for main and MTP layers; ``mtp.*``.
+Where each tensor goes is ``weight_map.py``'s; this module reads sources (a checkpoint directory,
+or named tensors in memory), checks them, and copies: a full load, or an in-place update.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -18,7 +22,7 @@ from safetensors import safe_open
 
 from bi_core.errors import CheckpointError
 from bi_core.models.args import ModelArgs
-from bi_core.models.qwen3_5 import pad_experts
+from bi_core.models.weight_map import Placement, weight_map
 
 log = logging.getLogger(__name__)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -42,6 +46,11 @@ def _normalise(name: str) -> str:
     return name
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class CheckpointIndex:
     """Normalised tensor name -> (file, stored name), over every ``*.safetensors`` in a directory."""
 
@@ -51,14 +60,17 @@ class CheckpointIndex:
         if not files:
             raise CheckpointError(f"no *.safetensors files in {self.path}")
         self.where: dict[str, tuple[Path, str]] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype, from the headers
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
                     if key.startswith(IGNORED_PREFIXES) or key.endswith(IGNORED_SUFFIXES):
                         continue
-                    self.where[_normalise(key)] = (f, key)
+                    name = _normalise(key)
+                    info = st.get_slice(key)
+                    self.where[name] = (f, key)
+                    self.meta[name] = (tuple(info.get_shape()), _SAFETENSORS_DTYPES.get(info.get_dtype(), torch.uint8))
         self._handles: dict[Path, object] = {}
-        self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -72,165 +84,156 @@ class CheckpointIndex:
         f, key = self.where[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        self.used.add(name)
         return self._handles[f].get_tensor(key)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        f, key = self.where[name]
-        with safe_open(str(f), framework="pt") as st:
-            return tuple(st.get_slice(key).get_shape())
+        return self.meta[name][0]
 
-    def unused(self) -> list[str]:
-        return sorted(set(self.where) - self.used)
+    def names(self) -> list[str]:
+        return list(self.where)
 
-
-@attrs.frozen
-class Concat:
-    """Our tensor = concatenation of checkpoint tensors along dim 0."""
-
-    names: tuple[str, ...]
+    def dtype(self, name: str) -> torch.dtype:
+        return self.meta[name][1]
 
 
-@attrs.frozen
-class Experts:
-    """Our stacked expert tensor from a fused or per-expert layout under ``prefix`` (``...mlp.experts``),
-    with the shared expert under ``shared`` (``...mlp.shared_expert``) appended as the last expert."""
+class TensorDict:
+    """Named tensors in memory (a trainer's ``state_dict``, or ``(name, tensor)`` pairs) as a
+    source like :class:`CheckpointIndex`: names normalised, vision tensors ignored."""
 
-    prefix: str
-    which: str  # "w13" or "w2"
-    shared: str | None = None
+    def __init__(self, tensors, label: str = "the given tensors") -> None:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        self.path = label
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in items:
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"weights must be (name, tensor) pairs, got ({type(name).__name__}, "
+                                      f"{type(t).__name__})")
+            if not (name.startswith(IGNORED_PREFIXES) or name.endswith(IGNORED_SUFFIXES)):
+                self.tensors[_normalise(name)] = t
 
+    def names(self) -> list[str]:
+        return list(self.tensors)
 
-def _layer_sources(ours: str, hf: str, layer_type: str, args: ModelArgs) -> dict[str, object]:
-    s: dict[str, object] = {
-        f"{ours}.input_layernorm.weight": Concat((f"{hf}.input_layernorm.weight",)),
-        f"{ours}.post_attention_layernorm.weight": Concat((f"{hf}.post_attention_layernorm.weight",)),
-    }
-    if layer_type == "full_attention":
-        a = f"{hf}.self_attn"
-        s[f"{ours}.mixer.qkv_proj.weight"] = Concat(tuple(f"{a}.{x}_proj.weight" for x in "qkv"))
-        s[f"{ours}.mixer.o_proj.weight"] = Concat((f"{a}.o_proj.weight",))
-        for n in ("q_norm", "k_norm"):
-            s[f"{ours}.mixer.{n}"] = Concat((f"{a}.{n}.weight",))
-    else:
-        a = f"{hf}.linear_attn"
-        s[f"{ours}.mixer.in_proj.weight"] = Concat(tuple(f"{a}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")))
-        s[f"{ours}.mixer.conv1d"] = Concat((f"{a}.conv1d.weight",))
-        s[f"{ours}.mixer.A_log"] = Concat((f"{a}.A_log",))
-        s[f"{ours}.mixer.dt_bias"] = Concat((f"{a}.dt_bias",))
-        s[f"{ours}.mixer.norm_weight"] = Concat((f"{a}.norm.weight",))
-        s[f"{ours}.mixer.out_proj.weight"] = Concat((f"{a}.out_proj.weight",))
-    m = f"{hf}.mlp"
-    if args.is_moe:
-        shared = args.shared_expert_intermediate_size > 0
-        se = f"{m}.shared_expert" if shared else None
-        s[f"{ours}.mlp.gate.weight"] = Concat((f"{m}.gate.weight",) + ((f"{m}.shared_expert_gate.weight",) if shared else ()))
-        s[f"{ours}.mlp.w13"] = Experts(f"{m}.experts", "w13", se)
-        s[f"{ours}.mlp.w2"] = Experts(f"{m}.experts", "w2", se)
-    else:
-        s[f"{ours}.mlp.gate_up_proj.weight"] = Concat((f"{m}.gate_proj.weight", f"{m}.up_proj.weight"))
-        s[f"{ours}.mlp.down_proj.weight"] = Concat((f"{m}.down_proj.weight",))
-    return s
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
-def weight_sources(args: ModelArgs, with_mtp: bool) -> dict[str, object]:
-    """For every parameter of :class:`Qwen35Model`, where it comes from in a normalised checkpoint."""
-    s: dict[str, object] = {
-        "embed_tokens": Concat(("model.embed_tokens.weight",)),
-        "norm.weight": Concat(("model.norm.weight",)),
-    }
-    if not args.tie_word_embeddings:
-        s["lm_head.weight"] = Concat(("lm_head.weight",))
-    for i, t in enumerate(args.layer_types):
-        s.update(_layer_sources(f"layers.{i}", f"model.layers.{i}", t, args))
-    if with_mtp:
-        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"):
-            s[f"mtp.{n}.weight"] = Concat((f"mtp.{n}.weight",))
-        s.update(_layer_sources("mtp.layer", "mtp.layers.0", "full_attention", args))
-    return s
-
-
-def _is_transposed(index: CheckpointIndex, prefix: str, num_experts: int, hidden: int, inter: int) -> bool:
+def _is_transposed(source, prefix: str, args: ModelArgs) -> bool:
     """Fused experts stored [E, in, out] (Qwen3-VL-MoE) instead of [E, out, in]. Decided from both
-    tensors, since one alone is ambiguous when H == 2I (gate_up) or H == I (down)."""
-    up = index.shape(f"{prefix}.gate_up_proj") if index.has(f"{prefix}.gate_up_proj") else None
-    down = index.shape(f"{prefix}.down_proj") if index.has(f"{prefix}.down_proj") else None
-    e, h, i = num_experts, hidden, inter
-    return ((up == (e, h, 2 * i) and up != (e, 2 * i, h)) or (down == (e, i, h) and down != (e, h, i)))
+    tensors when both are there, since one alone is ambiguous when H == 2I (gate_up) or H == I (down)."""
+    e, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    up = source.shape(f"{prefix}.gate_up_proj") if source.has(f"{prefix}.gate_up_proj") else None
+    down = source.shape(f"{prefix}.down_proj") if source.has(f"{prefix}.down_proj") else None
+    return (up == (e, h, 2 * i) and up != (e, 2 * i, h)) or (down == (e, i, h) and down != (e, h, i))
 
 
-def _expert_shape(which: str, hidden: int, inter: int) -> tuple[int, int]:
-    return (2 * inter, hidden) if which == "w13" else (hidden, inter)
+def _fits(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Equal, or equal but for size-1 dims (conv1d ``[C, 1, K]`` for ``[C, K]``)."""
+    return have == want or (math.prod(have) == math.prod(want) and
+                            [d for d in have if d != 1] == [d for d in want if d != 1])
 
 
-def _load_experts(index: CheckpointIndex, src: Experts, shape: torch.Size, args: ModelArgs) -> torch.Tensor:
-    """Routed experts, then (with ``src.shared``) the shared expert, each zero-padded to the
-    parameter's width (``pad_experts``)."""
-    h, inter, shared_inter = args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size
-    width = shape[1] // 2 if src.which == "w13" else shape[2]
-    routed_shape = torch.Size((args.num_experts, *_expert_shape(src.which, h, inter)))
-    routed = pad_experts(_load_routed(index, src, routed_shape, h, inter), src.which, width)
-    if src.shared is None:
-        return routed
-    names = ((f"{src.shared}.gate_proj.weight", f"{src.shared}.up_proj.weight") if src.which == "w13"
-             else (f"{src.shared}.down_proj.weight",))
-    shared = _check_shape(" + ".join(names), torch.cat([index.get(n) for n in names], dim=0),
-                          torch.Size(_expert_shape(src.which, h, shared_inter)))
-    return torch.cat([routed, pad_experts(shared[None].to(routed.dtype), src.which, width)])
+@attrs.frozen
+class _Step:
+    name: str
+    placement: Placement
+    transposed: bool
 
 
-def _load_routed(index: CheckpointIndex, src: Experts, shape: torch.Size, hidden: int, inter: int) -> torch.Tensor:
-    num_experts = shape[0]
-    fused_name = f"{src.prefix}.{'gate_up_proj' if src.which == 'w13' else 'down_proj'}"
-    if index.has(fused_name):
-        t = index.get(fused_name)
-        if _is_transposed(index, src.prefix, num_experts, hidden, inter):
-            t = t.transpose(1, 2)
-        return _check_shape(fused_name, t, shape)
-    parts = []
-    for e in range(num_experts):
-        names = ((f"{src.prefix}.{e}.gate_proj.weight", f"{src.prefix}.{e}.up_proj.weight")
-                 if src.which == "w13" else (f"{src.prefix}.{e}.down_proj.weight",))
-        if not index.has(names[0]):
-            raise CheckpointError(
-                f"tensor {fused_name} (fused) or {names[0]} (per-expert) is missing from checkpoint {index.path}")
-        parts.append(torch.cat([index.get(n) for n in names], dim=0))
-    return _check_shape(f"{src.prefix}.*.{src.which}", torch.stack(parts), shape)
+def _plan(source, wmap, args: ModelArgs) -> tuple[list[_Step], list[str], list[str]]:
+    """(steps, names the map does not know, shape/dtype problems) for every tensor of ``source``."""
+    steps, unknown, problems = [], [], []
+    for name in source.names():
+        pl = wmap.placement(name)
+        if pl is None:
+            unknown.append(name)
+            continue
+        have = source.shape(name)
+        transposed = pl.transposable and _is_transposed(source, pl.expert_prefix, args)
+        want = (pl.shape[0], pl.shape[2], pl.shape[1]) if transposed else pl.shape
+        if not _fits(have, want):
+            problems.append(f"tensor {name}: checkpoint shape {have}, model expects {want}")
+        elif not source.dtype(name).is_floating_point or source.dtype(name).itemsize < 2:
+            problems.append(f"tensor {name}: dtype {source.dtype(name)}, expected float32, bfloat16 or float16 "
+                            "(quantized checkpoints are not supported)")
+        steps.append(_Step(name, pl, transposed))
+    return steps, unknown, problems
 
 
-def _check_shape(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    if t.shape != shape:
-        if t.numel() == shape.numel() and [d for d in t.shape if d != 1] == [d for d in shape if d != 1]:
-            return t.reshape(shape)  # e.g. conv1d [C, 1, K] -> [C, K]
-        raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(t.shape)}, model expects {tuple(shape)}")
-    return t
+@torch.no_grad()
+def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step]) -> None:
+    for step in steps:
+        param, pl = params[step.placement.param], step.placement
+        t = source.get(step.name)
+        t = t.transpose(1, 2) if step.transposed else t.reshape(pl.shape)
+        for dst, src in pl.pieces:
+            param[dst].copy_(t[src], non_blocking=True)
 
 
-def load_weights(model: torch.nn.Module, index: CheckpointIndex) -> None:
-    """Fill every parameter of ``model`` from ``index``; errors name the tensor and both shapes."""
-    sources = weight_sources(model.args, with_mtp=model.mtp is not None)
-    params = dict(model.named_parameters())
-    missing = set(params) - set(sources)
-    if missing:
-        raise CheckpointError(f"internal: no checkpoint source for parameters {sorted(missing)[:5]}")
-    for name, param in params.items():
-        src = sources[name]
-        if isinstance(src, Experts):
-            t = _load_experts(index, src, param.shape, model.args)
-        else:
-            parts = [index.get(n) for n in src.names]
-            for n, p in zip(src.names, parts):
-                if len(src.names) > 1 and p.shape[1:] != param.shape[1:]:
-                    raise CheckpointError(f"tensor {n}: checkpoint shape {tuple(p.shape)}, "
-                                          f"model expects [*, {', '.join(map(str, param.shape[1:]))}]")
-            t = _check_shape(" + ".join(src.names), torch.cat(parts, dim=0) if len(parts) > 1 else parts[0], param.shape)
-        with torch.no_grad():
-            param.copy_(t.to(param.dtype))
-    unused = [n for n in index.unused() if not (model.args.tie_word_embeddings and n == "lm_head.weight")]
+def _missing(wmap, covered: dict[str, set]) -> str | None:
+    """The first region no tensor filled, as 'tensor A (or B) is missing'."""
+    for param, regions in wmap.required.items():
+        gap = regions - covered.get(param, set())
+        if gap:
+            region = min(gap, key=str)
+            names = [n for n, pl in wmap.by_name.items() if pl.param == param and region in pl.regions]
+            return " or ".join(names[:2])
+    return None
+
+
+def load_weights(model: torch.nn.Module, source) -> None:
+    """Fill every parameter of ``model`` from ``source`` (a :class:`CheckpointIndex`); errors name
+    the tensor and both shapes; tensors the model does not use are reported in one warning."""
+    args = model.args
+    wmap = weight_map(args, with_mtp=model.mtp is not None)
+    steps, unknown, problems = _plan(source, wmap, args)
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    covered: dict[str, set] = {}
+    for step in steps:
+        covered.setdefault(step.placement.param, set()).update(step.placement.regions)
+    missing = _missing(wmap, covered)
+    if missing is not None:
+        raise CheckpointError(f"tensor {missing} is missing from checkpoint {source.path}")
+    for module in model.modules():  # experts narrower than the widest are zero-padded
+        if hasattr(module, "zero_padding"):
+            module.zero_padding()
+    _copy(dict(model.named_parameters()), source, steps)
+    unused = [n for n in unknown if not (args.tie_word_embeddings and n == "lm_head.weight")]
     mtp = [n for n in unused if n.startswith("mtp.")]
-    if mtp and not model.args.mtp_num_hidden_layers:
+    if mtp and not args.mtp_num_hidden_layers:
         log.warning("checkpoint has %d MTP head tensors (mtp.*) but config.json has no mtp_num_hidden_layers: the "
                     "MTP head is not loaded (add \"mtp_num_hidden_layers\": 1 to use strategy mtp)", len(mtp))
         unused = [n for n in unused if not n.startswith("mtp.")]
     if unused:
         log.warning("checkpoint has %d tensors the model does not use, e.g. %s", len(unused), unused[:5])
+
+
+def update_weights(model: torch.nn.Module, source) -> int:
+    """Copy the tensors of ``source`` (any subset of the checkpoint's names) into the model's
+    existing parameters, in place. Every name, shape and dtype is checked before anything is
+    copied, so a bad update changes nothing. Returns the number of tensors copied."""
+    args = model.args
+    wmap = weight_map(args, with_mtp=model.mtp is not None)
+    steps, unknown, problems = _plan(source, wmap, args)
+    # names the model has no place for but that a full state_dict carries: a tied head, an MTP head
+    # this engine does not run
+    unknown = [n for n in unknown if not ((args.tie_word_embeddings and n == "lm_head.weight") or
+                                          (model.mtp is None and n.startswith("mtp.")))]
+    if unknown:
+        problems.insert(0, f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''} (expected "
+                           "Hugging Face Qwen3.5 names, e.g. model.layers.0.mlp.experts.gate_up_proj)")
+    if problems:
+        raise CheckpointError("update_weights: " + "; ".join(problems[:5]) +
+                              (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + "; nothing was updated")
+    _copy(dict(model.named_parameters()), source, steps)
+    return len(steps)

@@ -120,24 +120,12 @@ class MLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
 
-def pad_experts(t: torch.Tensor, which: str, width: int) -> torch.Tensor:
-    """Experts ``[n, 2i, H]`` (w13: gate rows, then up rows) or ``[n, H, i]`` (w2) zero-padded to an
-    intermediate size ``width``: zero gate/up rows give zero activations and zero down columns
-    add nothing, so the padded expert computes exactly the same outputs."""
-    i = t.shape[1] // 2 if which == "w13" else t.shape[2]
-    if i == width:
-        return t
-    if which == "w13":
-        pad = t.new_zeros(t.shape[0], width - i, t.shape[2])
-        return torch.cat([t[:, :i], pad, t[:, i:], pad], dim=1)
-    return torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], width - i)], dim=2)
-
-
 class SparseMoE(nn.Module):
     """Softmax top-k router (renormalised), routed SwiGLU experts and a sigmoid-gated shared
     expert. The shared expert is stored as expert E of ``w13``/``w2`` and its gate as row E of the
     router (so one GEMM gives both logits, and the grouped GEMMs run it with the routed experts);
-    experts of different widths are zero-padded to the widest (``pad_experts``)."""
+    experts of different widths are zero-padded to the widest: zero gate/up rows give zero
+    activations and zero down columns add nothing, so a padded expert computes exactly the same."""
 
     def __init__(self, args: ModelArgs, factory: OpFactory, dtype, device) -> None:
         super().__init__()

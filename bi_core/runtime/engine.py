@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import attrs
 import torch
@@ -12,7 +13,7 @@ from tqdm import tqdm
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError, ConfigError, PromptTooLongError, RequestError
 from bi_core.models.args import ModelArgs
-from bi_core.models.loader import CheckpointIndex, load_weights, read_config
+from bi_core.models.loader import CheckpointIndex, TensorDict, load_weights, read_config, update_weights
 from bi_core.models.presets import preset_args
 from bi_core.models.qwen3_5 import Qwen35Model
 from bi_core.models.random_init import init_random_weights
@@ -105,6 +106,7 @@ class LLMEngine:
         self.eos_ids = args.eos_token_ids
         self.on_logits = None  # debugging hook: called with (sequences, logits) before sampling
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
+        self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self._next_id = 0
 
     # ------------------------------------------------------------------ requests
@@ -161,7 +163,8 @@ class LLMEngine:
         self._next_id += 1
         seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed,
-                       max_total_len=min(len(ids) + params.max_new_tokens, self.max_model_len))
+                       max_total_len=min(len(ids) + params.max_new_tokens, self.max_model_len),
+                       weight_version=self.weight_version)
         if (text or params.stop) and self.tokenizer is not None:
             seq.text = TextStream(self.tokenizer, params.stop)
         self.scheduler.add(seq)
@@ -237,6 +240,33 @@ class LLMEngine:
             num_logprobs=num_logprobs,
         )
 
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, weights, *, abort_unfinished: bool = False) -> int:
+        """Copy new weights into the model's parameters in place (CUDA graphs stay valid).
+
+        ``weights``: a checkpoint directory, a ``{name: tensor}`` mapping (e.g. a trainer's
+        ``state_dict``) or ``(name, tensor)`` pairs, with Hugging Face names; any subset of the
+        model's tensors, on any device, in float32/bfloat16/float16 (cast to the engine's dtype).
+        Every name, shape and dtype is checked before anything is copied. Call it between steps
+        with no request unfinished (results would mix two models), or ``abort_unfinished=True`` to
+        abort them. Cached prefixes are dropped. Returns the number of tensors copied."""
+        if self.requests:
+            if not abort_unfinished:
+                raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
+                                   "mix two models. Finish them, or pass abort_unfinished=True")
+            for rid in list(self.requests):
+                self.abort(rid)
+        if isinstance(weights, (str, Path)):
+            source = CheckpointIndex(weights)
+        else:
+            source = TensorDict(weights)
+        count = update_weights(self.model, source)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.weight_version += 1
+        return count
+
     # ------------------------------------------------------------------ batch API
 
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -274,7 +304,7 @@ class LLMEngine:
             logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
             finish_reason=s.finish_reason, error=s.error, stop_reason=s.stop_reason, num_preemptions=s.num_preemptions,
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
-            num_verify_steps=s.num_verify_steps)
+            num_verify_steps=s.num_verify_steps, weight_version=s.weight_version)
 
 
 @attrs.frozen

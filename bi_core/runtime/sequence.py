@@ -60,6 +60,7 @@ class RequestOutput:
     num_accepted_draft_tokens: int = 0
     num_draft_tokens: int = 0
     num_verify_steps: int = 0  # speculative steps that verified at least one draft
+    weight_version: int = 0  # the engine's weights that made it (engine.update_weights calls before it)
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -98,6 +99,7 @@ class Sequence:
     num_preemptions: int = 0
     text: TextStream | None = None  # incremental text, when the caller asked for it or for stop strings
     stop_reason: str | int | None = None
+    weight_version: int = 0
 
     @property
     def all_ids(self) -> list[int]:
