@@ -6,7 +6,8 @@ of the output, reading the in_proj output ``[T, qkv | z | b | a]`` directly.
 One program per (sequence, key head): first the conv of its channels (q and k of that key head,
 v of the GROUP value heads sharing it) over the sequence's tokens into a scratch buffer, then,
 per value head, the recurrence over the same tokens (one for a decode step, 1+N for a verify
-step): the same arithmetic per token whatever the step. Every conv window and state tile is
+step, or a whole continuation when scoring exactly): the same arithmetic per token whatever
+the step; a state kept in bf16 is rounded after every token, as separate steps would store it. Every conv window and state tile is
 read and written by one program only. State and window are read from the sequence's read slot and stored to
 its last token's slot, or with ``per_token`` after every token (speculative verify keeps the
 state of every draft; see ``runtime/batch.py``)."""
@@ -33,7 +34,7 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
                        SEQ_IDS, stride_p, stride_o, stride_cs, stride_cc, stride_ss, stride_sh, scale, eps,
                        NUM_V_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHANNELS: tl.constexpr,
-                       PER_TOKEN: tl.constexpr):
+                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr):
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     hk = tl.program_id(1)
     dt = OUT.dtype.element_ty
@@ -100,6 +101,8 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
             if PER_TOKEN:
                 dst = tl.load(TOKEN_SLOTS + t).to(tl.int64)
                 tl.store(head + dst * stride_ss + tile, h.to(STATE.dtype.element_ty))
+            if ROUND_STATE:  # a state stored narrower than fp32: the next token starts from the stored
+                h = h.to(STATE.dtype.element_ty).to(tl.float32)  # value, as in a step of its own
         if not PER_TOKEN:
             dst = tl.load(TOKEN_SLOTS + end - 1).to(tl.int64)
             tl.store(head + dst * stride_ss + tile, h.to(STATE.dtype.element_ty))
@@ -125,5 +128,6 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tenso
             state.stride(0), state.stride(1), head_k_dim**-0.5, eps, NUM_V_HEADS=num_v_heads, KEY_DIM=key_dim,
             VALUE_DIM=value_dim, GROUP=group, DK=head_k_dim, DV=head_v_dim,
             CHANNELS=triton.next_power_of_2(2 * head_k_dim + group * head_v_dim), PER_TOKEN=per_token,
+            ROUND_STATE=state.dtype != torch.float32,
             num_warps=NUM_WARPS)
     return out

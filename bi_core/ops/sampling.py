@@ -51,6 +51,12 @@ class SamplerImpl(Protocol):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits [B, V]`` (any float dtype) -> one token per row."""
 
+    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+        """Scoring: the log-probabilities of given tokens (``token_ids [B]``) under the raw
+        distribution of each row, with the arithmetic ``forward`` uses for a sampled token's (so a
+        scored token's logprob equals, bitwise, the one reported when it was sampled from the same
+        logits), plus the top-N of each row."""
+
     def sample_device(self, logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """Greedy / plain-temperature sampling with per-row keys and temperatures already on the
         device (capturable in a CUDA graph): ``[B, 2]`` float64 rows (token, logprob), the same

@@ -27,12 +27,13 @@ from bi_core.registry import Registry
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.detokenize import TextStream
-from bi_core.runtime.scheduler import Scheduler
+from bi_core.runtime.scheduler import Scheduled, Scheduler
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
 from bi_core.selector import OpFactory
 
 log = logging.getLogger(__name__)
 Prompt = str | Seq[int]
+SCORE_BLOCK = 256  # logits rows computed at once when scoring
 
 
 def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | None]:
@@ -140,36 +141,58 @@ class LLMEngine:
         """The main model over one step's tokens, through the graph runner."""
         return StepOutput(*self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step))
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
-        """Queue one request; raises RequestError / PromptTooLongError for a bad one. With ``text``
-        (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
+    def _token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("prompt is text but this checkpoint has no tokenizer; pass a list of token ids")
+                raise RequestError(f"{what} is text but this checkpoint has no tokenizer; pass a list of token ids")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
         if not ids:
-            raise RequestError("prompt is empty")
+            raise RequestError(f"{what} is empty")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.args.vocab_size)]
         if bad:
-            raise RequestError(f"prompt has token ids outside the vocabulary [0, {self.args.vocab_size}): {bad[:5]}")
+            raise RequestError(f"{what} has token ids outside the vocabulary [0, {self.args.vocab_size}): {bad[:5]}")
+        return ids
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, max_total_len: int, **fields) -> Sequence:
+        rid = self._next_id
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
+        seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed, max_total_len=max_total_len,
+                       weight_version=self.weight_version, **fields)
+        self.scheduler.add(seq)
+        self.requests[rid] = seq
+        return seq
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
+        """Queue one request; raises RequestError / PromptTooLongError for a bad one. With ``text``
+        (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
+        ids = self._token_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
                                      f"{self.max_model_len} including at least one generated token")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        rid = self._next_id
-        self._next_id += 1
-        seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
-        seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed,
-                       max_total_len=min(len(ids) + params.max_new_tokens, self.max_model_len),
-                       weight_version=self.weight_version)
+        seq = self._enqueue(ids, params, min(len(ids) + params.max_new_tokens, self.max_model_len),
+                            score_top=params.prompt_logprobs or 0)
         if (text or params.stop) and self.tokenizer is not None:
             seq.text = TextStream(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
-        self.requests[rid] = seq
         return seq
+
+    def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
+                          logprobs: int = 0) -> Sequence:
+        """Queue one scoring request: the logprob of each continuation token after the prompt
+        (see ``score``). Steps run it alongside generation requests."""
+        ids, cont = self._token_ids(prompt), self._token_ids(continuation, "continuation")
+        if not 0 <= logprobs <= 20:
+            raise RequestError(f"logprobs must be in 0..20, got {logprobs!r}")
+        total = len(ids) + len(cont)
+        if total > self.max_model_len:
+            raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
+                                     f"is {self.max_model_len}")
+        return self._enqueue(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
+                             score_top=logprobs)
 
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request (``finish_reason='abort'``); its KV pages and state slot are
@@ -191,12 +214,45 @@ class LLMEngine:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
         with torch.inference_mode(), applied(self.policy):
             self.strategy.step(scheduled)
+        for s in scheduled:  # a scoring request ends when its last scored row has run
+            if s.seq.score_from is not None and s.seq.num_computed >= s.seq.compute_end:
+                s.seq.finish("length")
         done = [s.seq for s in scheduled if s.seq.status is Status.FINISHED]
         for seq in done:
             self.scheduler.finish(seq)
             self.strategy.forget(seq)
             self.requests.pop(seq.request_id, None)
         return done
+
+    def record_scores(self, scheduled: list[Scheduled], hidden: torch.Tensor, offsets: list[int]) -> None:
+        """Logprobs of known tokens (scoring, prompt logprobs) from this step's hidden rows; call it
+        before the sequences' ``num_computed`` moves past the step. Logits are computed in blocks
+        of rows, so a long chunk never holds chunk x vocabulary logits at once; with a row-invariant
+        lm_head the block size changes no bit."""
+        rows, targets, owners = [], [], []
+        for s, offset in zip(scheduled, offsets):
+            span = s.seq.scored
+            if span is None:
+                continue
+            start, ids = s.seq.num_computed, s.seq.all_ids
+            # the row at position j - 1 gives the logprob of the token at position j
+            for j in range(max(span[0], start + 1), min(span[1], start + s.num_tokens + 1)):
+                rows.append(offset + j - 1 - start)
+                targets.append(ids[j])
+                owners.append(s.seq)
+        for b in range(0, len(rows), SCORE_BLOCK):
+            seqs = owners[b:b + SCORE_BLOCK]
+            top = max(s.score_top for s in seqs)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[b:b + SCORE_BLOCK], device=self.device)])
+            out = self.model.sampler.logprobs_of(logits, torch.tensor(targets[b:b + SCORE_BLOCK], device=self.device),
+                                                 top).to_host()
+            tokens, lps = out[:, 0].long().tolist(), out[:, 1].float().tolist()
+            top_ids, top_lps = out[:, 2:2 + top].long().tolist(), out[:, 2 + top:].float().tolist()
+            for i, seq in enumerate(seqs):
+                entry = dict(zip(top_ids[i][:seq.score_top], top_lps[i][:seq.score_top]))
+                entry[tokens[i]] = lps[i]
+                seq.scored_logprobs.append(lps[i])
+                seq.scored_top.append(entry)
 
     def sample_rows(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
                     samples: torch.Tensor | None = None):
@@ -284,12 +340,35 @@ class LLMEngine:
             except RequestError as e:
                 ids = list(prompt) if not isinstance(prompt, str) else []
                 seqs.append((ids, str(e)))
-        live = [s for s in seqs if isinstance(s, Sequence)]
-        bar = tqdm(total=len(live), desc="generate", unit="req", disable=not progress)
+        self._run_all(sum(isinstance(s, Sequence) for s in seqs), "generate", progress)
+        return [self.output_of(s) for s in seqs]
+
+    def score(self, prompts: Seq[Prompt], continuations: Seq[Prompt], *, exact: bool = True, logprobs: int = 0,
+              progress: bool = False) -> list[ScoreOutput]:
+        """The logprob of every continuation token given the prompt and the tokens before it.
+
+        ``exact=True``: each prompt is prefilled in the chunks generation uses and the
+        continuation runs in decode arithmetic (GDN recurrent form), so on an invariant backend a
+        scored logprob equals, bitwise, the one the engine reported when it sampled that token
+        (from that prompt, with these weights). ``exact=False``: one chunked prefill over prompt
+        and continuation, faster, equal only to float tolerance. ``logprobs``: also the top-N
+        per token. A pair that cannot be scored comes back with ``error`` set."""
+        if len(prompts) != len(continuations):
+            raise RequestError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        seqs: list[Sequence | str] = []
+        for prompt, cont in zip(prompts, continuations):
+            try:
+                seqs.append(self.add_score_request(prompt, cont, exact=exact, logprobs=logprobs))
+            except RequestError as e:
+                seqs.append(str(e))
+        self._run_all(sum(isinstance(s, Sequence) for s in seqs), "score", progress)
+        return [ScoreOutput.of(s, exact) for s in seqs]
+
+    def _run_all(self, total: int, desc: str, progress: bool) -> None:
+        bar = tqdm(total=total, desc=desc, unit="req", disable=not progress)
         while self.scheduler.has_work():
             bar.update(len(self.step()))
         bar.close()
-        return [self.output_of(s) for s in seqs]
 
     def output_of(self, s: Sequence | tuple[list[int], str]) -> RequestOutput:
         """A request's result as the user sees it (also for a request still running)."""
@@ -304,7 +383,32 @@ class LLMEngine:
             logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
             finish_reason=s.finish_reason, error=s.error, stop_reason=s.stop_reason, num_preemptions=s.num_preemptions,
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
-            num_verify_steps=s.num_verify_steps, weight_version=s.weight_version)
+            num_verify_steps=s.num_verify_steps, weight_version=s.weight_version,
+            prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None)
+
+
+@attrs.frozen(kw_only=True)
+class ScoreOutput:
+    """The logprobs of a continuation after a prompt (``LLMEngine.score``)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the continuation
+    token_logprobs: list[float]  # log p of each continuation token given everything before it
+    logprobs: list[dict[int, float]] | None  # per token: top-N and the token itself (when asked for)
+    exact: bool
+    weight_version: int = 0
+    error: str | None = None
+
+    @classmethod
+    def of(cls, s: Sequence | str, exact: bool) -> ScoreOutput:
+        if not isinstance(s, Sequence):
+            return cls(request_id=-1, prompt_token_ids=[], token_ids=[], token_logprobs=[], logprobs=None,
+                       exact=exact, error=s)
+        cut = s.score_from
+        return cls(request_id=s.request_id, prompt_token_ids=s.prompt_ids[:cut], token_ids=s.prompt_ids[cut:],
+                   token_logprobs=list(s.scored_logprobs), logprobs=list(s.scored_top) if s.score_top else None,
+                   exact=s.exact, weight_version=s.weight_version, error=s.error)
 
 
 @attrs.frozen

@@ -32,6 +32,14 @@ class Scheduled:
         """True when this step processes the sequence's last known token (so a new one is sampled)."""
         return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether GDN runs these tokens in the recurrent (decode) form: single tokens after the
+        first (decode steps, a prompt's one-token last chunk), and an exact scoring request's
+        continuation; otherwise the chunked form. Depends on the request alone."""
+        seq = self.seq
+        return seq.num_computed > 0 and (self.num_tokens == 1 or seq.in_exact_continuation)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, *, reserve_full: bool,
@@ -58,7 +66,13 @@ class Scheduler:
         return max(0, self.cache.blocks_for(num_tokens + self.lookahead) - len(seq.blocks))
 
     def _chunk(self, seq: Sequence) -> int:
-        return min(self.config.chunk_size, seq.num_tokens - seq.num_computed)
+        """Tokens of the sequence the next step runs: chunks on a fixed grid (multiples of the
+        chunk size from position 0) up to its end; an exact scoring request's prompt ends a chunk,
+        as it did when the continuation was generated, and the continuation follows in chunks."""
+        end = seq.compute_end
+        if seq.exact and seq.score_from is not None and seq.num_computed < seq.score_from:
+            end = seq.score_from
+        return min(self.config.chunk_size, end - seq.num_computed)
 
     def _cost(self, seq: Sequence, n: int) -> int:
         """Tokens this step runs for the sequence, counted against ``max_num_batched_tokens``."""

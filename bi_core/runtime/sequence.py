@@ -30,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # top-N logprobs per step (vLLM style); None = only the sampled token's
+    prompt_logprobs: int | None = None  # also the logprob (and top-N) of every prompt token after the first
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)  # ends when the text contains one
     ignore_eos: bool = False
@@ -42,6 +43,8 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), f"seed must be an int >= 0, got {self.seed!r}")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+               f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs!r}")
         _check(all(isinstance(s, str) for s in self.stop), f"stop must be strings, got {self.stop!r}")
 
 
@@ -61,6 +64,8 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_verify_steps: int = 0  # speculative steps that verified at least one draft
     weight_version: int = 0  # the engine's weights that made it (engine.update_weights calls before it)
+    # with SamplingParams.prompt_logprobs: [None, then per prompt token {token: logprob, top-N...}]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -100,6 +105,13 @@ class Sequence:
     text: TextStream | None = None  # incremental text, when the caller asked for it or for stop strings
     stop_reason: str | int | None = None
     weight_version: int = 0
+    # scoring (engine.score): prompt_ids holds prompt + continuation; the logprobs of the tokens
+    # from ``score_from`` on are wanted, in decode arithmetic when ``exact``
+    score_from: int | None = None
+    exact: bool = False
+    score_top: int = 0  # top-N logprobs per scored token
+    scored_logprobs: list[float] = attrs.field(factory=list)  # per scored position, in order
+    scored_top: list[dict[int, float]] = attrs.field(factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -108,6 +120,26 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scored(self) -> tuple[int, int] | None:
+        """Positions ``[lo, hi)`` whose token's logprob is wanted (scoring, or prompt logprobs)."""
+        if self.score_from is not None:
+            return self.score_from, len(self.prompt_ids)
+        if self.params.prompt_logprobs is not None:
+            return 1, len(self.prompt_ids)
+        return None
+
+    @property
+    def compute_end(self) -> int:
+        """Tokens whose KV / state a step computes: all known ones, but a scoring request's last
+        token (nothing comes after it)."""
+        return self.num_tokens - 1 if self.score_from is not None else self.num_tokens
+
+    @property
+    def in_exact_continuation(self) -> bool:
+        """An exact scoring request past its prompt: its steps run in the decode (recurrent) form."""
+        return self.exact and self.score_from is not None and self.num_computed >= self.score_from
 
     @property
     def is_decoding(self) -> bool:

@@ -15,10 +15,11 @@ class ARStrategy(Strategy):
         input_ids, ctx = eng.make_batch(
             [s.seq.all_ids[s.seq.num_computed : s.seq.num_computed + s.num_tokens] for s in scheduled],
             [s.seq for s in scheduled],
-            [s.num_tokens == 1 and s.seq.num_computed > 0 for s in scheduled],  # decode rows: recurrent GDN
+            [s.recurrent for s in scheduled],
             [[s.num_tokens - 1] if s.samples else [] for s in scheduled],
             sample_positions=[[s.seq.num_tokens] if s.samples else [] for s in scheduled])
         out = eng.run_model(input_ids, ctx)
+        eng.record_scores(scheduled, out.hidden, ctx.cu_seqlens_host)
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens

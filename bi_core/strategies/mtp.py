@@ -110,6 +110,7 @@ class MTPStrategy(Strategy):
                                         [p.recurrent for p in plans], [p.sample_rows for p in plans],
                                         sample_positions=sample_positions)
         out = eng.run_model(input_ids, ctx)
+        eng.record_scores(scheduled, out.hidden, ctx.cu_seqlens_host)
         row_seqs, positions = [], []
         for p, offset, sp in zip(plans, ctx.cu_seqlens_host, sample_positions):
             p.offset = offset
@@ -135,8 +136,7 @@ class MTPStrategy(Strategy):
                          sample_rows=list(range(1 + len(drafts))))
         tokens = seq.all_ids[seq.num_computed : seq.num_computed + s.num_tokens]
         last_chunk = seq.num_computed + len(tokens) == seq.num_tokens
-        return _Plan(seq, tokens, recurrent=len(tokens) == 1 and seq.num_computed > 0,
-                     sample_rows=[len(tokens) - 1] if last_chunk else [])
+        return _Plan(seq, tokens, recurrent=s.recurrent, sample_rows=[len(tokens) - 1] if last_chunk else [])
 
     def _accept(self, p: _Plan, sampled: list) -> None:
         seq, drafts = p.seq, p.drafts
@@ -146,8 +146,10 @@ class MTPStrategy(Strategy):
             if sampled:
                 token, lp, top = sampled[0]
                 seq.append(token, lp, top, self.engine.eos_ids)
-            # row j pairs the main hidden at mtp_start + j with the token at mtp_start + j + 1
-            p.mtp_tokens = seq.all_ids[p.mtp_start + 1 : p.mtp_start + 1 + len(p.tokens)]
+            # row j pairs the main hidden at mtp_start + j with the token at mtp_start + j + 1 (a
+            # scoring request never drafts: no head rows)
+            if seq.score_from is None:
+                p.mtp_tokens = seq.all_ids[p.mtp_start + 1 : p.mtp_start + 1 + len(p.tokens)]
             p.draft_row = len(p.tokens) - 1
             return
         accepted = 0
@@ -173,7 +175,7 @@ class MTPStrategy(Strategy):
         for p in plans:
             if p.seq.status is Status.FINISHED:
                 self.drafts.pop(p.seq.request_id, None)
-        live = [p for p in plans if p.seq.status is not Status.FINISHED]
+        live = [p for p in plans if p.seq.status is not Status.FINISHED and p.mtp_tokens]
         if not live:
             return
         rows = [p.offset + j for p in live for j in range(len(p.mtp_tokens))]

@@ -143,6 +143,26 @@ def test_gdn_decode_ring_keeps_the_state_after_every_token(device):
         assert torch.equal(out[t:t + 1], o1)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_row_equals_one_token_steps(device, state_dtype):
+    """Exact scoring runs a whole continuation as one recurrent row: outputs and final state must
+    be bitwise those of one-token decode steps, also when the state is stored in bf16 (rounded
+    after every token, as each step stores it; the negative control of that rounding is in
+    tests/unit/test_gdn_reference.py)."""
+    spec = gdn_spec(device, torch.bfloat16)
+    past, n = 6, 9
+    proj, weights, conv, state = gdn_inputs(spec, n, 2, device, torch.bfloat16)
+    state = state.to(state_dtype)
+    s_row, c_row, s_one, c_one = state.clone(), conv.clone(), state.clone(), conv.clone()
+    ctx, _ = ragged_ctx([n], [past], device, recurrent=[True], slots=[1])
+    out = run_gdn_decode(spec, proj, weights, c_row, s_row, ctx)
+    steps = []
+    for t in range(n):
+        c1, _ = ragged_ctx([1], [past + t], device, recurrent=[True], slots=[1])
+        steps.append(run_gdn_decode(spec, proj[t:t + 1], weights, c_one, s_one, c1))
+    assert torch.equal(out, torch.cat(steps)) and torch.equal(s_row[1], s_one[1]) and torch.equal(c_row[1], c_one[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(72, 200), (40, 2048)])  # the second splits K in 8
 def test_linear(device, dtype, n, k):

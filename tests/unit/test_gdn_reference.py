@@ -36,6 +36,22 @@ def test_recurrent_split_calls_are_bitwise_one_call():
     assert torch.equal(torch.cat([oa, ob], 1), o) and torch.equal(sb, s)
 
 
+def test_recurrent_bf16_state_rounds_after_every_token():
+    """A state stored in bf16 between steps: one call over T tokens equals T one-token calls that
+    each start from the stored (rounded) state; carrying fp32 across tokens does not (control)."""
+    q, k, v, g, b, s0 = inputs(t=12)
+    s0 = s0.to(torch.bfloat16).float()
+    o, s = recurrent_delta_rule(q, k, v, g, b, s0, stored_dtype=torch.bfloat16)
+    steps, st = [], s0
+    for t in range(12):
+        ot, st = recurrent_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], b[:, t:t + 1], st)
+        steps.append(ot)
+        st = st.to(torch.bfloat16).float()  # what the cache keeps
+    assert torch.equal(torch.cat(steps, 1), o) and torch.equal(s, st)
+    o_fp32, _ = recurrent_delta_rule(q, k, v, g, b, s0)
+    assert not torch.equal(o_fp32, o)
+
+
 def test_conv_with_state_matches_full_conv():
     from bi_core.backends.reference.gdn import ReferenceGdnImpl
 

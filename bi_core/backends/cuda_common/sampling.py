@@ -17,6 +17,18 @@ class CudaSamplerImpl:
 
         return sample(logits, keys, temperatures.float())[2]
 
+    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+        from bi_core.kernels.sampling import sample
+
+        rows = logits.shape[0]
+        greedy = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+        _, lse, _ = sample(logits, torch.zeros(rows, dtype=torch.int64, device=logits.device), greedy)
+        # the sampled token's logprob is ``float(logit) - lse`` (kernel and ``forward`` alike)
+        logits = logits.float()
+        top = torch.topk(logits, num_logprobs, dim=-1)
+        return SamplerOutput(token_ids=token_ids, logprobs=logits.gather(1, token_ids[:, None])[:, 0] - lse,
+                             top_ids=top.indices, top_logprobs=top.values - lse[:, None])
+
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         from bi_core.kernels.sampling import sample
 

@@ -18,10 +18,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state, on_token=None):
+def recurrent_delta_rule(q, k, v, g, beta, state, on_token=None, stored_dtype=torch.float32):
     """Per token: ``S = e^g S; u = v - Sᵀk; S += k ⊗ βu; o = Sᵀq``. q,k ``[H, T, Dk]``, v ``[H, T, Dv]``,
     g, beta ``[H, T]``, state ``[H, Dk, Dv]``; all fp32. Returns (o ``[H, T, Dv]``, final state);
-    ``on_token(t, state)`` sees the state after each token."""
+    ``on_token(t, state)`` sees the state after each token. A state stored in ``stored_dtype``
+    narrower than fp32 is rounded to it after every token, so T tokens in one call compute what T
+    one-token steps do."""
     out = torch.empty_like(v)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[:, None, None]
@@ -31,6 +33,8 @@ def recurrent_delta_rule(q, k, v, g, beta, state, on_token=None):
         out[:, t] = (state * q[:, t, :, None]).sum(dim=-2)
         if on_token is not None:
             on_token(t, state)
+        if stored_dtype != torch.float32:
+            state = state.to(stored_dtype).float()
     return out, state
 
 
@@ -125,14 +129,16 @@ class ReferenceGdnImpl:
             vi = v[start:end].float().transpose(0, 1)
             gi, bi = g[start:end].float().transpose(0, 1), beta[start:end].float().transpose(0, 1)
             # the cache holds S transposed ([Hv, Dv, Dk]); the math here uses S [Hv, Dk, Dv]
-            s0 = state[slot].transpose(-1, -2)
+            # contiguous: CPU reductions follow the memory layout, and a step must see the same
+            # layout whether its state came from the cache or from the previous token
+            s0 = state[slot].transpose(-1, -2).contiguous()
             s0 = s0 if ctx.past_len(i) > 0 else torch.zeros_like(s0)
             slots = ctx.token_state_slots_host[start:end]
             if ctx.is_recurrent_host[i]:
                 def keep(t, s, slots=slots):
                     if ctx.state_ring > 1 or t == len(slots) - 1:
                         state[slots[t]] = s.transpose(-1, -2)
-                o, _ = recurrent_delta_rule(qi, ki, vi, gi, bi, s0.float(), on_token=keep)
+                o, _ = recurrent_delta_rule(qi, ki, vi, gi, bi, s0.float(), on_token=keep, stored_dtype=state.dtype)
             else:
                 o, s1 = chunk_delta_rule(qi, ki, vi, gi, bi, s0.float())
                 state[slots[-1]] = s1.transpose(-1, -2)

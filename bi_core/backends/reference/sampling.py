@@ -34,6 +34,12 @@ class ReferenceSamplerImpl:
                               keys=keys.tolist(), num_logprobs=0)
         return self.forward(logits, batch).to_host().to(logits.device)
 
+    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+        logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logprobs_all, num_logprobs, dim=-1)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs_all.gather(1, token_ids[:, None])[:, 0],
+                             top_ids=top.indices, top_logprobs=top.values)
+
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits, dim=-1)
