@@ -74,3 +74,11 @@ def mix_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 1
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` (0..n-1) of a request with ``n`` samples: sample 0 uses the
+    request's seed, sample i > 0 the seed mixed with i (splitmix64, as positions are). So sample
+    0 equals the same request sent with n=1, sample i the request sent alone with this seed, and
+    no two samples share a random stream."""
+    return seed if sample == 0 else mix_seed(seed, sample)

@@ -15,9 +15,13 @@ CPU_AUTO_BUDGET = 1 << 30  # bytes of KV pages when num_blocks is auto on the CP
 
 
 class BlockAllocator:
+    """Pages with reference counts: a page shared by several sequences (the prompt of n samples)
+    returns to the free list when its last holder releases it."""
+
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -25,15 +29,31 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         assert n <= len(self.free), "caller checks num_free first"
-        return [self.free.pop() for _ in range(n)]
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> list[int]:
+        for b in blocks:
+            assert self.refs[b] > 0, "only pages in use are shared"
+            self.refs[b] += 1
+        return list(blocks)
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
 
 
 class SlotAllocator:
     def __init__(self, num_slots: int) -> None:
         self.free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
 
     def allocate(self) -> int | None:
         return self.free.pop() if self.free else None
@@ -48,6 +68,7 @@ class CacheManager:
     def __init__(self, args: ModelArgs, config: CacheConfig, *, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, device: torch.device, with_mtp: bool, state_ring: int = 1) -> None:
         self.block_size = config.block_size
+        self.device = device
         num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
         page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * dtype.itemsize * num_attn
         state_dtype = getattr(torch, config.ssm_state_dtype)
@@ -110,3 +131,23 @@ class CacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """KV of pages ``src`` into pages ``dst`` (main model and MTP head)."""
+        if not src:
+            return
+        s, d = self._index(src), self._index(dst)
+        for caches in filter(None, (self.main, self.mtp)):
+            for t in (*caches.k, *caches.v):
+                t[d] = t[s]
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """GDN conv and recurrent states of state slots ``src`` into slots ``dst`` (ring slots)."""
+        if not src:
+            return
+        s, d = self._index(src), self._index(dst)
+        for t in (*self.main.conv, *self.main.recurrent):
+            t[d] = t[s]
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)

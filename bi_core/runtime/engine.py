@@ -19,7 +19,7 @@ from bi_core.models.qwen3_5 import Qwen35Model
 from bi_core.models.random_init import init_random_weights
 from bi_core.models.tokenizer import ByteTokenizer, load_tokenizer
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.ops.sampling import SamplingBatch, mix_seed
+from bi_core.ops.sampling import SamplingBatch, mix_seed, sample_seed
 from bi_core.plugins import load_registry
 from bi_core.policies import check_config, make_policy, planned_device, resolve_device
 from bi_core.policies.apply import applied, check_environment
@@ -109,6 +109,7 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self._next_id = 0
+        self._forked: list[Sequence] = []  # samples forked in the current step
 
     # ------------------------------------------------------------------ requests
 
@@ -155,14 +156,20 @@ class LLMEngine:
             raise RequestError(f"{what} has token ids outside the vocabulary [0, {self.args.vocab_size}): {bad[:5]}")
         return ids
 
-    def _enqueue(self, ids: list[int], params: SamplingParams, max_total_len: int, **fields) -> Sequence:
+    def _new_seq(self, ids: list[int], params: SamplingParams, max_total_len: int, seed: int | None = None,
+                 **fields) -> Sequence:
         rid = self._next_id
         self._next_id += 1
-        seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
+        if seed is None:
+            seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed, max_total_len=max_total_len,
                        weight_version=self.weight_version, **fields)
-        self.scheduler.add(seq)
         self.requests[rid] = seq
+        return seq
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, max_total_len: int, **fields) -> Sequence:
+        seq = self._new_seq(ids, params, max_total_len, **fields)
+        self.scheduler.add(seq)
         return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
@@ -174,11 +181,35 @@ class LLMEngine:
                                      f"{self.max_model_len} including at least one generated token")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        seq = self._enqueue(ids, params, min(len(ids) + params.max_new_tokens, self.max_model_len),
-                            score_top=params.prompt_logprobs or 0)
+        max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        self._check_group(params.n, len(ids), max_total)
+        seq = self._enqueue(ids, params, max_total, score_top=params.prompt_logprobs or 0)
+        seq.group = [seq]
+        for i in range(1, params.n):  # the other samples wait attached to the leader until it forks them
+            f = self._new_seq(ids, params, max_total, seed=sample_seed(seq.seed, i), sample_index=i, leader=seq,
+                              score_top=seq.score_top)
+            seq.followers.append(f)
+            seq.group.append(f)
         if (text or params.stop) and self.tokenizer is not None:
-            seq.text = TextStream(self.tokenizer, params.stop)
+            for member in seq.group:
+                member.text = TextStream(self.tokenizer, params.stop)
         return seq
+
+    def _check_group(self, n: int, prompt_len: int, max_total: int) -> None:
+        """n samples are admitted together: they must fit in the slots and (if every page is
+        reserved up front) in the KV cache at once."""
+        limit = self.config.scheduler.max_num_seqs
+        if n > limit:
+            raise RequestError(f"n={n} samples exceed scheduler.max_num_seqs={limit} (the samples of a prompt run "
+                               "together); lower n or raise scheduler.max_num_seqs")
+        if n > 1 and self.scheduler.reserve_full:
+            la = self.scheduler.lookahead
+            shared = (prompt_len - 1) // self.cache.block_size
+            pages = shared + n * (self.cache.blocks_for(max_total + la) - shared)
+            if pages > self.cache.num_blocks:
+                raise RequestError(f"n={n} samples of this prompt need {pages} KV pages reserved at once (invariant "
+                                   f"mode), the cache has {self.cache.num_blocks}; lower n or max_new_tokens, or "
+                                   "raise cache.num_blocks")
 
     def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
                           logprobs: int = 0) -> Sequence:
@@ -200,6 +231,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        for f in list(seq.followers):  # samples not yet forked cannot run without their leader
+            self.abort(f.request_id)
         self.scheduler.abort(seq)
         self.strategy.forget(seq)
         seq.finish("abort")
@@ -212,12 +245,13 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
+        self._forked = []
         with torch.inference_mode(), applied(self.policy):
             self.strategy.step(scheduled)
         for s in scheduled:  # a scoring request ends when its last scored row has run
             if s.seq.score_from is not None and s.seq.num_computed >= s.seq.compute_end:
                 s.seq.finish("length")
-        done = [s.seq for s in scheduled if s.seq.status is Status.FINISHED]
+        done = [seq for seq in [s.seq for s in scheduled] + self._forked if seq.status is Status.FINISHED]
         for seq in done:
             self.scheduler.finish(seq)
             self.strategy.forget(seq)
@@ -235,8 +269,9 @@ class LLMEngine:
             if span is None:
                 continue
             start, ids = s.seq.num_computed, s.seq.all_ids
+            done = span[0] + len(s.seq.scored_logprobs)  # kept across a preemption's recompute
             # the row at position j - 1 gives the logprob of the token at position j
-            for j in range(max(span[0], start + 1), min(span[1], start + s.num_tokens + 1)):
+            for j in range(max(done, start + 1), min(span[1], start + s.num_tokens + 1)):
                 rows.append(offset + j - 1 - start)
                 targets.append(ids[j])
                 owners.append(s.seq)
@@ -282,10 +317,41 @@ class LLMEngine:
         return rows
 
     def sample_and_append(self, seqs: list[Sequence], out: StepOutput) -> None:
-        """One new token per sequence (autoregressive step)."""
+        """One new token per sequence (autoregressive step); a leader's other samples are forked
+        from it and sample their first token from the same logits row."""
         rows = self.sample_rows(seqs, [s.num_tokens for s in seqs], out.logits, out.samples)
         for seq, (token, lp, top) in zip(seqs, rows):
             seq.append(token, lp, top, self.eos_ids)
+        for i, seq in enumerate(seqs):
+            if seq.followers:
+                self.fork(seq, self.sample_followers(seq, out.logits[i]))
+
+    def sample_followers(self, leader: Sequence, logits_row: torch.Tensor) -> list[tuple]:
+        """The first token of each of a leader's other samples, from the logits row the leader's
+        first token came from, each keyed by its own seed (the sampler is row-invariant, so each
+        is what the sample would draw sent alone)."""
+        fs = leader.followers
+        return self.sample_rows(fs, [len(leader.prompt_ids)] * len(fs), logits_row.expand(len(fs), -1).contiguous())
+
+    def fork(self, leader: Sequence, first: list[tuple]) -> list[Sequence]:
+        """Give each of ``leader``'s waiting samples what a lone prefill of the prompt computes:
+        the shared pages (wholly before the last prompt token) by reference, the page holding the
+        last prompt token and the GDN states by copy; then append its first token ``first[i]``.
+        Call it once the leader's last prompt chunk has run (and, with MTP, the head over it)."""
+        fs, leader.followers = leader.followers, []
+        prompt_len = len(leader.prompt_ids)
+        shared = self.scheduler.shared_pages(leader)
+        ring = self.cache.state_ring
+        state = lambda s: s.state_slot * ring + prompt_len % ring  # noqa: E731 - the state after the prompt
+        self.cache.copy_pages([leader.blocks[shared]] * len(fs), [f.blocks[0] for f in fs])
+        self.cache.copy_states([state(leader)] * len(fs), [state(f) for f in fs])
+        for f, (token, lp, top) in zip(fs, first):
+            f.blocks = self.cache.blocks.share(leader.blocks[:shared]) + f.blocks
+            f.leader, f.num_computed = None, prompt_len
+            f.scored_logprobs, f.scored_top = list(leader.scored_logprobs), list(leader.scored_top)
+            f.append(token, lp, top, self.eos_ids)
+        self._forked += fs
+        return fs
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int], num_logprobs: int) -> SamplingBatch:
         return SamplingBatch(
@@ -340,7 +406,7 @@ class LLMEngine:
             except RequestError as e:
                 ids = list(prompt) if not isinstance(prompt, str) else []
                 seqs.append((ids, str(e)))
-        self._run_all(sum(isinstance(s, Sequence) for s in seqs), "generate", progress)
+        self._run_all(sum(len(s.group) for s in seqs if isinstance(s, Sequence)), "generate", progress)
         return [self.output_of(s) for s in seqs]
 
     def score(self, prompts: Seq[Prompt], continuations: Seq[Prompt], *, exact: bool = True, logprobs: int = 0,
@@ -371,11 +437,18 @@ class LLMEngine:
         bar.close()
 
     def output_of(self, s: Sequence | tuple[list[int], str]) -> RequestOutput:
-        """A request's result as the user sees it (also for a request still running)."""
+        """A request's result as the user sees it (also for a request still running); for a
+        prompt with n > 1 samples, sample 0's with all n in ``samples``."""
         if not isinstance(s, Sequence):
             ids, error = s
             return RequestOutput(request_id=-1, prompt_token_ids=ids, token_ids=[], text=None, token_logprobs=[],
                                  logprobs=None, finish_reason="error", error=error)
+        if len(s.group) > 1:
+            samples = [self._output(x) for x in s.group]
+            return attrs.evolve(samples[0], samples=samples)
+        return self._output(s)
+
+    def _output(self, s: Sequence) -> RequestOutput:
         text = s.text.text if s.text is not None else self.tokenizer.decode(s.output_ids) if self.tokenizer else None
         return RequestOutput(
             request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
@@ -384,7 +457,8 @@ class LLMEngine:
             finish_reason=s.finish_reason, error=s.error, stop_reason=s.stop_reason, num_preemptions=s.num_preemptions,
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
             num_verify_steps=s.num_verify_steps, weight_version=s.weight_version,
-            prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None,
+            sample_index=s.sample_index)
 
 
 @attrs.frozen(kw_only=True)

@@ -82,7 +82,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out: list[Scheduled] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
+            if seq.status is not Status.RUNNING or seq.fork_pending:
                 continue
             n = self._chunk(seq)
             cost = self._cost(seq, n)
@@ -90,28 +90,40 @@ class Scheduler:
                 continue
             out.append(Scheduled(seq, n))
             budget -= cost
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting:
             seq = self.waiting[0]
+            group = [seq, *seq.followers]
+            if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self.cache.slots.num_free:
+                break
             n = self._chunk(seq)
             cost = self._cost(seq, n)
-            need = self._pages_needed(seq, seq.num_computed + n)
-            if cost > budget or need > self.cache.blocks.num_free:
-                break
-            slot = self.cache.slots.allocate()
-            if slot is None:
+            needs = [self._pages_needed(seq, seq.num_computed + n), *map(self._follower_pages, seq.followers)]
+            if cost > budget or sum(needs) > self.cache.blocks.num_free:
                 break
             self.waiting.popleft()
-            seq.state_slot, seq.status = slot, Status.RUNNING
-            seq.blocks += self.cache.blocks.allocate(need)
-            self.running.append(seq)
+            for member, need in zip(group, needs):
+                member.state_slot, member.status = self.cache.slots.allocate(), Status.RUNNING
+                member.blocks += self.cache.blocks.allocate(need)
+                self.running.append(member)
             out.append(Scheduled(seq, n))
             budget -= cost
         return out
 
+    def shared_pages(self, leader: Sequence) -> int:
+        """Pages of a leader's prompt its samples share: those wholly before the last prompt token
+        (the page holding it is copied, as the MTP head's KV at that position depends on the sample)."""
+        return (len(leader.prompt_ids) - 1) // self.cache.block_size
+
+    def _follower_pages(self, f: Sequence) -> int:
+        """Private pages a sample holds from admission: all it will need past the shared ones in
+        invariant mode, else those up to its prompt's end."""
+        tokens = f.max_total_len if self.reserve_full else len(f.prompt_ids)
+        return self.cache.blocks_for(tokens + self.lookahead) - self.shared_pages(f.leader)
+
     def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:
         need = self._pages_needed(seq, num_tokens)
         while need > self.cache.blocks.num_free:
-            victim = next((s for s in reversed(self.running) if s is not seq and
+            victim = next((s for s in reversed(self.running) if s is not seq and not s.fork_pending and
                            all(x.seq is not s for x in scheduled)), None)
             if victim is None:
                 return False
@@ -132,6 +144,9 @@ class Scheduler:
             self._logged_preemptions, self._logged_at = self.num_preemptions, now
         self._release(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
+        for f in seq.followers:  # samples not yet forked wait with their leader
+            self._release(f)
+            f.status = Status.WAITING
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -147,7 +162,11 @@ class Scheduler:
             self._release(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is; its pages and state slot are free for the next step."""
+        """Drop a request wherever it is; its pages and state slot are free for the next step. A
+        sample not yet forked leaves its leader's group."""
+        if seq.leader is not None:
+            seq.leader.followers.remove(seq)
+            seq.leader = None
         if seq in self.running:
             self._release(seq)
         elif seq in self.waiting:

@@ -25,6 +25,7 @@ class SamplingParams:
     """How one request is decoded. ``seed`` keys its randomness: draws depend only on (seed, position)."""
 
     max_new_tokens: int = 16
+    n: int = 1  # samples of the prompt: prefilled once, sample i keyed by sample_seed(seed, i)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -36,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be a positive int, got {self.n!r}")
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
@@ -66,6 +68,13 @@ class RequestOutput:
     weight_version: int = 0  # the engine's weights that made it (engine.update_weights calls before it)
     # with SamplingParams.prompt_logprobs: [None, then per prompt token {token: logprob, top-N...}]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    sample_index: int = 0  # which of the prompt's n samples this is
+    samples: list[RequestOutput] | None = None  # with n > 1: all n samples of the prompt, in order
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The prompt's samples: ``samples`` when n > 1, else this result alone."""
+        return self.samples if self.samples is not None else [self]
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -112,6 +121,13 @@ class Sequence:
     score_top: int = 0  # top-N logprobs per scored token
     scored_logprobs: list[float] = attrs.field(factory=list)  # per scored position, in order
     scored_top: list[dict[int, float]] = attrs.field(factory=list)
+    # n samples: the first (the leader) prefills; the others wait attached to it (``leader`` set,
+    # holding their state slot and private pages) and are forked from it when it samples its first
+    # token; ``group`` (on the leader) lists all n in sample order
+    sample_index: int = 0
+    leader: Sequence | None = None
+    followers: list[Sequence] = attrs.field(factory=list)
+    group: list[Sequence] = attrs.field(factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -129,6 +145,11 @@ class Sequence:
         if self.params.prompt_logprobs is not None:
             return 1, len(self.prompt_ids)
         return None
+
+    @property
+    def fork_pending(self) -> bool:
+        """A sample waiting for its leader's prefill; it runs no step of its own until forked."""
+        return self.leader is not None
 
     @property
     def compute_end(self) -> int:

@@ -63,21 +63,22 @@ class Server:
                            param="model", code="model_not_found")
 
     async def start(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[asyncio.Queue, list[_Choice]]:
-        """Submit every (prompt ids, params) job; their deltas arrive on one queue as (index, delta)."""
+        """Submit every (prompt ids, params) job, one per prompt (its ``params.n`` samples share one
+        prefill); the deltas of all samples arrive on one queue as (choice index, delta)."""
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         choices: list[_Choice] = []
-        for index, (ids, params) in enumerate(jobs):
-            def emit(delta: Delta, index: int = index) -> None:
-                aloop.call_soon_threadsafe(queue.put_nowait, (index, delta))
+        for ids, params in jobs:
+            def emit(sample: int, delta: Delta, base: int = len(choices)) -> None:
+                aloop.call_soon_threadsafe(queue.put_nowait, (base + sample, delta))
             try:
-                rid = await asyncio.wrap_future(self.loop.submit(ids, params, emit))
+                rids = await asyncio.wrap_future(self.loop.submit(ids, params, emit))
             except BiEngineError as e:
                 self.abort(choices)
                 if not self.loop.accepting or "too many waiting" in str(e):
                     raise ApiError(503, str(e), "service_unavailable") from None
                 raise ApiError(400, str(e), param="prompt" if isinstance(e, PromptTooLongError) else None) from None
-            choices.append(_Choice(index, len(ids), rid))
+            choices += [_Choice(len(choices) + i, len(ids), rid) for i, rid in enumerate(rids)]
         return queue, choices
 
     def abort(self, choices: list[_Choice]) -> None:
@@ -144,8 +145,8 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
         prompts = [_encode(engine, p) for p in req.prompts()]
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt") from None
-    jobs = [(ids, req.sampling_params(_max_new_tokens(engine, ids, req.max_tokens, "max_tokens"), req.logprobs, i))
-            for ids in prompts for i in range(req.n)]
+    jobs = [(ids, req.sampling_params(_max_new_tokens(engine, ids, req.max_tokens, "max_tokens"), req.logprobs))
+            for ids in prompts]
 
     def choice(c: _Choice) -> dict:
         o = c.output
@@ -170,10 +171,8 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     limit = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     new_tokens = _max_new_tokens(engine, ids, limit, param)
-    jobs = []
-    for i in range(req.n):
-        params = req.sampling_params(new_tokens, num_logprobs, i)
-        jobs.append((ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end)))
+    params = req.sampling_params(new_tokens, num_logprobs)
+    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end))]
 
     def choice(c: _Choice) -> dict:
         o = c.output

@@ -14,6 +14,7 @@ synchronous and knows nothing of HTTP; nothing but this thread touches it."""
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -75,9 +76,10 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ called from the HTTP side
 
-    def submit(self, prompt: Prompt, params: SamplingParams, emit: Callable[[Delta], None]) -> Future:
-        """Queue a request; the future resolves to its request id, or to the engine's RequestError
-        (bad prompt) so the caller can answer 400 before streaming anything."""
+    def submit(self, prompt: Prompt, params: SamplingParams, emit: Callable[[int, Delta], None]) -> Future:
+        """Queue a request; the future resolves to the request ids of its ``params.n`` samples, or
+        to the engine's RequestError (bad prompt) so the caller can answer 400 before streaming
+        anything. ``emit(sample_index, delta)`` reports each sample's progress."""
         fut: Future = Future()
         self.commands.put(("add", (prompt, params, emit, fut)))
         self.wakeup.set()
@@ -144,13 +146,17 @@ class EngineLoop:
         except BiEngineError as e:
             fut.set_exception(e)
             return
-        self.tracked[seq.request_id] = _Tracked(seq, emit)
+        for member in seq.group:  # the prompt's n samples, each its own stream
+            self.tracked[member.request_id] = _Tracked(member, functools.partial(emit, member.sample_index))
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
-        fut.set_result(seq.request_id)
+        fut.set_result([member.request_id for member in seq.group])
 
     def _abort(self, request_id: int) -> None:
         t = self.tracked.pop(request_id, None)
-        if t is not None and self.engine.abort(request_id):
+        if t is None:
+            return
+        # a sample not yet forked was aborted with its leader: it still gets its last delta
+        if self.engine.abort(request_id) or t.seq.finish_reason == "abort":
             self.metrics.finished.labels("abort").inc()
             t.emit(Delta([], [], [], "", self.engine.output_of(t.seq)))
 

@@ -8,7 +8,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from bi_core.ops.sampling import mix_seed
 from bi_core.runtime.sequence import SamplingParams
 
 MAX_N = 128
@@ -54,21 +53,13 @@ class _Common(BaseModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-    def sampling_params(self, max_new_tokens: int, logprobs: int | None, sample: int) -> SamplingParams:
-        """SamplingParams of sample ``sample`` (0..n-1) of this request; see ``sample_seed``."""
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams of this request: its ``n`` samples share one prefill, sample i is keyed
+        by ``sample_seed(seed, i)`` (bi_core.ops.sampling)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=sample_seed(self.seed, sample), logprobs=logprobs,
+                              top_k=max(self.top_k, 0), seed=self.seed, n=self.n, logprobs=logprobs,
                               stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop, ignore_eos=self.ignore_eos)
-
-
-def sample_seed(seed: int | None, sample: int) -> int | None:
-    """Sample i of a request with ``n`` samples: sample 0 uses the request's seed, sample i > 0 the
-    seed mixed with i (splitmix64, as positions are). So sample 0 equals the same request sent
-    with n=1, and no two samples share a random stream."""
-    if seed is None or sample == 0:
-        return seed
-    return mix_seed(seed, sample)
 
 
 class CompletionRequest(_Common):

@@ -117,11 +117,27 @@ class MTPStrategy(Strategy):
             row_seqs += [p.seq] * len(sp)
             positions += sp
         sampled = eng.sample_rows(row_seqs, positions, out.logits, out.samples) if row_seqs else []
-        cursor = 0
+        cursor, forks = 0, []
         for p in plans:
+            if p.seq.followers and p.sample_rows:  # a leader's last prompt chunk: its samples fork here
+                forks.append((p, cursor))
             self._accept(p, sampled[cursor:cursor + len(p.sample_rows)])
             cursor += len(p.sample_rows)
         self._propose(plans, out.hidden)
+        self._fork(forks, out)
+
+    def _fork(self, forks: list[tuple[_Plan, int]], out) -> None:
+        """Fork each leader's other samples (after the head caught up over the leader's chunk, so
+        the copied page holds its MTP KV too); then the head runs each sample's row at the last
+        prompt position with the sample's own first token: its MTP KV there and its first draft."""
+        plans = []
+        for p, row in forks:
+            for f in self.engine.fork(p.seq, self.engine.sample_followers(p.seq, out.logits[row])):
+                if f.status is not Status.FINISHED:
+                    plans.append(_Plan(f, [], offset=p.offset + len(p.tokens) - 1, mtp_start=len(f.prompt_ids) - 1,
+                                       mtp_tokens=[f.output_ids[0]]))
+        if plans:
+            self._propose(plans, out.hidden)
 
     def forget(self, seq) -> None:
         self.drafts.pop(seq.request_id, None)
@@ -175,11 +191,12 @@ class MTPStrategy(Strategy):
         for p in plans:
             if p.seq.status is Status.FINISHED:
                 self.drafts.pop(p.seq.request_id, None)
-        live = [p for p in plans if p.seq.status is not Status.FINISHED and p.mtp_tokens]
+        # a finished leader still gets its head rows: its samples fork from its pages
+        live = [p for p in plans if (p.seq.status is not Status.FINISHED or p.seq.followers) and p.mtp_tokens]
         if not live:
             return
         rows = [p.offset + j for p in live for j in range(len(p.mtp_tokens))]
-        drafting = [i for i, p in enumerate(live) if p.seq.is_decoding]
+        drafting = [i for i, p in enumerate(live) if p.seq.is_decoding and p.seq.status is not Status.FINISHED]
         wanted = set(drafting)
         m, first = self._mtp([p.mtp_tokens for p in live], [p.mtp_start for p in live], [p.seq for p in live],
                              hidden[torch.tensor(rows, device=eng.device)],
