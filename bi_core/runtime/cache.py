@@ -22,6 +22,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
+        self.held = [False] * num_blocks  # the prefix cache holds a reference
+        self.num_idle = 0  # pages only the prefix cache holds (free for the taking)
 
     @property
     def num_free(self) -> int:
@@ -37,14 +39,26 @@ class BlockAllocator:
     def share(self, blocks: list[int]) -> list[int]:
         for b in blocks:
             assert self.refs[b] > 0, "only pages in use are shared"
+            self.num_idle -= self.held[b] and self.refs[b] == 1
             self.refs[b] += 1
         return list(blocks)
 
     def release(self, blocks: list[int]) -> None:
         for b in reversed(blocks):
             self.refs[b] -= 1
+            self.num_idle += self.held[b] and self.refs[b] == 1
             if self.refs[b] == 0:
                 self.free.append(b)
+
+    def hold(self, block: int) -> None:
+        """The prefix cache's reference to a page a sequence computed."""
+        self.share([block])
+        self.held[block] = True
+
+    def drop(self, block: int) -> None:
+        self.held[block] = False
+        self.num_idle -= self.refs[block] == 1
+        self.release([block])
 
 
 class SlotAllocator:
@@ -66,7 +80,8 @@ class CacheManager:
     """Owns the cache tensors (main model and MTP head) and hands out pages and slots."""
 
     def __init__(self, args: ModelArgs, config: CacheConfig, *, num_slots: int, max_model_len: int,
-                 dtype: torch.dtype, device: torch.device, with_mtp: bool, state_ring: int = 1) -> None:
+                 dtype: torch.dtype, device: torch.device, with_mtp: bool, state_ring: int = 1,
+                 num_snapshots: int = 0) -> None:
         self.block_size = config.block_size
         self.device = device
         num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
@@ -76,7 +91,8 @@ class CacheManager:
         per_slot = num_gdn * (args.conv_dim * (args.linear_conv_kernel_dim - 1) * dtype.itemsize +
                               args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim *
                               state_dtype.itemsize)
-        state_bytes = per_slot * (num_slots * state_ring + 1)
+        self.state_slot_bytes = per_slot
+        state_bytes = per_slot * (num_slots * state_ring + 1 + num_snapshots)
         self._check_state_memory(state_bytes, num_slots, state_ring, config, device)
         if config.num_blocks == "auto":
             self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, device, state_bytes)
@@ -85,8 +101,10 @@ class CacheManager:
         # One extra page and one extra state slot are reserved for padding rows (CUDA-graph buckets).
         # GDN state: each sequence slot owns ``state_ring`` consecutive slots (speculative decoding).
         self.state_ring = state_ring
+        # Prefix-cache snapshots of GDN states follow, in slots of their own.
         self.scratch_page, self.scratch_slot = self.num_blocks, num_slots * state_ring
-        num_states = num_slots * state_ring + 1
+        num_states = num_slots * state_ring + 1 + num_snapshots
+        self.snapshot_slots = list(range(num_slots * state_ring + 1, num_states))
         kv_shape = (self.num_blocks + 1, self.block_size, args.num_key_value_heads, args.head_dim)
         kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
         conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
@@ -100,6 +118,19 @@ class CacheManager:
         self.mtp = ModelCaches(k=[kv[2 * n_main]], v=[kv[2 * n_main + 1]], conv=[], recurrent=[]) if with_mtp else None
         self.blocks = BlockAllocator(self.num_blocks)
         self.slots = SlotAllocator(num_slots)
+        self.prefix = None  # a PrefixCache when cache.prefix_caching is on (set by the engine)
+
+    def reclaim(self, pages: int) -> bool:
+        """Whether ``pages`` pages are free, after evicting cached prefixes no one uses if needed."""
+        short = pages - self.blocks.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict(short)
+        return pages <= self.blocks.num_free
+
+    @property
+    def num_pages_in_use(self) -> int:
+        """Pages sequences hold (cached prefixes no sequence holds count as free)."""
+        return self.num_blocks - self.blocks.num_free - self.blocks.num_idle
 
     @staticmethod
     def _check_state_memory(state_bytes: int, num_slots: int, ring: int, config: CacheConfig,

@@ -27,6 +27,7 @@ from bi_core.registry import Registry
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.detokenize import TextStream
+from bi_core.runtime.prefix_cache import PrefixCache
 from bi_core.runtime.scheduler import Scheduled, Scheduler
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
 from bi_core.selector import OpFactory
@@ -83,9 +84,14 @@ class LLMEngine:
         self.model.eval()
         strategy_cls = self.registry.strategies[config.strategy.name]
         lookahead = strategy_cls.lookahead_for(config)
+        prefix_caching = _prefix_caching(config, strategy_cls)
         self.cache = CacheManager(args, config.cache, num_slots=config.scheduler.max_num_seqs,
                                   max_model_len=self.max_model_len + lookahead, dtype=self.dtype,
-                                  device=self.device, with_mtp=with_mtp, state_ring=strategy_cls.state_ring_for(config))
+                                  device=self.device, with_mtp=with_mtp, state_ring=strategy_cls.state_ring_for(config),
+                                  num_snapshots=config.cache.prefix_snapshots if prefix_caching else 0)
+        if prefix_caching:
+            self.cache.prefix = PrefixCache(self.cache, grid=config.scheduler.chunk_size,
+                                            snapshot_slots=self.cache.snapshot_slots)
         capacity = self.cache.num_blocks * self.cache.block_size
         if capacity < self.max_model_len + lookahead:
             raise ConfigError("cache.num_blocks", f"the KV cache holds {capacity} tokens, fewer than one sequence "
@@ -110,6 +116,7 @@ class LLMEngine:
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self._next_id = 0
         self._forked: list[Sequence] = []  # samples forked in the current step
+        self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
 
     # ------------------------------------------------------------------ requests
 
@@ -246,8 +253,13 @@ class LLMEngine:
         if not scheduled:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
         self._forked = []
+        chunks = [(s.seq, s.seq.num_computed, s.recurrent) for s in scheduled]
+        self.num_prompt_tokens_computed += sum(max(0, min(s.num_tokens, len(s.seq.prompt_ids) - s.seq.num_computed))
+                                               for s in scheduled)
         with torch.inference_mode(), applied(self.policy):
             self.strategy.step(scheduled)
+        if self.cache.prefix is not None:
+            self._cache_prefixes(chunks)
         for s in scheduled:  # a scoring request ends when its last scored row has run
             if s.seq.score_from is not None and s.seq.num_computed >= s.seq.compute_end:
                 s.seq.finish("length")
@@ -257,6 +269,16 @@ class LLMEngine:
             self.strategy.forget(seq)
             self.requests.pop(seq.request_id, None)
         return done
+
+    def _cache_prefixes(self, chunks: list[tuple[Sequence, int, bool]]) -> None:
+        """Hand the prefix cache the prompt chunks this step computed on the chunk grid (chunked
+        form, continuing what the sequence already cached), with the GDN state after them."""
+        prefix, ring = self.cache.prefix, self.cache.state_ring
+        for seq, start, recurrent in chunks:
+            end = seq.num_computed
+            if (not recurrent and seq.state_slot is not None and start == seq.prefix_end
+                    and prefix.cacheable(start, end)):
+                prefix.insert(seq, end, seq.state_slot * ring + end % ring)
 
     def record_scores(self, scheduled: list[Scheduled], hidden: torch.Tensor, offsets: list[int]) -> None:
         """Logprobs of known tokens (scoring, prompt logprobs) from this step's hidden rows; call it
@@ -384,6 +406,8 @@ class LLMEngine:
         else:
             source = TensorDict(weights)
         count = update_weights(self.model, source)
+        if self.cache.prefix is not None:
+            self.cache.prefix.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.weight_version += 1
@@ -458,7 +482,7 @@ class LLMEngine:
             num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
             num_verify_steps=s.num_verify_steps, weight_version=s.weight_version,
             prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None,
-            sample_index=s.sample_index)
+            sample_index=s.sample_index, num_cached_tokens=s.num_cached_tokens)
 
 
 @attrs.frozen(kw_only=True)
@@ -493,6 +517,26 @@ class StepOutput:
     hidden: torch.Tensor
     logits: torch.Tensor
     samples: torch.Tensor | None = None  # [R, 2] float64 (token, logprob)
+
+
+def _prefix_caching(config: EngineConfig, strategy_cls) -> bool:
+    """Whether prefix caching is on; raises when it was asked for where it cannot be exact."""
+    wanted = config.cache.prefix_caching
+    if strategy_cls.is_speculative:
+        if wanted is True:
+            raise ConfigError("cache.prefix_caching", f"not with strategy {strategy_cls.name}: the MTP head's KV at a "
+                              "page's last position depends on the token after the page, which a later request may "
+                              "not share; use auto or false")
+        return False
+    if wanted is False:
+        return False
+    chunk, block = config.scheduler.chunk_size, config.cache.block_size
+    if chunk % block:
+        if wanted is True:
+            raise ConfigError("cache.prefix_caching", f"needs scheduler.prefill_chunk_size ({chunk}) to be a "
+                              f"multiple of cache.block_size ({block}): cached prefixes end on chunk boundaries")
+        return False
+    return True
 
 
 def _param_gib(args: ModelArgs, dtype: torch.dtype) -> float:

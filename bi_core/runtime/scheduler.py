@@ -95,19 +95,48 @@ class Scheduler:
             group = [seq, *seq.followers]
             if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self.cache.slots.num_free:
                 break
+            hit = self._match(seq)
             n = self._chunk(seq)
             cost = self._cost(seq, n)
             needs = [self._pages_needed(seq, seq.num_computed + n), *map(self._follower_pages, seq.followers)]
-            if cost > budget or sum(needs) > self.cache.blocks.num_free:
+            if cost > budget or not self.cache.reclaim(sum(needs)):
+                if hit is not None:
+                    self._unmatch(seq)
                 break
             self.waiting.popleft()
             for member, need in zip(group, needs):
                 member.state_slot, member.status = self.cache.slots.allocate(), Status.RUNNING
                 member.blocks += self.cache.blocks.allocate(need)
                 self.running.append(member)
+            if hit is not None:  # the GDN state at the hit, into the sequence's slot
+                ring = self.cache.state_ring
+                self.cache.copy_states([hit.snapshot], [seq.state_slot * ring + seq.num_computed % ring])
             out.append(Scheduled(seq, n))
             budget -= cost
         return out
+
+    def _match(self, seq: Sequence):
+        """Start a fresh sequence at its longest cached prefix: the prefix's pages, shared (pinned
+        before anything is evicted for the sequence's own pages); the caller restores the state."""
+        prefix = self.cache.prefix
+        if prefix is None or seq.num_computed > 0:
+            return None
+        limit = seq.compute_end - 1  # at least one token is computed (its logits are wanted)
+        if seq.scored is not None:  # rows from the first scored position's predecessor on are wanted
+            limit = min(limit, seq.scored[0] - 1)
+        hit = prefix.match(seq, limit)
+        if hit is None:
+            return None
+        seq.blocks = self.cache.blocks.share([node.page for node in hit.nodes])
+        seq.num_computed = seq.num_cached_tokens = seq.prefix_end = hit.tokens
+        seq.prefix_node = hit.nodes[-1]
+        return hit
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Undo ``_match`` for a sequence that must wait after all."""
+        self.cache.blocks.release(seq.blocks)
+        seq.blocks, seq.num_computed, seq.num_cached_tokens = [], 0, 0
+        seq.prefix_node, seq.prefix_end = None, 0
 
     def shared_pages(self, leader: Sequence) -> int:
         """Pages of a leader's prompt its samples share: those wholly before the last prompt token
@@ -122,7 +151,7 @@ class Scheduler:
 
     def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:
         need = self._pages_needed(seq, num_tokens)
-        while need > self.cache.blocks.num_free:
+        while not self.cache.reclaim(need):
             victim = next((s for s in reversed(self.running) if s is not seq and not s.fork_pending and
                            all(x.seq is not s for x in scheduled)), None)
             if victim is None:
@@ -143,7 +172,8 @@ class Scheduler:
                         self.num_preemptions - self._logged_preemptions, self.num_preemptions)
             self._logged_preemptions, self._logged_at = self.num_preemptions, now
         self._release(seq)
-        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.status, seq.num_computed, seq.num_cached_tokens = Status.WAITING, 0, 0
+        seq.prefix_node, seq.prefix_end = None, 0
         for f in seq.followers:  # samples not yet forked wait with their leader
             self._release(f)
             f.status = Status.WAITING
@@ -174,4 +204,4 @@ class Scheduler:
 
     @property
     def num_pages_used(self) -> int:
-        return self.cache.num_blocks - self.cache.blocks.num_free
+        return self.cache.num_pages_in_use

@@ -69,6 +69,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: [None, then per prompt token {token: logprob, top-N...}]
     prompt_logprobs: list[dict[int, float] | None] | None = None
     sample_index: int = 0  # which of the prompt's n samples this is
+    num_cached_tokens: int = 0  # prompt tokens whose KV and state came from the prefix cache
     samples: list[RequestOutput] | None = None  # with n > 1: all n samples of the prompt, in order
 
     @property
@@ -128,6 +129,10 @@ class Sequence:
     leader: Sequence | None = None
     followers: list[Sequence] = attrs.field(factory=list)
     group: list[Sequence] = attrs.field(factory=list)
+    # prefix caching: its pages in the cache's trie run up to ``prefix_end`` tokens (node ``prefix_node``)
+    prefix_node: object = None
+    prefix_end: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
     @property
     def all_ids(self) -> list[int]:

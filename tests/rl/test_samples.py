@@ -67,7 +67,7 @@ def test_each_sample_equals_the_request_sent_alone(strategy, invariant_pages):
 
 
 def test_samples_share_the_prompt_pages_and_copy_the_last():
-    eng = engine()
+    eng = engine(cache={"block_size": 16, "num_blocks": 256, "prefix_caching": False})  # only the samples hold pages
     lead = eng.add_request(PROMPT, SamplingParams(max_new_tokens=30, temperature=1.0, n=3, ignore_eos=True))
     assert len(eng.requests) == 3 and [f.fork_pending for f in lead.group] == [False, True, True]
     while not lead.output_ids:

@@ -1,0 +1,157 @@
+"""RL rollout workloads on one engine: n samples vs independent requests, a shared prefix cached vs
+cold, exact vs fast scoring, and an in-place weight update. Each comparison also checks that the
+two ways give bitwise the same tokens and logprobs (on an invariant backend they must).
+
+  python3 benchmarks/rl_bench.py CONFIG [--parts grpo,prefix,score,update] [--prompts 32] [--n 16]
+      [--prompt-len 1024] [--new-tokens 256] [--prefix-len 4096] [--requests 256] [--chunk 1024]
+
+Random token-id prompts. One engine for every part (a 35B-A3B engine fills most of an H200); the
+"independent" and "cold" baselines run on it with the prefix cache detached."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import time
+
+import attrs
+import torch
+
+from bi_core import EngineConfig, SamplingParams, build_engine
+from bi_core.ops.sampling import sample_seed
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def no_prefix_cache(eng):
+    prefix, eng.cache.prefix = eng.cache.prefix, None
+    try:
+        yield
+    finally:
+        eng.cache.prefix = prefix
+
+
+def timed(eng, fn):
+    """(result, seconds, prompt tokens the model computed)"""
+    sync()
+    before, t0 = eng.num_prompt_tokens_computed, time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0, eng.num_prompt_tokens_computed - before
+
+
+def same(a, b) -> bool:
+    return a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs
+
+
+def grpo(eng, args, rng) -> None:
+    prompts = [[rng.randrange(eng.args.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=17, n=args.n, ignore_eos=True)
+    eng.generate(prompts[:2], attrs.evolve(params, max_new_tokens=4))  # warm-up (compiles, graphs)
+    with no_prefix_cache(eng):
+        grouped, t_g, p_g = timed(eng, lambda: eng.generate(prompts, [attrs.evolve(params, seed=17 + i)
+                                                                       for i in range(len(prompts))]))
+        singles = [attrs.evolve(params, n=1, seed=sample_seed(17 + i, j)) for i in range(len(prompts))
+                   for j in range(args.n)]
+        alone, t_a, p_a = timed(eng, lambda: eng.generate([p for p in prompts for _ in range(args.n)], singles))
+    flat = [s for g in grouped for s in g.outputs]
+    equal = sum(same(a, b) for a, b in zip(flat, alone))
+    toks = args.prompts * args.n * args.new_tokens
+    print(f"grpo {args.prompts} prompts x n={args.n}, {args.prompt_len} -> {args.new_tokens} tokens")
+    print(f"  n samples   : {t_g:7.2f} s  {toks / t_g:8.0f} out tok/s  prompt tokens computed {p_g}")
+    print(f"  independent : {t_a:7.2f} s  {toks / t_a:8.0f} out tok/s  prompt tokens computed {p_a}")
+    print(f"  speedup {t_a / t_g:.2f}x; prefill saved {1 - p_g / p_a:.1%}; bitwise equal samples {equal}/{len(flat)}")
+
+
+def prefix(eng, args, rng) -> None:
+    shared = [rng.randrange(eng.args.vocab_size) for _ in range(args.prefix_len)]
+    prompts = [shared + [rng.randrange(eng.args.vocab_size) for _ in range(64)] for _ in range(args.requests)]
+    params = SamplingParams(max_new_tokens=128, temperature=1.0, seed=5, ignore_eos=True)
+    with no_prefix_cache(eng):
+        cold, t_c, p_c = timed(eng, lambda: eng.generate(prompts, params))
+    eng.cache.prefix.clear()
+    _, t_w, p_w = timed(eng, lambda: eng.generate(prompts[:1], params))  # the first request fills the cache
+    stats0 = eng.cache.prefix.stats()
+    hot, t_h, p_h = timed(eng, lambda: eng.generate(prompts[1:], params))
+    stats = {k: v - stats0[k] for k, v in eng.cache.prefix.stats().items()}
+    equal = sum(same(a, b) for a, b in zip(hot, cold[1:]))
+    toks = (args.requests - 1) * 128
+    print(f"prefix: {args.requests} requests = shared {args.prefix_len} + 64 own tokens -> 128 tokens")
+    print(f"  cold        : {t_c:7.2f} s  prompt tokens computed {p_c}")
+    print(f"  cached      : first request {t_w:.2f} s ({p_w} tokens), then {args.requests - 1} requests "
+          f"{t_h:7.2f} s  {toks / t_h:8.0f} out tok/s  prompt tokens computed {p_h}")
+    print(f"  hits {stats['hits']}/{stats['queries']}, tokens from cache {stats['hit_tokens']}; "
+          f"snapshots held {eng.cache.prefix.stats()['snapshots']} x {eng.cache.state_slot_bytes / 2**20:.1f} MiB; "
+          f"bitwise equal to cold {equal}/{len(hot)}")
+
+
+def score(eng, args, rng) -> None:
+    prompts = [[rng.randrange(eng.args.vocab_size) for _ in range(args.prompt_len)] for _ in range(64)]
+    gen = eng.generate(prompts, SamplingParams(max_new_tokens=512, temperature=1.0, seed=3, ignore_eos=True))
+    conts = [g.token_ids for g in gen]
+    with no_prefix_cache(eng):
+        exact, t_e, _ = timed(eng, lambda: eng.score(prompts, conts, exact=True))
+        fast, t_f, _ = timed(eng, lambda: eng.score(prompts, conts, exact=False))
+    n = sum(len(c) for c in conts)
+    eq_e = sum(a == b for s, g in zip(exact, gen) for a, b in zip(s.token_logprobs, g.token_logprobs))
+    eq_f = sum(a == b for s, g in zip(fast, gen) for a, b in zip(s.token_logprobs, g.token_logprobs))
+    err = max(abs(a - b) for s, g in zip(fast, gen) for a, b in zip(s.token_logprobs, g.token_logprobs))
+    print(f"score: 64 x ({args.prompt_len} prompt + 512 continuation)")
+    print(f"  exact       : {t_e:7.2f} s  {64 * (args.prompt_len + 512) / t_e:8.0f} tok/s  equal to sampled {eq_e}/{n}")
+    print(f"  fast        : {t_f:7.2f} s  {64 * (args.prompt_len + 512) / t_f:8.0f} tok/s  equal to sampled {eq_f}/{n} "
+          f"(max abs diff {err:.3g})")
+
+
+def update(eng, args, rng) -> None:
+    """Every tensor of the model in Hugging Face names (experts fused, as transformers' state_dict
+    has them); the layers of one type share source tensors, so the source costs little memory."""
+    from bi_core.models.weight_map import weight_map
+
+    wmap = weight_map(eng.args, with_mtp=eng.model.mtp is not None)
+    by_suffix: dict[tuple, torch.Tensor] = {}
+    weights = {}
+    for name, place in wmap.by_name.items():
+        if ".experts." in name and name.split(".experts.")[1][0].isdigit():
+            continue  # the per-expert spelling of the fused tensors
+        key = (name.split(".layers.")[-1].split(".", 1)[-1], place.shape)
+        if key not in by_suffix:
+            by_suffix[key] = (torch.randn(place.shape, device=eng.device) * 0.02).to(eng.dtype)
+        weights[name] = by_suffix[key]
+    numel = sum(t.numel() for t in weights.values())
+    count, t, _ = timed(eng, lambda: eng.update_weights(weights))
+    print(f"update_weights: {count} tensors, {numel * 2 / 2**30:.1f} GiB from GPU tensors in {t:.2f} s "
+          f"({numel * 2 / t / 2**30:.0f} GiB/s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--parts", default="grpo,prefix,score,update")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=1024, help="scheduler.prefill_chunk_size (the prefix-cache grid)")
+    args = ap.parse_args()
+    cfg = EngineConfig.from_yaml(args.config)
+    cfg = cfg.replace(scheduler={"prefill_chunk_size": args.chunk},
+                      model={"max_model_len": max(cfg.model.max_model_len or 0, args.prefix_len + 256, 2048)},
+                      cache={"prefix_caching": True})
+    t0 = time.perf_counter()
+    eng = build_engine(cfg)
+    print(f"{cfg.backend} {cfg.model.random.preset if cfg.model.random else cfg.model.path}: built in "
+          f"{time.perf_counter() - t0:.0f} s; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    rng = random.Random(0)
+    for part in args.parts.split(","):
+        globals()[part](eng, args, rng)
+
+
+if __name__ == "__main__":
+    main()
