@@ -228,10 +228,11 @@ def make_tiles(query_lens: list[int], seqs: list[int], tile_tokens: int, device:
             torch.tensor(starts, dtype=torch.int32, device=device))
 
 
-def workspace_slots(num_tokens: int, cache_tokens: int, max_q_len: int) -> int:
+def workspace_slots(num_tokens: int, chunks: int, max_q_len: int) -> int:
     """An upper bound of the chunk slots a decode step can need: one per token, plus one per
-    KV_SPLIT keys any token reads (no more keys than the cache holds, per query position)."""
-    return num_tokens + max_q_len * triton.cdiv(cache_tokens, KV_SPLIT)
+    query position of each of the ``chunks`` KV chunks the sequences read. (Not bounded by the
+    cache's size: sequences sharing pages read the same keys, each its own partials.)"""
+    return num_tokens + max_q_len * chunks
 
 
 def prefill_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq,
@@ -251,9 +252,11 @@ def prefill_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens
 
 
 def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, dec_seqs,
-                     scale: float, max_q_len: int, splits_per_seq: int) -> None:
+                     scale: float, max_q_len: int, splits_per_seq: int, chunks: int | None = None) -> None:
     """Gated attention for decode/verify sequences ``dec_seqs`` (each at most
-    ``tokens_per_tile`` query tokens): chunk partials, then the ordered merge."""
+    ``tokens_per_tile`` query tokens): chunk partials, then the ordered merge. ``chunks``: at
+    least the KV_SPLIT chunks the sequences' contexts span together (default: every sequence
+    at its block table's full width)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -263,8 +266,9 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
     decode_tokens = triton.next_power_of_2(max(max_q_len, 1))
     rows = max(DECODE_MIN_ROWS, decode_tokens * group)  # MMA rows: decode rows waste less of a small tile
     assert rows <= M_ROWS
-    cache_tokens = k_cache.shape[0] * page
-    slots = workspace_slots(num_dec * decode_tokens, cache_tokens, decode_tokens)
+    if chunks is None:
+        chunks = num_dec * triton.cdiv(block_tables.shape[1] * page, KV_SPLIT)
+    slots = workspace_slots(num_dec * decode_tokens, chunks, decode_tokens)
     ws_acc = torch.empty((slots, num_heads, head_dim), dtype=torch.float32, device=q.device)
     ws_m = torch.empty((slots, num_heads), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)

@@ -25,6 +25,11 @@ class AttentionSpec(OpSpec):
 
 
 class AttentionImpl(Protocol):
+    # The most query tokens per sequence that a recurrent (decode-form) sequence may have for its
+    # rows to get the arithmetic of one-token decode steps (longer ones may take a prefill path);
+    # None: any length. Exact scoring steps its continuations by this much.
+    decode_query_len: int | None
+
     def forward(
         self,
         qkv: torch.Tensor,  # [T, 2*Hq*D + 2*Hkv*D]: per head [query | gate], then keys, then values

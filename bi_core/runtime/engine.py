@@ -104,8 +104,11 @@ class LLMEngine:
             scratch_page=self.cache.scratch_page, scratch_slot=self.cache.scratch_slot,
             state_ring=self.cache.state_ring, query_lens=strategy_cls.graph_query_lens(config))
         self.runner = self.factory.build("graph_runner", self.runner_spec)
+        limits = [m.attn.decode_query_len for m in self.model.modules()
+                  if getattr(getattr(m, "attn", None), "decode_query_len", None)]
         self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
-                                   lookahead=lookahead, decode_tokens=strategy_cls.decode_tokens_for(config))
+                                   lookahead=lookahead, decode_tokens=strategy_cls.decode_tokens_for(config),
+                                   exact_step_tokens=min(limits, default=None))
         strategy_cls.check(self)
         self.strategy = strategy_cls(self)
         tok_path = config.model.tokenizer or config.model.path

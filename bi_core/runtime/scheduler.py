@@ -43,12 +43,15 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, *, reserve_full: bool,
-                 lookahead: int = 0, decode_tokens: int = 1) -> None:
+                 lookahead: int = 0, decode_tokens: int = 1, exact_step_tokens: int | None = None) -> None:
         self.config = config
         self.cache = cache
         self.reserve_full = reserve_full
         self.lookahead = lookahead  # extra KV slots a step may write past the known tokens (drafts)
         self.decode_tokens = decode_tokens  # tokens a decoding sequence's step runs (1 + drafts verified)
+        # continuation tokens per step of an exact scoring request: as many as the attention op
+        # runs with decode arithmetic (AttentionImpl.decode_query_len); None = a prefill chunk
+        self.exact_step_tokens = exact_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -68,11 +71,14 @@ class Scheduler:
     def _chunk(self, seq: Sequence) -> int:
         """Tokens of the sequence the next step runs: chunks on a fixed grid (multiples of the
         chunk size from position 0) up to its end; an exact scoring request's prompt ends a chunk,
-        as it did when the continuation was generated, and the continuation follows in chunks."""
-        end = seq.compute_end
+        as it did when the continuation was generated, and the continuation follows in steps of at
+        most ``exact_step_tokens`` (decode arithmetic), or chunks."""
+        end, size = seq.compute_end, self.config.chunk_size
         if seq.exact and seq.score_from is not None and seq.num_computed < seq.score_from:
             end = seq.score_from
-        return min(self.config.chunk_size, end - seq.num_computed)
+        elif seq.in_exact_continuation and self.exact_step_tokens:
+            size = min(size, self.exact_step_tokens)
+        return min(size, end - seq.num_computed)
 
     def _cost(self, seq: Sequence, n: int) -> int:
         """Tokens this step runs for the sequence, counted against ``max_num_batched_tokens``."""

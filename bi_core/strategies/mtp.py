@@ -89,6 +89,12 @@ class MTPStrategy(Strategy):
             raise ConfigError("strategy.name", "mtp needs a checkpoint with an MTP head (mtp.* tensors); "
                               "this model has none")
         verify = cls.decode_tokens_for(engine.config)
+        limit = engine.scheduler.exact_step_tokens
+        if engine.policy.batch_invariant and limit is not None and verify > limit:
+            raise ConfigError("strategy.num_speculative_tokens", f"at most {limit - 1} with this model in invariant "
+                              f"mode: its attention gives verify rows the bits of one-token decode steps only up to "
+                              f"{limit} tokens per sequence (AttentionImpl.decode_query_len), and a verify step "
+                              f"runs {verify}")
         if engine.config.scheduler.max_num_batched_tokens < verify:
             raise ConfigError("scheduler.max_num_batched_tokens", f"must be at least {verify} with mtp "
                               "(one verify step runs 1 + strategy.num_speculative_tokens tokens)")

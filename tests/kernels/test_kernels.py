@@ -232,6 +232,26 @@ def test_gated_attention_mixed_prefill_decode_verify(device, dtype):
     assert rel(out, want) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_decode_rows_over_shared_pages_read_more_keys_than_the_cache_holds(device):
+    """Sequences sharing prompt pages (n samples, prefix caching): together their contexts span
+    more KV chunks than the cache holds; each must still get its own workspace partials."""
+    from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
+    from bi_core.kernels.attention import KV_SPLIT
+
+    spec, q_norm, k_norm = attention_inputs(device, torch.float32)
+    past, n = 2 * KV_SPLIT + 5, 6
+    pages = -(-(past + 1) // 16)
+    blocks = [list(range(pages - 1)) + [pages - 1 + i] for i in range(n)]  # all but the last page shared
+    _, ctx = build_context([[0]] * n, [past] * n, blocks, list(range(n)), [True] * n, block_size=16, device=device)
+    kc = torch.randn(pages - 1 + n, 16, 2, 32, device=device)
+    vc = torch.randn_like(kc)
+    qkv = torch.randn(n, 2 * 4 * 32 + 2 * 2 * 32, device=device)
+    assert n * past > kc.shape[0] * 16  # more keys read than the cache holds
+    want = ReferenceAttentionImpl(spec).forward(qkv, q_norm, k_norm, kc.clone(), vc.clone(), ctx)
+    out = TritonPagedAttentionImpl(spec).forward(qkv, q_norm, k_norm, kc, vc, ctx)
+    assert rel(out, want) < 1e-5
+
+
 def test_decode_form_equals_prefill_form(device):
     """A decode row (split programs + ordered merge, a 16-row MMA tile) gives the bits the same row
     gets inside a prefill tile (chunks folded in one program, a 64-row tile), at a KV length

@@ -51,6 +51,16 @@ def test_scored_logprobs_match_the_sampled_ones(exact):
     assert eng.scheduler.num_pages_used == 0 and not eng.requests
 
 
+def test_exact_continuation_steps_stay_within_the_decode_query_length():
+    eng = engine()
+    assert eng.scheduler.exact_step_tokens is None  # the reference attention has one path for any length
+    eng.scheduler.exact_step_tokens = 4  # as a backend whose longer recurrent queries take a prefill path
+    steps = record_steps(eng)
+    eng.score([PROMPTS[1]], [list(range(1, 12))])
+    assert [x for step in steps for x in step] == [(16, False), (16, False), (8, False), (4, True), (4, True),
+                                                   (2, True)]
+
+
 def test_scoring_matches_transformers_and_prompt_logprobs(tmp_path):
     hf = make_hf_model("moe")
     path = save_checkpoint(hf, tmp_path / "ckpt")

@@ -32,6 +32,10 @@ class _TritonPlan:
     splits: int  # programs per decode sequence and KV head (scheduling only: any value gives the same bits)
     tile_seq: torch.Tensor  # prefill tiles
     tile_start: torch.Tensor
+    chunks: int  # KV chunks the decode sequences read: sizes the workspace (eager steps)
+
+
+EXACT_DECODE_ROWS = 32
 
 
 class TritonPagedAttentionImpl:
@@ -44,12 +48,17 @@ class TritonPagedAttentionImpl:
 
         self.spec = spec
         self.tile_tokens = tokens_per_tile(spec.num_heads, spec.num_kv_heads)
+        # Recurrent queries up to a tile run in decode form, but only up to 32 MMA rows (tokens x
+        # query heads per KV head) do they get the bits of one-token decode rows: measured on an
+        # H200 (35B-A3B shape, 8 heads per KV head), 8-token steps (64 rows) differed from decode in
+        # 3 of 288 logprobs, 1-token steps in none; MTP verify (4 tokens, 32 rows) is bitwise AR.
+        self.decode_query_len = max(1, min(self.tile_tokens, EXACT_DECODE_ROWS // (spec.num_heads // spec.num_kv_heads)))
         self.inv_freq = _inv_freq(spec)
 
     def prepare(self, ctx: ForwardContext) -> _TritonPlan:
         """Which sequences run in decode form, and the prefill tiles (a graph's static context
         keeps the plan made at capture: every sequence decodes)."""
-        from bi_core.kernels.attention import make_tiles
+        from bi_core.kernels.attention import KV_SPLIT, make_tiles
 
         key = ("attn_plan", self.tile_tokens)
         if key not in ctx.extras:
@@ -59,12 +68,13 @@ class TritonPagedAttentionImpl:
             dec_seqs = ctx.recurrent_ids if len(dec) == len(lens) else torch.tensor(dec, dtype=torch.int64, device=dev)
             splits = max(1, min(64, -(-264 // max(1, len(dec) * self.spec.num_kv_heads))))
             tile_seq, tile_start = make_tiles(lens, pre, self.tile_tokens, dev)
+            chunks = sum(-(-ctx.context_lens_host[i] // KV_SPLIT) for i in dec)
             ctx.extras[key] = _TritonPlan(dec_seqs, max((lens[i] for i in dec), default=1), splits, tile_seq,
-                                          tile_start)
+                                          tile_start, chunks)
         return ctx.extras[key]
 
     def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
-        from bi_core.kernels.attention import decode_attention, prefill_attention
+        from bi_core.kernels.attention import KV_SPLIT, decode_attention, prefill_attention
 
         s = self.spec
         q = _qk_norm_rope(s, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx)
@@ -72,7 +82,11 @@ class TritonPagedAttentionImpl:
         gate = qkv[:, s.head_dim:]  # head h's gate at columns h*2D + D (q_proj's [query | gate] layout)
         plan = self.prepare(ctx)
         args = (q, k_cache, v_cache, gate, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
-        decode_attention(*args, plan.dec_seqs, s.scale, plan.max_q, plan.splits)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # replays see other lengths: all at their longest
+            chunks = plan.dec_seqs.shape[0] * -(-ctx.block_tables.shape[1] * k_cache.shape[1] // KV_SPLIT)
+        else:
+            chunks = plan.chunks
+        decode_attention(*args, plan.dec_seqs, s.scale, plan.max_q, plan.splits, chunks)
         prefill_attention(*args, plan.tile_seq, plan.tile_start, s.scale)
         return out
 
@@ -81,6 +95,8 @@ class FlashInferAttentionImpl:
     """FlashInfer paged attention with its own split heuristics: the decode wrapper for steps
     where every row is a decode row, the prefill (append) wrapper otherwise. Planned once per step
     and shared by all attention layers of the step."""
+
+    decode_query_len = None  # not bitwise with decode steps at any length (its own split heuristics)
 
     def __init__(self, spec: AttentionSpec) -> None:
         import flashinfer

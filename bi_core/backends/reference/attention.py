@@ -57,6 +57,8 @@ class ReferenceAttentionImpl:
     """Transformers' order: q/k norm, RoPE, then eager attention per sequence (scores in the model
     dtype, softmax in fp32), then ``o * sigmoid(gate)``."""
 
+    decode_query_len = None  # one code path for every query length
+
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
         self.group = spec.num_heads // spec.num_kv_heads
