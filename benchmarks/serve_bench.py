@@ -56,9 +56,11 @@ class Served:
                 time.sleep(0.5)
         raise SystemExit("server did not start")
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.proc.terminate()
         self.proc.wait(120)
+        if exc_type is not None:  # what the server said, when the client side failed
+            print(f"server log (tail):\n{Path(self.log.name).read_text()[-3000:]}", file=sys.stderr)
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int]:
@@ -66,17 +68,29 @@ async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[
     t0, first, last, n = time.perf_counter(), None, None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"text": ""' not in line:
+            # every token comes as a chunk (logprobs=1 asks for them: a random model's tokens often
+            # have no text of their own)
+            if line.startswith("data: {") and '"finish_reason": null' in line:
                 now = time.perf_counter()
                 first, last, n = first or now, now, n + 1
+    if first is None:
+        raise SystemExit(f"no tokens streamed (HTTP {r.status_code})")
     return first - t0, last - t0, n
 
 
-async def http_load(url: str, model: str, prompts: list[list[int]], output_len: int) -> dict:
-    bodies = [{"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-               "stream": True} for p in prompts]
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(prompts) + 8)) as client:
-        await _stream_one(client, url, bodies[0])  # warm-up (graph capture of the first buckets)
+async def http_load(url: str, model: str, prompts: list[list[int]], output_len: int,
+                    warmup: list[list[int]]) -> dict:
+    def bodies(ps):
+        return [{"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                 "stream": True, "logprobs": 1} for p in ps]
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    # warm-up: the same load on other prompts (kernel compiles and graph captures of these batch
+    # sizes happen here; other prompts, so the prefix cache does not serve the measured ones). Its
+    # own client: connections left idle past the server's keep-alive timeout would fail on reuse.
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        await asyncio.gather(*(_stream_one(client, url, b) for b in bodies(warmup)))
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        bodies = bodies(prompts)
         t0 = time.perf_counter()
         rows = await asyncio.gather(*(_stream_one(client, url, b) for b in bodies))
         wall = time.perf_counter() - t0
@@ -84,14 +98,14 @@ async def http_load(url: str, model: str, prompts: list[list[int]], output_len: 
                     len(prompts) * output_len, wall)
 
 
-def api_load(config, prompts: list[list[int]], output_len: int) -> dict:
+def api_load(config, prompts: list[list[int]], output_len: int, warmup: list[list[int]]) -> dict:
     import torch
 
     from bi_core import SamplingParams, build_engine
 
     engine = build_engine(config)
-    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[:1], params)  # warm-up
+    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True, logprobs=1)  # as the HTTP requests
+    engine.generate(warmup, params)  # warm-up: the same load on other prompts (as http_load)
     t0 = time.perf_counter()
     seqs = [engine.add_request(p, params) for p in prompts]
     first: dict[int, float] = {}
@@ -125,11 +139,12 @@ def cmd_load(args) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     results = {}
     for c in levels:
-        results[("api", c)] = api_load(config, _prompts(c, args.prompt_len, vocab, c), args.output_len)
+        results[("api", c)] = api_load(config, _prompts(c, args.prompt_len, vocab, c), args.output_len,
+                                       _prompts(c, args.prompt_len, vocab, c + 1000))
     with Served(args.config) as s:
         for c in levels:
             results[("http", c)] = asyncio.run(http_load(s.url, s.model, _prompts(c, args.prompt_len, vocab, c),
-                                                         args.output_len))
+                                                         args.output_len, _prompts(c, args.prompt_len, vocab, c + 1000)))
     print(f"prompt {args.prompt_len} tokens, {args.output_len} new tokens per request, greedy")
     print(f"{'streams':>7} | {'HTTP TTFT ms':>12} {'TPOT ms':>8} {'tok/s':>9} | {'API TTFT ms':>11} {'TPOT ms':>8} "
           f"{'tok/s':>9} | HTTP/API time")
