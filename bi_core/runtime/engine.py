@@ -213,9 +213,8 @@ class LLMEngine:
             raise RequestError(f"n={n} samples exceed scheduler.max_num_seqs={limit} (the samples of a prompt run "
                                "together); lower n or raise scheduler.max_num_seqs")
         if n > 1 and self.scheduler.reserve_full:
-            la = self.scheduler.lookahead
-            shared = (prompt_len - 1) // self.cache.block_size
-            pages = shared + n * (self.cache.blocks_for(max_total + la) - shared)
+            shared = self.scheduler.shared_pages(prompt_len)
+            pages = shared + n * (self.cache.blocks_for(max_total + self.scheduler.lookahead) - shared)
             if pages > self.cache.num_blocks:
                 raise RequestError(f"n={n} samples of this prompt need {pages} KV pages reserved at once (invariant "
                                    f"mode), the cache has {self.cache.num_blocks}; lower n or max_new_tokens, or "
@@ -365,7 +364,7 @@ class LLMEngine:
         Call it once the leader's last prompt chunk has run (and, with MTP, the head over it)."""
         fs, leader.followers = leader.followers, []
         prompt_len = len(leader.prompt_ids)
-        shared = self.scheduler.shared_pages(leader)
+        shared = self.scheduler.shared_pages(prompt_len)
         ring = self.cache.state_ring
         state = lambda s: s.state_slot * ring + prompt_len % ring  # noqa: E731 - the state after the prompt
         self.cache.copy_pages([leader.blocks[shared]] * len(fs), [f.blocks[0] for f in fs])

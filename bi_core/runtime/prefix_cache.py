@@ -58,8 +58,8 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup
 
     def match(self, seq: Sequence, limit: int) -> Match | None:
-        """The longest cached prefix of ``seq`` of at most ``limit`` tokens that ends at a snapshot."""
-        self.queries += 1
+        """The longest cached prefix of ``seq`` of at most ``limit`` tokens that ends at a snapshot
+        (counted by ``record`` once the sequence is admitted: a match may be retried)."""
         ids, bs = seq.all_ids, self.block_size
         path, best, parent = [], None, None
         for start in range(0, limit - limit % bs, bs):
@@ -72,12 +72,17 @@ class PrefixCache:
             parent = node
         if best is None:
             return None
-        self.hits += 1
-        self.hit_tokens += path[best - 1].end
         for node in path[:best]:
             self.lru.move_to_end(id(node))
         self.snapshots.move_to_end(path[best - 1].snapshot)
         return Match(path[:best], path[best - 1].snapshot)
+
+    def record(self, hit: Match | None) -> None:
+        """Count an admitted sequence's lookup."""
+        self.queries += 1
+        if hit is not None:
+            self.hits += 1
+            self.hit_tokens += hit.tokens
 
     # ------------------------------------------------------------------ insertion
 

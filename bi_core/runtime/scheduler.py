@@ -114,6 +114,8 @@ class Scheduler:
                 member.state_slot, member.status = self.cache.slots.allocate(), Status.RUNNING
                 member.blocks += self.cache.blocks.allocate(need)
                 self.running.append(member)
+            if self.cache.prefix is not None:
+                self.cache.prefix.record(hit)
             if hit is not None:  # the GDN state at the hit, into the sequence's slot
                 ring = self.cache.state_ring
                 self.cache.copy_states([hit.snapshot], [seq.state_slot * ring + seq.num_computed % ring])
@@ -141,19 +143,19 @@ class Scheduler:
     def _unmatch(self, seq: Sequence) -> None:
         """Undo ``_match`` for a sequence that must wait after all."""
         self.cache.blocks.release(seq.blocks)
-        seq.blocks, seq.num_computed, seq.num_cached_tokens = [], 0, 0
-        seq.prefix_node, seq.prefix_end = None, 0
+        seq.blocks, seq.num_computed = [], 0
+        _forget_prefix(seq)
 
-    def shared_pages(self, leader: Sequence) -> int:
-        """Pages of a leader's prompt its samples share: those wholly before the last prompt token
-        (the page holding it is copied, as the MTP head's KV at that position depends on the sample)."""
-        return (len(leader.prompt_ids) - 1) // self.cache.block_size
+    def shared_pages(self, prompt_len: int) -> int:
+        """Pages of a prompt its n samples share: those wholly before the last prompt token (the
+        page holding it is copied, as the MTP head's KV at that position depends on the sample)."""
+        return (prompt_len - 1) // self.cache.block_size
 
     def _follower_pages(self, f: Sequence) -> int:
         """Private pages a sample holds from admission: all it will need past the shared ones in
         invariant mode, else those up to its prompt's end."""
         tokens = f.max_total_len if self.reserve_full else len(f.prompt_ids)
-        return self.cache.blocks_for(tokens + self.lookahead) - self.shared_pages(f.leader)
+        return self.cache.blocks_for(tokens + self.lookahead) - self.shared_pages(len(f.prompt_ids))
 
     def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:
         need = self._pages_needed(seq, num_tokens)
@@ -178,8 +180,8 @@ class Scheduler:
                         self.num_preemptions - self._logged_preemptions, self.num_preemptions)
             self._logged_preemptions, self._logged_at = self.num_preemptions, now
         self._release(seq)
-        seq.status, seq.num_computed, seq.num_cached_tokens = Status.WAITING, 0, 0
-        seq.prefix_node, seq.prefix_end = None, 0
+        seq.status, seq.num_computed = Status.WAITING, 0
+        _forget_prefix(seq)
         for f in seq.followers:  # samples not yet forked wait with their leader
             self._release(f)
             f.status = Status.WAITING
@@ -211,3 +213,8 @@ class Scheduler:
     @property
     def num_pages_used(self) -> int:
         return self.cache.num_pages_in_use
+
+
+def _forget_prefix(seq: Sequence) -> None:
+    """The sequence no longer starts from (or continues) a cached prefix."""
+    seq.prefix_node, seq.prefix_end, seq.num_cached_tokens = None, 0, 0

@@ -97,6 +97,10 @@ def test_abort_before_the_fork_and_errors():
         eng.add_request(PROMPT, SamplingParams(n=9))
     with pytest.raises(RequestError, match="n must be a positive int"):
         SamplingParams(n=0)
+    small = engine(cache={"block_size": 16, "num_blocks": 64})
+    small.scheduler.reserve_full = True  # invariant mode: every sample's pages reserved at once
+    with pytest.raises(RequestError, match=r"n=4 samples of this prompt need 106 KV pages .* the cache has 64"):
+        small.add_request(PROMPT, SamplingParams(n=4, max_new_tokens=400))
 
 
 def test_samples_survive_preemption_in_default_mode():
