@@ -160,6 +160,11 @@ class CacheManager:
                               "scheduler.max_num_seqs or raise cache.gpu_memory_utilization")
         return int(max(1, min(wanted, affordable)))
 
+    def state_at(self, slot: int, num_tokens: int) -> int:
+        """The state slot holding sequence slot ``slot``'s GDN state after ``num_tokens`` tokens
+        (its ring, as ``runtime/batch.py`` addresses it)."""
+        return slot * self.state_ring + num_tokens % self.state_ring
+
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 

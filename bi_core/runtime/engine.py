@@ -275,12 +275,12 @@ class LLMEngine:
     def _cache_prefixes(self, chunks: list[tuple[Sequence, int, bool]]) -> None:
         """Hand the prefix cache the prompt chunks this step computed on the chunk grid (chunked
         form, continuing what the sequence already cached), with the GDN state after them."""
-        prefix, ring = self.cache.prefix, self.cache.state_ring
+        prefix = self.cache.prefix
         for seq, start, recurrent in chunks:
             end = seq.num_computed
             if (not recurrent and seq.state_slot is not None and start == seq.prefix_end
                     and prefix.cacheable(start, end)):
-                prefix.insert(seq, end, seq.state_slot * ring + end % ring)
+                prefix.insert(seq, end, self.cache.state_at(seq.state_slot, end))
 
     def record_scores(self, scheduled: list[Scheduled], hidden: torch.Tensor, offsets: list[int]) -> None:
         """Logprobs of known tokens (scoring, prompt logprobs) from this step's hidden rows; call it
@@ -365,10 +365,9 @@ class LLMEngine:
         fs, leader.followers = leader.followers, []
         prompt_len = len(leader.prompt_ids)
         shared = self.scheduler.shared_pages(prompt_len)
-        ring = self.cache.state_ring
-        state = lambda s: s.state_slot * ring + prompt_len % ring  # noqa: E731 - the state after the prompt
         self.cache.copy_pages([leader.blocks[shared]] * len(fs), [f.blocks[0] for f in fs])
-        self.cache.copy_states([state(leader)] * len(fs), [state(f) for f in fs])
+        self.cache.copy_states([self.cache.state_at(leader.state_slot, prompt_len)] * len(fs),
+                               [self.cache.state_at(f.state_slot, prompt_len) for f in fs])
         for f, (token, lp, top) in zip(fs, first):
             f.blocks = self.cache.blocks.share(leader.blocks[:shared]) + f.blocks
             f.leader, f.num_computed = None, prompt_len

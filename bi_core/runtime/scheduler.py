@@ -117,8 +117,7 @@ class Scheduler:
             if self.cache.prefix is not None:
                 self.cache.prefix.record(hit)
             if hit is not None:  # the GDN state at the hit, into the sequence's slot
-                ring = self.cache.state_ring
-                self.cache.copy_states([hit.snapshot], [seq.state_slot * ring + seq.num_computed % ring])
+                self.cache.copy_states([hit.snapshot], [self.cache.state_at(seq.state_slot, seq.num_computed)])
             out.append(Scheduled(seq, n))
             budget -= cost
         return out
