@@ -255,16 +255,11 @@ class LLMEngine:
         if not scheduled:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
         self._forked = []
-        chunks = [(s.seq, s.seq.num_computed, s.recurrent) for s in scheduled]
-        self.num_prompt_tokens_computed += sum(max(0, min(s.num_tokens, len(s.seq.prompt_ids) - s.seq.num_computed))
-                                               for s in scheduled)
+        # prompt chunks (and recomputes): decode rows need none of what follows the step
+        chunks = [(s.seq, s.seq.num_computed, s.recurrent) for s in scheduled if not s.seq.is_decoding]
         with torch.inference_mode(), applied(self.policy):
             self.strategy.step(scheduled)
-        if self.cache.prefix is not None:
-            self._cache_prefixes(chunks)
-        for s in scheduled:  # a scoring request ends when its last scored row has run
-            if s.seq.score_from is not None and s.seq.num_computed >= s.seq.compute_end:
-                s.seq.finish("length")
+        self._after_chunks(chunks)
         done = [seq for seq in [s.seq for s in scheduled] + self._forked if seq.status is Status.FINISHED]
         for seq in done:
             self.scheduler.finish(seq)
@@ -272,15 +267,20 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         return done
 
-    def _cache_prefixes(self, chunks: list[tuple[Sequence, int, bool]]) -> None:
-        """Hand the prefix cache the prompt chunks this step computed on the chunk grid (chunked
-        form, continuing what the sequence already cached), with the GDN state after them."""
+    def _after_chunks(self, chunks: list[tuple[Sequence, int, bool]]) -> None:
+        """After a step, for each sequence that ran a chunk from ``start``: count its prompt
+        tokens; hand the prefix cache a chunk on the chunk grid (chunked form, continuing what the
+        sequence already cached) with the GDN state after it; end a scoring request whose last
+        scored row has run."""
         prefix = self.cache.prefix
         for seq, start, recurrent in chunks:
             end = seq.num_computed
-            if (not recurrent and seq.state_slot is not None and start == seq.prefix_end
+            self.num_prompt_tokens_computed += max(0, min(end, len(seq.prompt_ids)) - start)
+            if (prefix is not None and not recurrent and seq.state_slot is not None and start == seq.prefix_end
                     and prefix.cacheable(start, end)):
                 prefix.insert(seq, end, self.cache.state_at(seq.state_slot, end))
+            if seq.score_from is not None and end >= seq.compute_end:
+                seq.finish("length")
 
     def record_scores(self, scheduled: list[Scheduled], hidden: torch.Tensor, offsets: list[int]) -> None:
         """Logprobs of known tokens (scoring, prompt logprobs) from this step's hidden rows; call it
@@ -348,22 +348,18 @@ class LLMEngine:
             seq.append(token, lp, top, self.eos_ids)
         for i, seq in enumerate(seqs):
             if seq.followers:
-                self.fork(seq, self.sample_followers(seq, out.logits[i]))
+                self.fork(seq, out.logits[i])
 
-    def sample_followers(self, leader: Sequence, logits_row: torch.Tensor) -> list[tuple]:
-        """The first token of each of a leader's other samples, from the logits row the leader's
-        first token came from, each keyed by its own seed (the sampler is row-invariant, so each
-        is what the sample would draw sent alone)."""
-        fs = leader.followers
-        return self.sample_rows(fs, [len(leader.prompt_ids)] * len(fs), logits_row.expand(len(fs), -1).contiguous())
-
-    def fork(self, leader: Sequence, first: list[tuple]) -> list[Sequence]:
+    def fork(self, leader: Sequence, logits_row: torch.Tensor) -> list[Sequence]:
         """Give each of ``leader``'s waiting samples what a lone prefill of the prompt computes:
         the shared pages (wholly before the last prompt token) by reference, the page holding the
-        last prompt token and the GDN states by copy; then append its first token ``first[i]``.
-        Call it once the leader's last prompt chunk has run (and, with MTP, the head over it)."""
+        last prompt token and the GDN states by copy; then its first token, sampled from the
+        logits row the leader's first token came from with its own seed (the sampler is
+        row-invariant: what the sample would draw sent alone). Call it once the leader's last
+        prompt chunk has run (and, with MTP, the head over it)."""
         fs, leader.followers = leader.followers, []
         prompt_len = len(leader.prompt_ids)
+        first = self.sample_rows(fs, [prompt_len] * len(fs), logits_row.expand(len(fs), -1).contiguous())
         shared = self.scheduler.shared_pages(prompt_len)
         self.cache.copy_pages([leader.blocks[shared]] * len(fs), [f.blocks[0] for f in fs])
         self.cache.copy_states([self.cache.state_at(leader.state_slot, prompt_len)] * len(fs),

@@ -138,7 +138,7 @@ class MTPStrategy(Strategy):
         prompt position with the sample's own first token: its MTP KV there and its first draft."""
         plans = []
         for p, row in forks:
-            for f in self.engine.fork(p.seq, self.engine.sample_followers(p.seq, out.logits[row])):
+            for f in self.engine.fork(p.seq, out.logits[row]):
                 if f.status is not Status.FINISHED:
                     plans.append(_Plan(f, [], offset=p.offset + len(p.tokens) - 1, mtp_start=len(f.prompt_ids) - 1,
                                        mtp_tokens=[f.output_ids[0]]))
