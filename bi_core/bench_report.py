@@ -49,9 +49,11 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     tput = _triple(args.throughput, "--throughput", 3)
     pre = _triple(args.prefill, "--prefill", 2)
+    t0 = time.perf_counter()
     engine = build_engine(cfg)
     out: dict = {"label": _label(cfg), "backend": cfg.backend, "invariant": cfg.policy.batch_invariant,
-                 "graphs": cfg.graph.enabled, "decode": []}
+                 "graphs": cfg.graph.enabled, "decode": [], "startup_s": time.perf_counter() - t0}
+    print(f"  engine start {out['startup_s']:.1f} s" + (f" ({engine.warmup})" if engine.warmup else ""), flush=True)
     contexts = [int(c) for c in str(args.context_len).split(",") if c]
     for b, context in ((b, c) for c in contexts for b in batch_sizes):
         r = bench_decode(engine, b, context, args.steps, bandwidth)

@@ -229,6 +229,8 @@ class CacheConfig:
 class GraphConfig:
     enabled: bool = _field(_bool, False, doc="capture decode steps in CUDA graphs")
     max_batch_size: int | None = _field(_optional(_int(1)), None, doc="default: scheduler.max_num_seqs")
+    warmup: bool = _field(_bool, True, doc="at start (CUDA): capture every graph, largest batch first, and run "
+                          "a few dummy prompts so no capture or kernel compile stalls a running batch")
 
 
 @attrs.frozen(kw_only=True)

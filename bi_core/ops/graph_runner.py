@@ -31,6 +31,11 @@ class GraphRunnerImpl(Protocol):
         """The step's input ids and context on the device (a graph runner packs a step it will
         replay straight into that graph's static buffers)."""
 
+    def capture_all(self, step: StepFn, block_size: int, prepare: Callable[[ForwardContext], None] | None = None,
+                    extra: torch.Tensor | None = None) -> int:
+        """Capture every graph this runner would capture on first use, now (at engine start);
+        returns how many (an eager runner: 0)."""
+
     def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext,
             prepare: Callable[[ForwardContext], None] | None = None,
             extra: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.prefix_cache import PrefixCache
 from bi_core.runtime.scheduler import Scheduled, Scheduler
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
+from bi_core.runtime.warmup import warm_up
 from bi_core.selector import OpFactory
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ class LLMEngine:
         self._next_id = 0
         self._forked: list[Sequence] = []  # samples forked in the current step
         self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
+        self.warmup = None
+        if config.graph.warmup and self.device.type == "cuda":
+            self.warmup = warm_up(self)
 
     # ------------------------------------------------------------------ requests
 

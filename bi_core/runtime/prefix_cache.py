@@ -151,8 +151,10 @@ class PrefixCache:
             self.free_snapshots.append(node.snapshot)
         self.cache.blocks.drop(node.page)
 
-    def clear(self) -> None:
+    def clear(self, *, reset_stats: bool = False) -> None:
         """Drop everything (new weights): pages no sequence holds are free again."""
+        if reset_stats:
+            self.queries = self.hits = self.hit_tokens = self.evicted = 0
         for node in list(self.lru.values()):
             self.cache.blocks.drop(node.page)
             if node.snapshot is not None:

@@ -42,6 +42,11 @@ class Strategy(abc.ABC):
     def check(cls, engine: LLMEngine) -> None:
         """Raise a clear error if this strategy cannot run with the engine's model/config."""
 
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph this strategy's steps replay (at engine start); returns how many."""
+        eng = self.engine
+        return eng.runner.capture_all(eng.model_step, eng.cache.block_size, eng.model.prepare_step)
+
     def forget(self, seq) -> None:
         """The request finished or was aborted: drop anything kept for it."""
 

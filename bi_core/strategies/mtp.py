@@ -145,6 +145,12 @@ class MTPStrategy(Strategy):
         if plans:
             self._propose(plans, out.hidden)
 
+    def capture_graphs(self) -> int:
+        eng = self.engine
+        hidden = torch.empty((0, eng.args.hidden_size), dtype=eng.dtype, device=eng.device)
+        return super().capture_graphs() + self.runner.capture_all(
+            self._mtp_step, eng.cache.block_size, eng.model.prepare_step, extra=hidden)
+
     def forget(self, seq) -> None:
         self.drafts.pop(seq.request_id, None)
 

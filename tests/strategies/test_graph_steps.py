@@ -135,3 +135,28 @@ def test_only_uniform_recurrent_steps_replay():
     assert key([1]) == (1, 1) and key([4, 4, 4]) == (4, 4) and key([1] * 5) == (1, 8)
     assert key([4, 1]) is None and key([2, 2]) is None and key([1] * 9) is None
     assert key([4, 4], recurrent=False) is None and key([1], ring=1) is None
+
+
+@pytest.mark.parametrize("strategy", ["ar", "mtp"])
+def test_warm_up_captures_every_bucket_and_changes_no_output(strategy):
+    """The start-up warm-up (bi_core/runtime/warmup.py) captures every (L, bucket) graph of both
+    runners before any request, runs its dummy prompts, and leaves nothing behind: outputs equal
+    an engine that never warmed up, and no graph is captured while requests run."""
+    from bi_core.backends.cuda_common.graph_runner import buckets
+    from bi_core.runtime.warmup import warm_up
+
+    ps, params = prompts()[:3], PARAMS["sampled"]
+    cold = with_graph_runners(build_engine(config("tiny-moe", strategy))).generate(ps, params)
+    eng = with_graph_runners(build_engine(config("tiny-moe", strategy)))
+    report = warm_up(eng)
+    runners = [eng.runner] + ([eng.strategy.runner] if strategy == "mtp" else [])
+    want = {(q, b) for q in eng.runner_spec.query_lens for b in buckets(eng.runner_spec.max_batch_size)}
+    assert all(set(r.graphs) == want for r in runners)
+    assert report.graphs == len(want) * len(runners) and report.prompts > 0
+    assert not eng.requests and eng.num_prompt_tokens_computed == 0
+    captured = [dict(r.graphs) for r in runners]
+    out = eng.generate(ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in cold]
+    for a, b in zip(out, cold):
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-5, rtol=1e-5)
+    assert all(r.graphs == c for r, c in zip(runners, captured)), "a graph was captured while requests ran"

@@ -14,6 +14,7 @@ head's main-model hidden states) that gets a static buffer like the token ids.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -141,6 +142,7 @@ class CudaGraphRunnerImpl:
         self.graphs: dict[tuple[int, int], _Captured | _Rerun] = {}
         self.pool = None
         self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length
+        self.capture_s: dict[tuple[int, int], float] = {}  # seconds each capture_all capture took (host clock)
 
     def graph_key(self, hb: HostBatch) -> tuple[int, int] | None:
         """(L, bucket) if this step can replay a graph, else None."""
@@ -165,6 +167,27 @@ class CudaGraphRunnerImpl:
         ctx.extras["graph_key"] = key
         ctx.logits_indices_host = list(hb.logits_rows)  # the rows the caller wants (a graph computes all)
         return static.input_ids[: len(hb.token_ids)], ctx
+
+    def capture_all(self, step, block_size: int, prepare=None, extra: torch.Tensor | None = None) -> int:
+        """Capture every (L, bucket) graph now, largest bucket first (smaller graphs then reuse the
+        largest one's memory pool), so no capture or first-time compile stalls a running batch.
+        ``extra``: an example per-token input (its trailing shape and dtype). Returns how many
+        graphs were captured."""
+        if not self.spec.use_graphs:
+            return 0
+        n = 0
+        for q in self.spec.query_lens:
+            for bucket in reversed(self.buckets):
+                key = (q, bucket)
+                if key in self.graphs:
+                    continue
+                if key not in self.statics:
+                    self.statics[key] = StaticBatch(self.spec, q, bucket, block_size, self.spec.device)
+                t0 = time.perf_counter()
+                self._record(key, step, prepare, extra)
+                self.capture_s[key] = time.perf_counter() - t0
+                n += 1
+        return n
 
     def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None):
         """``step(input_ids, ctx[, extra])`` returns (per-token output, per-logits-row outputs...)."""

@@ -8,6 +8,9 @@ class EagerRunnerImpl:
     def make_context(self, batch, device):
         return upload(batch, device)
 
+    def capture_all(self, step, block_size, prepare=None, extra=None) -> int:
+        return 0  # nothing to capture
+
     def run(self, step, input_ids, ctx, prepare=None, extra=None):
         if prepare is not None:
             prepare(ctx)

@@ -1,0 +1,68 @@
+"""Engine start-up warm-up: capture every CUDA graph and compile every first-time kernel before
+the first request, so none of that lands inside a running batch.
+
+Measured on an H200 (35B-A3B shape, 256 x 512 -> 256, docs/benchmarks.md section 8): without it,
+graph captures (first capture of the 256-row bucket: 13-15 s) and Triton compiles inside prompt
+and mixed steps took 25-33 s of a 43-47 s run. Triton specializes integer arguments by value
+(== 1, divisible by 16), so the dummy prompts below give first steps of each kind: one sequence
+over a whole chunk, sixteen sequences, a few odd-sized ones, and a mixed step (a short prompt
+decoding while a long one still prefills)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import attrs
+import torch
+
+from bi_core.policies.apply import applied
+from bi_core.runtime.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class WarmupReport:
+    graphs: int  # CUDA graphs captured
+    capture_s: float
+    prompts: int  # dummy prompts run
+    prompts_s: float
+
+    def __str__(self) -> str:
+        return (f"warm-up: {self.graphs} CUDA graphs captured in {self.capture_s:.1f} s, "
+                f"{self.prompts} dummy prompts run in {self.prompts_s:.1f} s")
+
+
+def warmup_prompt_lengths(chunk: int, max_num_seqs: int, room: int) -> list[list[int]]:
+    """Waves of prompt lengths run one wave after another (see the module docstring)."""
+    waves = [[chunk], [17] * 16, [5, 7, 9], [3, chunk + chunk // 2]]
+    return [[max(1, min(n, room)) for n in wave[:max_num_seqs]] for wave in waves]
+
+
+def warm_up(engine) -> WarmupReport:
+    """Capture the strategy's graphs, then run the dummy prompts and forget them (results,
+    counters, prefix cache). Call it on an idle engine."""
+    if engine.requests:
+        raise RuntimeError("warm_up needs an idle engine")
+    t0 = time.perf_counter()
+    with torch.inference_mode(), applied(engine.policy):
+        graphs = engine.strategy.capture_graphs()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    t1 = time.perf_counter()
+    sched = engine.config.scheduler
+    g = torch.Generator().manual_seed(0)
+    waves = warmup_prompt_lengths(sched.chunk_size, sched.max_num_seqs, engine.max_model_len - 4)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for lengths in waves:
+        engine.generate([torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in lengths],
+                        params)
+    sync()
+    engine.num_prompt_tokens_computed = 0
+    engine._next_id = 0  # the first user request is request 0, as without a warm-up
+    if engine.cache.prefix is not None:
+        engine.cache.prefix.clear(reset_stats=True)
+    report = WarmupReport(graphs, t1 - t0, sum(map(len, waves)), time.perf_counter() - t1)
+    log.info("%s", report)
+    return report
