@@ -35,8 +35,12 @@ def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
 def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     """Fewest bytes one decode step of ``batch`` rows at ``context_len`` must move: every weight
     read once (routed experts: the expected number hit by batch*k draws), KV read, GDN state
-    read and written, logits rows written."""
+    read and written, logits rows written. Tensor parallel: one rank's bytes (its shard of the
+    weights, its heads' KV and states), which every rank moves at once."""
+    from bi_core.models.qwen3_5 import local_args
+
     a, isz = engine.args, engine.dtype.itemsize
+    heads = local_args(a, engine.tp.world)
     total = 0
     for name, p in engine.model.named_parameters():
         if name.startswith("mtp.") or name == "embed_tokens":
@@ -48,13 +52,13 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
         else:
             total += p.numel() * p.element_size()
     if a.tie_word_embeddings:
-        total += a.vocab_size * a.hidden_size * isz
+        total += engine.model.embed_tokens.numel() * isz
     total += batch * a.hidden_size * isz  # embedding rows
-    kv = 2 * a.num_key_value_heads * a.head_dim * isz * len(a.full_attention_layers)
+    kv = 2 * heads.num_key_value_heads * a.head_dim * isz * len(a.full_attention_layers)
     total += batch * context_len * kv
     state_bytes = 2 if engine.config.cache.ssm_state_dtype == "bfloat16" else 4
-    state = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * state_bytes
-    conv = a.conv_dim * (a.linear_conv_kernel_dim - 1) * isz
+    state = heads.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * state_bytes
+    conv = heads.conv_dim * (a.linear_conv_kernel_dim - 1) * isz
     total += batch * len(a.gdn_layers) * 2 * (state + conv)
     total += batch * a.vocab_size * 4
     return total
@@ -137,6 +141,7 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
 def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
                  seed: int = 0, count_kernels: bool = True) -> DecodeResult:
     """Decode step latency of ``batch`` rows at ``context_len``, against the bandwidth floor."""
+    count_kernels = count_kernels and engine.tp.world == 1  # the count runs a forward on this rank alone
     ms, kernels = time_decode_steps(engine, _prompts(engine, batch, context_len, seed), steps, count_kernels)
     floor = decode_bytes(engine, batch, context_len + 4) / bandwidth * 1e3
     return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor, kernels)

@@ -22,6 +22,7 @@ def _label(cfg: EngineConfig) -> str:
     extras = "".join(f" {op}={','.join(b)}" for op, b in cfg.policy.ops.items())
     extras += f" state={cfg.cache.ssm_state_dtype}" if cfg.cache.ssm_state_dtype != "float32" else ""
     extras += f" strategy={cfg.strategy.name}" if cfg.strategy.name != "ar" else ""
+    extras += f" tp={cfg.parallel.tensor_parallel_size}" if cfg.parallel.tensor_parallel_size > 1 else ""
     return f"{model}{layers} {cfg.backend} {mode} graphs={'on' if cfg.graph.enabled else 'off'}{extras}"
 
 
@@ -76,6 +77,8 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
         out["prefill"] = bench_prefill(engine, *pre)
         print(f"  prefill {pre[0]} x {pre[1]}: {out['prefill']['prefill_tokens_per_s']:.0f} tok/s", flush=True)
     out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["tensor_parallel_size"] = cfg.parallel.tensor_parallel_size
+    engine.close()  # tensor parallel: stop the other ranks before the next config starts its own
     del engine
     _free()
     return out

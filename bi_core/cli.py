@@ -103,6 +103,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if strategies not in (["ar"], ["ar", "mtp"]):
         raise BiEngineError(f"--strategies: expected 'ar' or 'ar,mtp', got {args.strategies!r}")
+    tp = config.parallel.tensor_parallel_size
+    if "mtp" in strategies and tp > 1:
+        raise BiEngineError("verify --strategies ar,mtp with parallel.tensor_parallel_size > 1 is not supported: the "
+                            "audit forces MTP drafts on rank 0 only; audit MTP with tensor_parallel_size 1")
     engine = build_engine(config.replace(strategy={"name": "ar", "num_speculative_tokens": None}))
     mtp = None
     if "mtp" in strategies:
@@ -113,7 +117,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                   mtp_engine=mtp)
     print(summary(cases))
     found = count(cases)
-    if found:
+    if found and tp == 1:  # the probes run the model on this process alone: not with tensor parallelism
         print(probe(engine, cases, args.num_prompts, args.seed))
     if args.negative_control:
         print("negative control " + ("PASSED: the audit sees mismatches without invariance" if found else

@@ -19,7 +19,8 @@ from bi_core.errors import ConfigError
 Parser = Callable[[Any, str], Any]
 
 DTYPES = ("float32", "bfloat16")
-OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "graph_runner")
+OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "graph_runner", "all_reduce",
+            "all_gather")
 INVARIANT_ENV = "BI_ENABLE_BATCH_INVARIANT"
 
 
@@ -229,8 +230,14 @@ class CacheConfig:
 class GraphConfig:
     enabled: bool = _field(_bool, False, doc="capture decode steps in CUDA graphs")
     max_batch_size: int | None = _field(_optional(_int(1)), None, doc="default: scheduler.max_num_seqs")
-    warmup: bool = _field(_bool, True, doc="at start (CUDA): capture every graph, largest batch first, and run "
-                          "a few dummy prompts so no capture or kernel compile stalls a running batch")
+    warmup: bool = _field(_bool, True, doc="at start (CUDA, graphs enabled): capture every graph, largest batch "
+                          "first, and run a few dummy prompts so no capture or kernel compile stalls a running batch")
+
+
+@attrs.frozen(kw_only=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _field(_int(1, 64), 1, doc="GPUs one model is split over (one process each, "
+                                       "started by the engine)")
 
 
 @attrs.frozen(kw_only=True)
@@ -276,6 +283,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = _field(_section(SchedulerConfig), factory=SchedulerConfig)
     cache: CacheConfig = _field(_section(CacheConfig), factory=CacheConfig)
     graph: GraphConfig = _field(_section(GraphConfig), factory=GraphConfig)
+    parallel: ParallelConfig = _field(_section(ParallelConfig), factory=ParallelConfig)
     strategy: StrategyConfig = _field(_section(StrategyConfig), factory=StrategyConfig)
     sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
     serve: ServeConfig = _field(_section(ServeConfig), factory=ServeConfig)

@@ -171,12 +171,24 @@ def _plan(source, wmap, args: ModelArgs) -> tuple[list[_Step], list[str], list[s
 
 @torch.no_grad()
 def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step]) -> None:
+    left: dict[str, int] = {}  # steps still to come per parameter
+    for step in steps:
+        left[step.placement.param] = left.get(step.placement.param, 0) + 1
+    staged: dict[str, torch.Tensor] = {}
     for step in steps:
         param, pl = params[step.placement.param], step.placement
+        target = param
+        if hasattr(param, "shard"):  # tensor parallel: fill the full tensor on the host, then keep this rank's part
+            if pl.param not in staged:
+                staged[pl.param] = torch.zeros(param.full_shape, dtype=param.dtype)
+            target = staged[pl.param]
         t = source.get(step.name)
         t = t.transpose(1, 2) if step.transposed else t.reshape(pl.shape)
         for dst, src in pl.pieces:
-            param[dst].copy_(t[src], non_blocking=True)
+            target[dst].copy_(t[src], non_blocking=True)
+        left[pl.param] -= 1
+        if pl.param in staged and not left[pl.param]:
+            param.copy_(param.shard.take(staged.pop(pl.param), param.tp.rank, param.tp.world))
 
 
 def _missing(wmap, covered: dict[str, set]) -> str | None:

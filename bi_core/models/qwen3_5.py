@@ -22,12 +22,41 @@ from bi_core.ops import (
     SamplingSpec,
     TopKSpec,
 )
+from bi_core.ops.collective import CollectiveSpec
 from bi_core.ops.gdn import GdnWeights
+from bi_core.parallel.shard import Shard, TPInfo, split
 from bi_core.selector import OpFactory
 
+NO_TP = TPInfo()
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device, tp: TPInfo = NO_TP,
+           shard: Shard | None = None) -> nn.Parameter:
+    """A parameter of full shape ``shape``; with tensor parallelism, this rank's part of it along
+    ``shard`` (the loader and the random initialiser read ``shard`` and ``full_shape``)."""
+    p = nn.Parameter(torch.empty(*tp.local_shape(shape, shard), dtype=dtype, device=device), requires_grad=False)
+    if shard is not None and tp.world > 1:
+        p.shard, p.full_shape, p.tp = shard, tuple(shape), tp
+    return p
+
+
+class TensorParallel:
+    """This rank's place and its collectives (none with one rank)."""
+
+    def __init__(self, factory: OpFactory, info: TPInfo) -> None:
+        self.info = info
+        if info.world > 1:
+            spec = CollectiveSpec(**factory.base, world_size=info.world)
+            self._reduce = factory.build("all_reduce", spec)
+            self._gather = factory.build("all_gather", spec)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' partial results (after a row-parallel projection)."""
+        return x if self.info.world == 1 else self._reduce.forward(x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' column blocks side by side (vocabulary-parallel logits)."""
+        return x if self.info.world == 1 else self._gather.forward(x)
 
 
 @attrs.define
@@ -41,10 +70,14 @@ class ModelCaches:
 
 
 class Linear(nn.Module):
+    """``x @ W.T``; with ``shard`` (split(0, ...): column-parallel, split(1, ...): row-parallel,
+    whose partial results the caller all-reduces) this rank's part of ``W``."""
+
     def __init__(self, factory: OpFactory, in_features: int, out_features: int, dtype, device,
-                 silu_mul: bool = False) -> None:
+                 silu_mul: bool = False, tp: TPInfo = NO_TP, shard: Shard | None = None) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device, tp=tp, shard=shard)
+        out_features, in_features = self.weight.shape
         spec = LinearSpec(**factory.base, in_features=in_features, out_features=out_features, silu_mul=silu_mul)
         self.impl = factory.build("linear", spec)
 
@@ -70,14 +103,18 @@ class Attention(nn.Module):
     """Gated full attention: q_proj rows are per-head [query | gate] (kept inside ``qkv_proj``);
     q/k norm, RoPE, the cache write, attention and the sigmoid gate are one attention op."""
 
-    def __init__(self, args: ModelArgs, factory: OpFactory, cache_index: int, dtype, device) -> None:
+    def __init__(self, args: ModelArgs, factory: OpFactory, par: TensorParallel, cache_index: int, dtype,
+                 device) -> None:
         super().__init__()
         hq, hkv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.cache_index = cache_index
-        self.qkv_proj = Linear(factory, args.hidden_size, 2 * hq * d + 2 * hkv * d, dtype, device)
-        self.o_proj = Linear(factory, hq * d, args.hidden_size, dtype, device)
+        tp = par.info
+        self.cache_index, self.par = cache_index, par
+        self.qkv_proj = Linear(factory, args.hidden_size, 2 * hq * d + 2 * hkv * d, dtype, device, tp=tp,
+                               shard=split(0, (2 * hq * d, hq), (hkv * d, hkv), (hkv * d, hkv)))
+        self.o_proj = Linear(factory, hq * d, args.hidden_size, dtype, device, tp=tp, shard=split(1, (hq * d, hq)))
         self.q_norm = _param(d, dtype=dtype, device=device)
         self.k_norm = _param(d, dtype=dtype, device=device)
+        hq, hkv = hq // tp.world, max(1, hkv // tp.world)  # this rank's heads (KV heads replicated past Hkv ranks)
         spec = AttentionSpec(**factory.base, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
                              rotary_dim=args.rotary_dim, rope_theta=args.rope_theta, norm_eps=args.rms_norm_eps)
         self.attn = factory.build("attention", spec)
@@ -85,39 +122,52 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
         o = self.attn.forward(self.qkv_proj(x), self.q_norm, self.k_norm, caches.k[i], caches.v[i], ctx)
-        return self.o_proj(o)
+        return self.par.reduce(self.o_proj(o))
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, args: ModelArgs, factory: OpFactory, cache_index: int, dtype, device) -> None:
+    """Heads split over ranks: ``in_proj`` parts q|k|v|z|b|a and the conv channels q|k|v by head,
+    ``out_proj`` row-parallel (value heads stay with their key head: both split contiguously)."""
+
+    def __init__(self, args: ModelArgs, factory: OpFactory, par: TensorParallel, cache_index: int, dtype,
+                 device) -> None:
         super().__init__()
-        self.cache_index = cache_index
-        hv = args.linear_num_value_heads
-        self.in_proj = Linear(factory, args.hidden_size, args.conv_dim + args.value_dim + 2 * hv, dtype, device)
-        self.conv1d = _param(args.conv_dim, args.linear_conv_kernel_dim, dtype=dtype, device=device)
-        self.A_log = _param(hv, dtype=torch.float32, device=device)
-        self.dt_bias = _param(hv, dtype=torch.float32, device=device)
+        self.cache_index, self.par = cache_index, par
+        tp = par.info
+        hk, hv = args.linear_num_key_heads, args.linear_num_value_heads
+        qk, v = (args.key_dim, hk), (args.value_dim, hv)
+        self.in_proj = Linear(factory, args.hidden_size, args.conv_dim + args.value_dim + 2 * hv, dtype, device,
+                              tp=tp, shard=split(0, qk, qk, v, v, (hv, hv), (hv, hv)))
+        self.conv1d = _param(args.conv_dim, args.linear_conv_kernel_dim, dtype=dtype, device=device, tp=tp,
+                             shard=split(0, qk, qk, v))
+        self.A_log = _param(hv, dtype=torch.float32, device=device, tp=tp, shard=split(0, hv))
+        self.dt_bias = _param(hv, dtype=torch.float32, device=device, tp=tp, shard=split(0, hv))
         self.norm_weight = _param(args.linear_value_head_dim, dtype=dtype, device=device)
-        self.out_proj = Linear(factory, args.value_dim, args.hidden_size, dtype, device)
+        self.out_proj = Linear(factory, args.value_dim, args.hidden_size, dtype, device, tp=tp, shard=split(1, v))
         self.gdn = factory.build("gdn", GdnSpec(
-            **factory.base, num_k_heads=args.linear_num_key_heads, num_v_heads=hv,
+            **factory.base, num_k_heads=hk // tp.world, num_v_heads=hv // tp.world,
             head_k_dim=args.linear_key_head_dim, head_v_dim=args.linear_value_head_dim,
             conv_kernel=args.linear_conv_kernel_dim, norm_eps=args.rms_norm_eps))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
         weights = GdnWeights(self.conv1d, self.A_log, self.dt_bias, self.norm_weight)
-        return self.out_proj(self.gdn.forward(self.in_proj(x), weights, caches.conv[i], caches.recurrent[i], ctx))
+        o = self.gdn.forward(self.in_proj(x), weights, caches.conv[i], caches.recurrent[i], ctx)
+        return self.par.reduce(self.out_proj(o))
 
 
 class MLP(nn.Module):
-    def __init__(self, factory: OpFactory, hidden: int, intermediate: int, dtype, device) -> None:
+    def __init__(self, factory: OpFactory, par: TensorParallel, hidden: int, intermediate: int, dtype,
+                 device) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(factory, hidden, 2 * intermediate, dtype, device, silu_mul=True)
-        self.down_proj = Linear(factory, intermediate, hidden, dtype, device)
+        self.par = par
+        self.gate_up_proj = Linear(factory, hidden, 2 * intermediate, dtype, device, silu_mul=True, tp=par.info,
+                                   shard=split(0, intermediate, intermediate))
+        self.down_proj = Linear(factory, intermediate, hidden, dtype, device, tp=par.info,
+                                shard=split(1, intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        return self.par.reduce(self.down_proj(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):
@@ -127,51 +177,57 @@ class SparseMoE(nn.Module):
     experts of different widths are zero-padded to the widest: zero gate/up rows give zero
     activations and zero down columns add nothing, so a padded expert computes exactly the same."""
 
-    def __init__(self, args: ModelArgs, factory: OpFactory, dtype, device) -> None:
+    def __init__(self, args: ModelArgs, factory: OpFactory, par: TensorParallel, dtype, device) -> None:
         super().__init__()
         e, h = args.num_experts, args.hidden_size
-        self.num_experts = e
+        self.num_experts, self.par = e, par
         self.shared = args.shared_expert_intermediate_size > 0
         self.widths = (args.moe_intermediate_size, args.shared_expert_intermediate_size)  # routed, shared
         i = max(self.widths)
         experts = e + (1 if self.shared else 0)
         self.gate = Linear(factory, h, experts, dtype, device)
-        self.w13 = _param(experts, 2 * i, h, dtype=dtype, device=device)
-        self.w2 = _param(experts, h, i, dtype=dtype, device=device)
+        tp = par.info  # experts split by intermediate size: gate|up rows column-parallel, down row-parallel
+        self.w13 = _param(experts, 2 * i, h, dtype=dtype, device=device, tp=tp, shard=split(1, i, i))
+        self.w2 = _param(experts, h, i, dtype=dtype, device=device, tp=tp, shard=split(2, i))
+        i = self.w2.shape[2]
         self.topk = factory.build("topk", TopKSpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok))
         self.experts = factory.build("moe", MoESpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok,
                                                     hidden_size=h, intermediate_size=i, shared_expert=self.shared))
 
     @torch.no_grad()
     def zero_padding(self) -> None:
-        """Zero the padded rows/columns of narrower experts (after random initialisation)."""
+        """Zero the padded rows/columns of narrower experts (after random initialisation); this
+        rank's columns start at ``rank * width`` of the full width."""
         e, width = self.num_experts, self.w2.shape[2]
+        start = self.par.info.rank * width
         for sl, size in ((slice(0, e), self.widths[0]), (slice(e, e + 1), self.widths[1])):
-            self.w13[sl, size:width].zero_()
-            self.w13[sl, width + size:].zero_()
-            self.w2[sl, :, size:].zero_()
+            keep = max(0, min(width, size - start))
+            self.w13[sl, keep:width].zero_()
+            self.w13[sl, width + keep:].zero_()
+            self.w2[sl, :, keep:].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         weights, ids = self.topk.forward(logits[:, : self.num_experts])
         shared = logits[:, self.num_experts] if self.shared else None
-        return self.experts.forward(x, weights, ids, self.w13, self.w2, shared)
+        return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, factory: OpFactory, layer_type: str, cache_index: int, dtype, device) -> None:
+    def __init__(self, args: ModelArgs, factory: OpFactory, par: TensorParallel, layer_type: str, cache_index: int,
+                 dtype, device) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device)
         if layer_type == "full_attention":
-            self.mixer = Attention(args, factory, cache_index, dtype, device)
+            self.mixer = Attention(args, factory, par, cache_index, dtype, device)
         else:
-            self.mixer = GatedDeltaNet(args, factory, cache_index, dtype, device)
+            self.mixer = GatedDeltaNet(args, factory, par, cache_index, dtype, device)
         if args.is_moe:
-            self.mlp = SparseMoE(args, factory, dtype, device)
+            self.mlp = SparseMoE(args, factory, par, dtype, device)
         else:
-            self.mlp = MLP(factory, args.hidden_size, args.intermediate_size, dtype, device)
+            self.mlp = MLP(factory, par, args.hidden_size, args.intermediate_size, dtype, device)
 
     def forward(self, x, residual, ctx, caches):
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
@@ -184,13 +240,13 @@ class MtpHead(nn.Module):
     """``fc([norm(emb(next token)), norm(hidden)])`` -> one gated-attention decoder layer (own KV
     cache) -> ``mtp.norm``; logits through the main model's lm_head."""
 
-    def __init__(self, args: ModelArgs, factory: OpFactory, dtype, device) -> None:
+    def __init__(self, args: ModelArgs, factory: OpFactory, par: TensorParallel, dtype, device) -> None:
         super().__init__()
         h, eps = args.hidden_size, args.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(factory, h, eps, dtype, device)
         self.pre_fc_norm_hidden = RMSNorm(factory, h, eps, dtype, device)
         self.fc = Linear(factory, 2 * h, h, dtype, device)
-        self.layer = DecoderLayer(args, factory, "full_attention", 0, dtype, device)
+        self.layer = DecoderLayer(args, factory, par, "full_attention", 0, dtype, device)
         self.norm = RMSNorm(factory, h, eps, dtype, device)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, caches: ModelCaches):
@@ -201,22 +257,25 @@ class MtpHead(nn.Module):
 
 class Qwen35Model(nn.Module):
     def __init__(self, args: ModelArgs, factory: OpFactory, dtype: torch.dtype, device: torch.device,
-                 with_mtp: bool = True) -> None:
+                 with_mtp: bool = True, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.args, self.dtype, self.device = args, dtype, device
-        self.embed_tokens = _param(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
+        self.par = par = TensorParallel(factory, tp)
+        vocab = split(0, args.vocab_size)  # vocabulary-parallel embedding and lm_head
+        self.embed_tokens = _param(args.vocab_size, args.hidden_size, dtype=dtype, device=device, tp=tp, shard=vocab)
         attn_index = {layer: n for n, layer in enumerate(args.full_attention_layers)}
         gdn_index = {layer: n for n, layer in enumerate(args.gdn_layers)}
         self.layers = nn.ModuleList(
-            DecoderLayer(args, factory, t, attn_index.get(i, gdn_index.get(i)), dtype, device)
+            DecoderLayer(args, factory, par, t, attn_index.get(i, gdn_index.get(i)), dtype, device)
             for i, t in enumerate(args.layer_types)
         )
         self.norm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.lm_head = None if args.tie_word_embeddings else Linear(factory, args.hidden_size, args.vocab_size, dtype, device)
+        self.lm_head = None if args.tie_word_embeddings else Linear(
+            factory, args.hidden_size, args.vocab_size, dtype, device, tp=tp, shard=vocab)
         self._tied_head = None if self.lm_head is not None else factory.build(
-            "linear", LinearSpec(**factory.base, in_features=args.hidden_size, out_features=args.vocab_size))
+            "linear", LinearSpec(**factory.base, in_features=args.hidden_size, out_features=self.embed_tokens.shape[0]))
         self.sampler = factory.build("sampling", SamplingSpec(**factory.base, vocab_size=args.vocab_size))
-        self.mtp = MtpHead(args, factory, dtype, device) if with_mtp and args.mtp_num_hidden_layers else None
+        self.mtp = MtpHead(args, factory, par, dtype, device) if with_mtp and args.mtp_num_hidden_layers else None
         impls = {id(m.attn): m.attn for m in self.modules() if isinstance(m, Attention)}
         self._step_planners = [i for i in impls.values() if hasattr(i, "prepare")]
 
@@ -224,7 +283,7 @@ class Qwen35Model(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat batch of token ids ``[T]`` -> (hidden states after the final norm ``[T, H]``, logits of
         the rows ``ctx.logits_indices``)."""
-        x, residual = self.embed_tokens[input_ids], None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx, caches)
         hidden = self.norm(x, residual)[0]
@@ -235,17 +294,59 @@ class Qwen35Model(nn.Module):
         for impl in self._step_planners:
             impl.prepare(ctx)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; vocabulary-parallel: each rank looks up the ids in its slice (zero rows
+        for the others) and the sum over ranks (x + 0 + ...: exact) gives every rank the row."""
+        if self.par.info.world == 1:
+            return self.embed_tokens[input_ids]
+        rows = self.embed_tokens.shape[0]
+        local = input_ids - self.par.info.rank * rows
+        inside = (local >= 0) & (local < rows)
+        x = self.embed_tokens[local.clamp(0, rows - 1)].masked_fill(~inside[:, None], 0)
+        return self.par.reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (vocabulary-parallel: each rank's columns, gathered)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return self._tied_head.forward(hidden, self.embed_tokens)
+            return self.par.gather(self.lm_head(hidden))
+        return self.par.gather(self._tied_head.forward(hidden, self.embed_tokens))
 
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
                     caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head on rows (next token, main hidden of the previous position): (its output
         ``[T, H]``, the greedy draft token of each ``ctx.logits_indices`` row)."""
-        m = self.mtp(self.embed_tokens[input_ids], hidden, ctx, caches)
+        m = self.mtp(self.embed(input_ids), hidden, ctx, caches)
         return m, torch.argmax(self.compute_logits(_logits_rows(m, ctx)), dim=-1)
+
+
+def local_args(args: ModelArgs, world: int) -> ModelArgs:
+    """The head counts one rank holds (what its KV cache and GDN states are sized by)."""
+    if world == 1:
+        return args
+    return attrs.evolve(args, num_key_value_heads=max(1, args.num_key_value_heads // world),
+                        linear_num_key_heads=args.linear_num_key_heads // world,
+                        linear_num_value_heads=args.linear_num_value_heads // world)
+
+
+def check_tensor_parallel(args: ModelArgs, world: int) -> None:
+    """Raise a ConfigError naming every dimension that cannot be split over ``world`` ranks."""
+    from bi_core.errors import ConfigError
+
+    if world == 1:
+        return
+    hkv = args.num_key_value_heads
+    sizes = {"num_attention_heads": args.num_attention_heads, "linear_num_key_heads": args.linear_num_key_heads,
+             "linear_num_value_heads": args.linear_num_value_heads, "vocab_size": args.vocab_size,
+             ("moe_intermediate_size" if args.is_moe else "intermediate_size"):
+                 args.moe_intermediate_size if args.is_moe else args.intermediate_size}
+    if args.is_moe and args.shared_expert_intermediate_size:
+        sizes["shared_expert_intermediate_size"] = args.shared_expert_intermediate_size
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
+    if hkv % world and world % hkv:
+        bad.append(f"num_key_value_heads={hkv} (neither divides the other)")
+    if bad:
+        raise ConfigError("parallel.tensor_parallel_size", f"{world} ranks cannot split this model: "
+                          f"{', '.join(bad)} not divisible by {world}")
 
 
 def _logits_rows(hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from bi_core.ops.attention import AttentionBuilder, AttentionSpec
 from bi_core.ops.base import OpBuilder, OpSpec
+from bi_core.ops.collective import AllGatherBuilder, AllReduceBuilder, CollectiveSpec
 from bi_core.ops.context import ForwardContext
 from bi_core.ops.gdn import GdnBuilder, GdnSpec
 from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
@@ -12,6 +13,7 @@ from bi_core.ops.sampling import SamplingBatch, SamplingBuilder, SamplingSpec
 from bi_core.ops.topk import TopKBuilder, TopKSpec
 
 __all__ = [
+    "AllGatherBuilder", "AllReduceBuilder", "CollectiveSpec",
     "AttentionBuilder", "AttentionSpec", "ForwardContext", "GdnBuilder", "GdnSpec",
     "GraphRunnerBuilder", "GraphRunnerSpec", "LinearBuilder", "LinearSpec", "MoEBuilder", "MoESpec",
     "NormBuilder", "NormSpec", "OpBuilder", "OpSpec", "SamplingBatch", "SamplingBuilder",

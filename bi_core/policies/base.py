@@ -18,6 +18,8 @@ INVARIANT_DEMANDS: Mapping[str, str] = {
     "gdn": "per-sequence kernels with pinned configs; decode/verify use the recurrent form",
     "sampling": "randomness keyed by (request seed, position) only",
     "graph_runner": "padding rows of a bucket never change a real row",
+    "all_reduce": "every element summed in rank order, whatever the message size",
+    "all_gather": "concatenation only (no arithmetic)",
 }
 
 

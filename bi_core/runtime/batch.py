@@ -82,13 +82,19 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
 
 
 def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
-    """An eager step's inputs: every integer field in one transfer, then views."""
-    max_blocks = max(len(b) for b in hb.blocks)
+    """An eager step's inputs: every integer field in one transfer, then views. Triton compiles a
+    kernel variant per pointer alignment (16 bytes or not) and per integer argument class (1,
+    divisible by 16, other): so every view starts 16-byte aligned and the block table's row
+    stride is a multiple of 16, whatever the step's lengths (otherwise eager steps compiled new
+    variants mid-run: benchmarks/throughput_steps.py)."""
+    max_blocks = -(-max(len(b) for b in hb.blocks) // 16) * 16
     table = [x for b in hb.blocks for x in b + [-1] * (max_blocks - len(b))]
     recurrent = [i for i, r in enumerate(hb.is_recurrent) if r]
     fields = [hb.token_ids, hb.positions, hb.cu_seqlens, hb.context_lens, table, hb.slot_mapping, hb.state_slots,
               hb.logits_rows, recurrent, hb.token_state_slots, hb.sample_keys, float_bits(hb.temperatures)]
-    parts = torch.split(to_device([x for f in fields for x in f], device), [len(f) for f in fields])
+    flat = [x for f in fields for x in list(f) + [0] * (len(f) % 2)]  # int64 pairs: 16-byte aligned views
+    padded = torch.split(to_device(flat, device), [len(f) + len(f) % 2 for f in fields])
+    parts = [t[: len(f)] for t, f in zip(padded, fields)]
     ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states, keys, temps = parts
     sampling = {"sample_keys": keys, "temperatures": temps.view(torch.float64)} if hb.sample_keys else {}
     ctx = context_from(hb, positions=pos, cu_seqlens=cu, context_lens=ctx_lens,

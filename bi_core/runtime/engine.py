@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -15,11 +16,13 @@ from bi_core.errors import BiEngineError, ConfigError, PromptTooLongError, Reque
 from bi_core.models.args import ModelArgs
 from bi_core.models.loader import CheckpointIndex, TensorDict, load_weights, read_config, update_weights
 from bi_core.models.presets import preset_args
-from bi_core.models.qwen3_5 import Qwen35Model
+from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_args
 from bi_core.models.random_init import init_random_weights
 from bi_core.models.tokenizer import ByteTokenizer, load_tokenizer
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, mix_seed, sample_seed
+from bi_core.parallel.lockstep import launch, rank_device
+from bi_core.parallel.shard import TPInfo
 from bi_core.plugins import load_registry
 from bi_core.policies import check_config, make_policy, planned_device, resolve_device
 from bi_core.policies.apply import applied, check_environment
@@ -45,14 +48,17 @@ def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | No
     return ModelArgs.from_hf_config(read_config(config.model.path)), CheckpointIndex(config.model.path)
 
 
-def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = True, plan_only: bool = False):
+def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = True, plan_only: bool = False,
+            rank: int = 0):
     """The steps every entry point shares: registry, policy, device, config checks, op factory.
     ``live=False`` (explain on a machine without the configured GPU): the device is taken as
-    configured and the checks that need it present are skipped."""
+    configured and the checks that need it present are skipped. ``rank``: the tensor-parallel
+    rank, whose device is the configured one plus ``rank``."""
     registry = registry or load_registry()
     policy = make_policy(batch_invariant=config.policy.batch_invariant, backend=config.backend,
                          op_overrides=config.policy.ops)
     device = resolve_device(config.model.device) if live else planned_device(config.model.device)
+    device = rank_device(device, rank)
     check_config(config, policy, registry, device, live=live)
     if live:
         check_environment(policy, device)
@@ -60,12 +66,18 @@ def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = Tru
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+    def __init__(self, config: EngineConfig, registry: Registry | None = None, *, tp_rank: int = 0) -> None:
+        """``tp_rank``: set only by a tensor-parallel worker process (``bi_core.parallel.lockstep``);
+        users build rank 0, which starts the other ranks itself."""
         self.config = config
-        self.registry, self.policy, self.factory = prepare(config, registry)
+        self.registry, self.policy, self.factory = prepare(config, registry, rank=tp_rank)
         self.device, self.dtype = self.factory.base["device"], self.factory.base["dtype"]
         args, index = resolve_model(config)
         self.args = args
+        self.tp = TPInfo(tp_rank, config.parallel.tensor_parallel_size)
+        check_tensor_parallel(args, self.tp.world)
+        self._driver = None  # rank 0 of a tensor-parallel engine: the other ranks' processes
+        driver = launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
         if self.max_model_len > args.max_position_embeddings:
             raise ConfigError("model.max_model_len", f"{self.max_model_len} exceeds the model's "
@@ -73,7 +85,7 @@ class LLMEngine:
         self.checkpoint_has_mtp = index is not None and index.has_prefix("mtp.")
         with_mtp = self.checkpoint_has_mtp if index is not None else args.mtp_num_hidden_layers > 0
         try:
-            self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp)
+            self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp, tp=self.tp)
         except torch.OutOfMemoryError:
             raise BiEngineError(f"the model's weights do not fit on {self.device} "
                                 f"({_param_gib(args, self.dtype):.1f} GiB in {config.model.dtype}); use a larger GPU "
@@ -86,7 +98,7 @@ class LLMEngine:
         strategy_cls = self.registry.strategies[config.strategy.name]
         lookahead = strategy_cls.lookahead_for(config)
         prefix_caching = _prefix_caching(config, strategy_cls)
-        self.cache = CacheManager(args, config.cache, num_slots=config.scheduler.max_num_seqs,
+        self.cache = CacheManager(local_args(args, self.tp.world), config.cache, num_slots=config.scheduler.max_num_seqs,
                                   max_model_len=self.max_model_len + lookahead, dtype=self.dtype,
                                   device=self.device, with_mtp=with_mtp, state_ring=strategy_cls.state_ring_for(config),
                                   num_snapshots=config.cache.prefix_snapshots if prefix_caching else 0)
@@ -121,9 +133,27 @@ class LLMEngine:
         self._next_id = 0
         self._forked: list[Sequence] = []  # samples forked in the current step
         self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
+        self.num_steps = 0
         self.warmup = None
-        if config.graph.warmup and self.device.type == "cuda":
-            self.warmup = warm_up(self)
+        if config.graph.warmup and config.graph.enabled and self.device.type == "cuda":
+            self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
+        if driver is not None:
+            self._driver = driver
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op with one rank); the engine is unusable after."""
+        if self._driver is not None:
+            self._driver.close()
+
+    def lockstep_check(self) -> tuple[int, int, int]:
+        """What every rank must agree on before a step: (steps run, next request id, requests)."""
+        return self.num_steps, self._next_id, len(self.requests)
+
+    def _mirror(self, name: str, *args, **kwargs) -> None:
+        """Tensor parallel, rank 0: the other ranks replay this call before the next step."""
+        if self._driver is not None:
+            self._driver.record(name, args, kwargs)
 
     # ------------------------------------------------------------------ requests
 
@@ -207,6 +237,7 @@ class LLMEngine:
         if (text or params.stop) and self.tokenizer is not None:
             for member in seq.group:
                 member.text = TextStream(self.tokenizer, params.stop)
+        self._mirror("add_request", prompt, params, text=text)
         return seq
 
     def _check_group(self, n: int, prompt_len: int, max_total: int) -> None:
@@ -235,12 +266,15 @@ class LLMEngine:
         if total > self.max_model_len:
             raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
                                      f"is {self.max_model_len}")
-        return self._enqueue(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
-                             score_top=logprobs)
+        seq = self._enqueue(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
+                            score_top=logprobs)
+        self._mirror("add_score_request", prompt, continuation, exact=exact, logprobs=logprobs)
+        return seq
 
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request (``finish_reason='abort'``); its KV pages and state slot are
         free for the next step. False if there is no such request. Call between steps."""
+        self._mirror("abort", request_id)
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -255,6 +289,9 @@ class LLMEngine:
         """One engine step; returns the sequences that finished in it."""
         if not self.scheduler.has_work():
             return []
+        if self._driver is not None:
+            self._driver.send_step(self.lockstep_check())
+        self.num_steps += 1
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
@@ -396,6 +433,9 @@ class LLMEngine:
         Every name, shape and dtype is checked before anything is copied. Call it between steps
         with no request unfinished (results would mix two models), or ``abort_unfinished=True`` to
         abort them. Cached prefixes are dropped. Returns the number of tensors copied."""
+        if self.tp.world > 1:
+            raise BiEngineError("update_weights with parallel.tensor_parallel_size > 1 is not supported yet (each "
+                                "rank would need its shard of the new weights)")
         if self.requests:
             if not abort_unfinished:
                 raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "

@@ -18,7 +18,7 @@ def gpu_config(backend, preset="tiny-moe", layers=None, graphs=False, invariant=
         random["num_hidden_layers"] = layers
     return EngineConfig.from_dict(tiny_config(
         model={"random": random, "dtype": "bfloat16", "device": "cuda", "max_model_len": 2048},
-        backend=backend, policy={"batch_invariant": invariant}, graph={"enabled": graphs},
+        backend=backend, policy={"batch_invariant": invariant}, graph={"enabled": graphs, "warmup": False},
         scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096}, cache={"num_blocks": 4096}, **extra))
 
 

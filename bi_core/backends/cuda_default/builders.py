@@ -7,6 +7,8 @@ import torch
 from bi_core.backends.cuda_common import ops
 from bi_core.backends.cuda_common.checks import cuda_reasons
 from bi_core.ops import (
+    AllGatherBuilder,
+    AllReduceBuilder,
     AttentionBuilder,
     GdnBuilder,
     GraphRunnerBuilder,
@@ -16,6 +18,7 @@ from bi_core.ops import (
     SamplingBuilder,
     TopKBuilder,
 )
+from bi_core.ops.collective import LastDimAllGather, LibraryAllReduce, distributed_reasons
 
 BF16_FP32 = (torch.bfloat16, torch.float32)
 
@@ -111,3 +114,21 @@ class DefaultGraphRunnerBuilder(GraphRunnerBuilder):
         from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
 
         return CudaGraphRunnerImpl(spec)
+
+
+class DefaultAllReduceBuilder(AllReduceBuilder):
+    """NCCL's all-reduce (its algorithm follows the message size: not batch-invariant)."""
+
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + distributed_reasons()
+
+    def build(self, spec):
+        return LibraryAllReduce(spec)
+
+
+class DefaultAllGatherBuilder(AllGatherBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + distributed_reasons()
+
+    def build(self, spec):
+        return LastDimAllGather(spec)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from bi_core.backends.cuda_common import ops
 from bi_core.backends.cuda_common.checks import cuda_reasons
 from bi_core.backends.cuda_default import builders as d
-from bi_core.ops import AttentionBuilder, LinearBuilder
+from bi_core.ops import AllReduceBuilder, AttentionBuilder, LinearBuilder
+from bi_core.ops.collective import FixedOrderAllReduce, distributed_reasons
 
 
 def _hopper(spec) -> list[str]:
@@ -72,4 +73,20 @@ class InvariantSamplingBuilder(_OnHopper, d.DefaultSamplingBuilder):
 
 
 class InvariantGraphRunnerBuilder(_OnHopper, d.DefaultGraphRunnerBuilder):
+    pass
+
+
+class InvariantAllReduceBuilder(AllReduceBuilder):
+    """Fixed rank-order sum (all-to-all, local float32 sum in rank order, all-gather)."""
+
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return cuda_reasons(spec, modules=()) + distributed_reasons()
+
+    def build(self, spec):
+        return FixedOrderAllReduce(spec)
+
+
+class InvariantAllGatherBuilder(_OnHopper, d.DefaultAllGatherBuilder):
     pass

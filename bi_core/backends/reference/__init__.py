@@ -15,6 +15,7 @@ NAME = "reference"
 @hookimpl
 def bi_register_backends(register) -> None:
     from bi_core.backends.reference.attention import ReferenceAttentionBuilder
+    from bi_core.backends.reference.collective import ReferenceAllGatherBuilder, ReferenceAllReduceBuilder
     from bi_core.backends.reference.gdn import ReferenceGdnBuilder
     from bi_core.backends.reference.graph_runner import ReferenceGraphRunnerBuilder
     from bi_core.backends.reference.linear import ReferenceLinearBuilder
@@ -30,7 +31,8 @@ def bi_register_backends(register) -> None:
             builders=(
                 ReferenceAttentionBuilder(), ReferenceLinearBuilder(), ReferenceNormBuilder(),
                 ReferenceTopKBuilder(), ReferenceMoEBuilder(), ReferenceGdnBuilder(),
-                ReferenceSamplingBuilder(), ReferenceGraphRunnerBuilder(),
+                ReferenceSamplingBuilder(), ReferenceGraphRunnerBuilder(), ReferenceAllReduceBuilder(),
+                ReferenceAllGatherBuilder(),
             ),
             invariance_refusal="its PyTorch ops (matmul, softmax, conv) pick kernels by shape, so a row's "
             "bits can change with the batch; use cuda_hopper_invariant on an SM90 GPU",

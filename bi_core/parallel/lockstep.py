@@ -1,0 +1,120 @@
+"""Lock-step tensor parallelism: one engine per GPU, all running the same deterministic schedule.
+
+Rank 0 is the user's process (Python API, CLI, server); it starts ranks 1..N-1 itself (spawned
+processes, ``worker_main``). Every rank builds the same engine with its own shard of the weights
+and its own KV cache / GDN states (its heads only). Rank 0 records each request-changing call
+(``add_request``, ``add_score_request``, ``abort``) and, at each ``step``, sends the calls since
+the last step plus the step itself to the other ranks over a gloo group; they replay them in the
+same order. Scheduling is a pure function of those calls and of the sampled tokens, and the
+sampled tokens are the same on every rank (the logits are gathered whole to every rank and
+sampled with the same keys), so every rank makes the same decisions and issues the same
+collectives without any per-step plan being shipped. This is SGLang's arrangement (a scheduler
+per TP rank, requests broadcast from rank 0); it keeps AR, MTP, n-sample forks, prefix caching
+and scoring working unchanged under TP. Each step also carries rank 0's step count and request
+counters, so a rank that drifted stops with an error instead of deadlocking silently."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+
+import torch
+import torch.distributed as dist
+
+from bi_core.errors import BiEngineError
+from bi_core.parallel import state
+
+log = logging.getLogger(__name__)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of ``rank``: consecutive GPUs from the configured one (CPU stays CPU)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Driver:
+    """Rank 0's side: the worker processes and the calls not yet sent to them."""
+
+    def __init__(self, procs: list, group: state.TPGroup) -> None:
+        self.procs, self.group = procs, group
+        self.pending: list[tuple[str, tuple, dict]] = []
+        self.closed = False
+
+    def record(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.pending.append((name, args, kwargs))
+
+    def send_step(self, check: tuple) -> None:
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            raise BiEngineError(f"tensor-parallel rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} "
+                                "stopped; the engine cannot go on")
+        cmds, self.pending = self.pending + [("step", (check,), {})], []
+        dist.broadcast_object_list([cmds], src=0, group=self.group.control)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                dist.broadcast_object_list([[("shutdown", (), {})]], src=0, group=self.group.control)
+        finally:
+            for p in self.procs:
+                p.join(timeout_s)
+                if p.is_alive():
+                    p.terminate()
+            state.shutdown()
+
+
+def launch(config, device: torch.device) -> Driver:
+    """Start ranks 1..N-1 and join the process groups as rank 0."""
+    world = config.parallel.tensor_parallel_size
+    if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+        from bi_core.errors import ConfigError
+
+        raise ConfigError("parallel.tensor_parallel_size", f"{world} ranks from {device} need "
+                          f"{(device.index or 0) + world} GPUs; this machine has {torch.cuda.device_count()}")
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(rank, config, port, str(device)), daemon=True,
+                         name=f"bi-engine-tp{rank}") for rank in range(1, world)]
+    for p in procs:
+        p.start()
+    group = state.init(0, world, rank_device(device, 0), port)
+    return Driver(procs, group)
+
+
+def worker_main(rank: int, config, port: int, device: str) -> None:
+    """Rank ``rank``: build the same engine, then replay rank 0's calls until told to stop."""
+    logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
+    from bi_core.runtime.engine import LLMEngine
+
+    world = config.parallel.tensor_parallel_size
+    group = state.init(rank, world, rank_device(torch.device(device), rank), port)
+    engine = LLMEngine(config, tp_rank=rank)
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=group.control)
+            for name, args, kwargs in box[0]:
+                if name == "shutdown":
+                    return
+                if name == "step":
+                    mine = engine.lockstep_check()
+                    if args[0] != mine:
+                        raise BiEngineError(f"tensor-parallel rank {rank} drifted from rank 0: "
+                                            f"(steps, next request id, requests) {mine} != {args[0]}")
+                    engine.step()
+                else:
+                    getattr(engine, name)(*args, **kwargs)
+    finally:
+        state.shutdown()

@@ -1,0 +1,95 @@
+"""Tensor parallelism on the CPU: two engine processes over gloo on the reference backend must
+give what one process gives (float tolerance), from a transformers checkpoint (sharded on load:
+vocabulary-parallel embedding and head, heads, expert widths with zero padding) and from a random
+preset, through the lock-step calls (requests arriving between steps, n samples, aborts, MTP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_config
+from hf_fixtures import make_hf_model, save_checkpoint
+
+from bi_core import BiEngineError, ConfigError, EngineConfig, SamplingParams, build_engine
+from bi_core.parallel.shard import split
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 90))]
+
+
+def _config(tp: int, **overrides) -> EngineConfig:
+    return EngineConfig.from_dict(tiny_config(parallel={"tensor_parallel_size": tp}, **overrides))
+
+
+def _same(a, b) -> None:
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,tie,strategy", [("moe", False, "mtp"), ("dense", True, "ar")])
+def test_tp2_checkpoint_matches_tp1(tmp_path, kind, tie, strategy):
+    path = save_checkpoint(make_hf_model(kind, tie=tie), tmp_path / "ckpt", experts="fused", with_mtp=True)
+    model = {"path": str(path), "random": None, "max_model_len": 256}
+    extra = {"strategy": {"name": strategy, "num_speculative_tokens": 2}} if strategy == "mtp" else {}
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)
+    one = build_engine(_config(1, model=model, **extra)).generate(PROMPTS, params)
+    eng = build_engine(_config(2, model=model, **extra))
+    try:
+        assert eng.model.embed_tokens.shape[0] == 150  # this rank's half of the vocabulary
+        two = eng.generate(PROMPTS, params)
+    finally:
+        eng.close()
+    for a, b in zip(one, two):
+        _same(a, b)
+
+
+def _drive(eng) -> dict[int, list[int]]:
+    """Requests arriving between steps, n samples, one aborted mid-run, a scored pair."""
+    s0 = eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=10, n=2, temperature=1.0, seed=5))
+    eng.step()
+    s1 = eng.add_request(PROMPTS[2], SamplingParams(max_new_tokens=10))
+    victim = eng.add_request(PROMPTS[1], SamplingParams(max_new_tokens=30))
+    eng.step()
+    eng.step()
+    eng.abort(victim.request_id)
+    score = eng.add_score_request(PROMPTS[1], [4, 5, 6])
+    while eng.scheduler.has_work():
+        eng.step()
+    assert victim.finish_reason == "abort" and len(score.scored_logprobs) == 3
+    return {s.request_id: (s.output_ids, s.token_logprobs) for s in s0.group + [s1]} | {"score": score.scored_logprobs}
+
+
+def test_tp2_lockstep_calls_match_tp1():
+    one = _drive(build_engine(_config(1, model={"random": {"preset": "tiny-moe", "seed": 0}})))
+    eng = build_engine(_config(2, model={"random": {"preset": "tiny-moe", "seed": 0}}))
+    try:
+        two = _drive(eng)
+    finally:
+        eng.close()
+    assert one.keys() == two.keys()
+    for k in one:
+        if k == "score":
+            torch.testing.assert_close(torch.tensor(one[k]), torch.tensor(two[k]), atol=1e-4, rtol=1e-4)
+        else:
+            assert one[k][0] == two[k][0]
+            torch.testing.assert_close(torch.tensor(one[k][1]), torch.tensor(two[k][1]), atol=1e-4, rtol=1e-4)
+
+
+def test_tp_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size.*linear_num_key_heads=2"):
+        build_engine(_config(4))
+    eng = build_engine(_config(2))
+    try:
+        with pytest.raises(BiEngineError, match="update_weights with parallel.tensor_parallel_size > 1"):
+            eng.update_weights({})
+    finally:
+        eng.close()
+
+
+def test_shard_ranges_split_each_part_and_replicate_short_ones():
+    qkv = split(0, (8, 4), (4, 2), (4, 2))  # 4 query heads, 2 KV heads of size 2
+    assert qkv.ranges(1, 2) == [(4, 8), (10, 12), (14, 16)]
+    assert qkv.ranges(3, 4) == [(6, 8), (10, 12), (14, 16)]  # KV heads replicated: ranks 2, 3 hold head 1
+    assert qkv.local_size(4) == 2 + 2 + 2
+    assert split(0, (6, 3)).problems(2) and not split(0, (6, 3)).problems(3)
+    full = torch.arange(16)
+    assert qkv.take(full, 0, 2).tolist() == [0, 1, 2, 3, 8, 9, 12, 13]
