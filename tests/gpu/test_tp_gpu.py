@@ -1,7 +1,7 @@
 """Tensor parallelism on 2 GPUs (NCCL): the fixed-order all-reduce is bitwise the rank-order sum
 at every message size (1..256 rows); what NCCL's own all-reduce does is reported (with two ranks
 it is a + b, which commutes, so it is expected invariant too; docs/parallel.md). TP=2 logits of
-the 35B-A3B shape (4 layers) stay within bf16 tolerance of an fp32 reference; the engine-level
+the 35B-A3B shape (4 layers) stay as close to TP=1 as two correct bf16 engines are to each other; the engine-level
 invariance audit with TP=2 and its negative control run through `bi-engine verify`
 (benchmarks/tp_gpu.sh)."""
 
@@ -13,9 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_engine_gpu import gpu_config, prompts
 
-from bi_core import SamplingParams, build_engine
 from bi_core.parallel.collectives import all_reduce_fixed_order
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -56,24 +54,16 @@ def test_fixed_order_all_reduce_on_nccl_is_rank_order_sum_at_every_size():
     mp.spawn(_collectives, args=(_port(),), nprocs=2)
 
 
-def test_tp2_logits_within_bf16_tolerance():
-    """The TP=2 invariant engine's logits of the first step against an fp32 reference (one GPU):
-    within twice the bf16 reference backend's own error, as for TP=1 (test_engine_gpu.py)."""
-    ps = prompts(6, vocab=248320)
-    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    logits = {}
-    runs = (("tp2", "cuda_hopper_invariant", "bfloat16", 2), ("ref16", "reference", "bfloat16", 1),
-            ("ref32", "reference", "float32", 1))
-    for key, backend, dtype, tp in runs:
-        cfg = gpu_config(backend, "qwen3.5-35b-a3b", layers=4, invariant=backend != "reference", graphs=tp > 1)
-        eng = build_engine(cfg.replace(model={"dtype": dtype}, parallel={"tensor_parallel_size": tp}))
-        eng.on_logits = lambda seqs, rows, key=key: [logits.setdefault((key, s.request_id), r.float())
-                                                    for s, r in zip(seqs, rows)]
-        eng.generate(ps, params)
-        eng.close()
-        del eng
-    for i in range(len(ps)):
-        t = logits[("ref32", i)]
-        ours = float((logits[("tp2", i)] - t).norm() / t.norm())
-        ref = float((logits[("ref16", i)] - t).norm() / t.norm())
-        assert ours < max(2 * ref, 1e-2), (i, ours, ref)
+def test_tp2_logprobs_within_bf16_tolerance():
+    """TP=2 against TP=1 (invariant backend, 35B-A3B shape, 4 layers): the mean logprob gap stays
+    within twice the gap between two correct bf16 engines (default vs invariant backend at TP=1).
+    H200 x2, 2026-11-23 (benchmarks/tp_match.py): 0.0249 vs 0.0174 (ratio 1.43)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from tp_match import gaps
+
+    d = gaps()
+    tp, yardstick = d["inv-tp2 vs inv-tp1"], d["def-tp1 vs inv-tp1"]
+    assert tp.mean() <= 2 * yardstick.mean(), (float(tp.mean()), float(yardstick.mean()))
