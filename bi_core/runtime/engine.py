@@ -600,7 +600,9 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     _, _, factory = prepare(config, registry, live=live, plan_only=True)
     args, index = resolve_model(config)
     with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
-    Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp)
+    world = config.parallel.tensor_parallel_size
+    check_tensor_parallel(args, world)
+    Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp, tp=TPInfo(0, world))
     factory.build("graph_runner", GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled,
                                                   max_batch_size=config.scheduler.max_num_seqs))
     failure = "\n".join(dict.fromkeys(factory.failures()))

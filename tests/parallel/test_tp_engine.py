@@ -93,3 +93,14 @@ def test_shard_ranges_split_each_part_and_replicate_short_ones():
     assert split(0, (6, 3)).problems(2) and not split(0, (6, 3)).problems(3)
     full = torch.arange(16)
     assert qkv.take(full, 0, 2).tolist() == [0, 1, 2, 3, 8, 9, 12, 13]
+
+
+def test_explain_shows_the_collectives_the_policy_chose():
+    from pathlib import Path
+
+    from bi_core.runtime.engine import explain
+
+    text = explain(EngineConfig.from_yaml(Path(__file__).parents[2] / "configs" / "h200x2_invariant_tp2.yaml"))
+    assert "all_reduce    -> cuda_hopper_invariant" in text and "summed in rank order" in text
+    assert "all_gather    -> cuda_hopper_invariant" in text
+    assert "all_reduce" not in explain(_config(1))
