@@ -19,13 +19,14 @@ TINY = dict(
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
 
 
-def make_hf_model(kind: str, *, tie: bool = False, seed: int = 0):
-    """A transformers Qwen3.5 (dense or MoE) CausalLM with non-degenerate random fp32 weights."""
+def make_hf_model(kind: str, *, tie: bool = False, seed: int = 0, **overrides):
+    """A transformers Qwen3.5 (dense or MoE) CausalLM with non-degenerate random fp32 weights;
+    ``overrides`` change fields of ``TINY`` (e.g. more heads)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    common = dict(TINY, num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, tie_word_embeddings=tie,
+    common = dict(TINY, **overrides, num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, tie_word_embeddings=tie,
                   eos_token_id=299)
     if kind == "moe":
         config = Qwen3_5MoeTextConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

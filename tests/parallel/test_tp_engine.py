@@ -42,6 +42,24 @@ def test_tp2_checkpoint_matches_tp1(tmp_path, kind, tie, strategy):
         _same(a, b)
 
 
+def test_tp4_replicates_kv_heads_and_matches_tp1(tmp_path):
+    """Four ranks over two KV heads: each KV head on two ranks, each rank a quarter of the query
+    heads (all in that KV head's group), GDN heads and expert widths in quarters."""
+    hf = make_hf_model("moe", num_attention_heads=8, linear_num_key_heads=4, linear_num_value_heads=8)
+    path = save_checkpoint(hf, tmp_path / "ckpt", experts="fused")
+    model = {"path": str(path), "random": None, "max_model_len": 256}
+    params = SamplingParams(max_new_tokens=8)
+    one = build_engine(_config(1, model=model)).generate(PROMPTS, params)
+    eng = build_engine(_config(4, model=model))
+    try:
+        assert eng.cache.main.k[0].shape[2] == 1  # one (replicated) KV head per rank
+        two = eng.generate(PROMPTS, params)
+    finally:
+        eng.close()
+    for a, b in zip(one, two):
+        _same(a, b)
+
+
 def _drive(eng) -> dict[int, list[int]]:
     """Requests arriving between steps, n samples, one aborted mid-run, a scored pair."""
     s0 = eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=10, n=2, temperature=1.0, seed=5))
