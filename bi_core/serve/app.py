@@ -69,10 +69,10 @@ class Server:
         aloop = asyncio.get_running_loop()
         choices: list[_Choice] = []
         for ids, params in jobs:
-            def emit(sample: int, delta: Delta, base: int = len(choices)) -> None:
-                aloop.call_soon_threadsafe(queue.put_nowait, (base + sample, delta))
+            def emit(sample: int, delta: Delta, base: int = len(choices)) -> None:  # on the event loop
+                queue.put_nowait((base + sample, delta))
             try:
-                rids = await asyncio.wrap_future(self.loop.submit(ids, params, emit))
+                rids = await asyncio.wrap_future(self.loop.submit(ids, params, emit, aloop.call_soon_threadsafe))
             except BiEngineError as e:
                 self.abort(choices)
                 if not self.loop.accepting or "too many waiting" in str(e):

@@ -52,8 +52,14 @@ class Delta:
 class _Tracked:
     seq: Sequence
     emit: Callable[[Delta], None]
+    post: Callable | None = None  # runs ``fn(*args)`` on the consumer's thread (e.g. call_soon_threadsafe)
     tokens_sent: int = 0
     text_sent: int = 0
+
+
+def _deliver(items: list[tuple[Callable[[Delta], None], Delta]]) -> None:
+    for emit, delta in items:
+        emit(delta)
 
 
 class EngineLoop:
@@ -68,6 +74,7 @@ class EngineLoop:
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
+        self._outbox: dict[Callable, list] = {}  # deltas of this iteration per consumer, posted at once
 
     def start(self) -> None:
         """Run the loop on a thread of its own (``run`` runs it on the caller's)."""
@@ -76,12 +83,15 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ called from the HTTP side
 
-    def submit(self, prompt: Prompt, params: SamplingParams, emit: Callable[[int, Delta], None]) -> Future:
+    def submit(self, prompt: Prompt, params: SamplingParams, emit: Callable[[int, Delta], None],
+               post: Callable | None = None) -> Future:
         """Queue a request; the future resolves to the request ids of its ``params.n`` samples, or
         to the engine's RequestError (bad prompt) so the caller can answer 400 before streaming
-        anything. ``emit(sample_index, delta)`` reports each sample's progress."""
+        anything. ``emit(sample_index, delta)`` reports each sample's progress: called on the
+        engine thread, or with ``post`` (e.g. an asyncio loop's ``call_soon_threadsafe``) on the
+        consumer's, every request sharing a ``post`` getting one hand-over per engine step."""
         fut: Future = Future()
-        self.commands.put(("add", (prompt, params, emit, fut)))
+        self.commands.put(("add", (prompt, params, emit, post, fut)))
         self.wakeup.set()
         return fut
 
@@ -117,9 +127,11 @@ class EngineLoop:
             if self.stopping and (not self.tracked or time.monotonic() >= self.deadline):
                 for rid in list(self.tracked):
                     self._abort(rid)
+                self._flush()
                 return
             if self.engine.scheduler.has_work() and self.failure is None:
                 self._step()
+                self._flush()
             else:
                 self.wakeup.wait(IDLE_WAIT_S)
 
@@ -133,8 +145,9 @@ class EngineLoop:
                 self._add(*payload)
             else:
                 self._abort(payload)
+        self._flush()
 
-    def _add(self, prompt, params, emit, fut: Future) -> None:
+    def _add(self, prompt, params, emit, post, fut: Future) -> None:
         if not self.accepting:
             fut.set_exception(BiEngineError(self.failure or "the server is shutting down"))
             return
@@ -147,7 +160,7 @@ class EngineLoop:
             fut.set_exception(e)
             return
         for member in seq.group:  # the prompt's n samples, each its own stream
-            self.tracked[member.request_id] = _Tracked(member, functools.partial(emit, member.sample_index))
+            self.tracked[member.request_id] = _Tracked(member, functools.partial(emit, member.sample_index), post)
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
         fut.set_result([member.request_id for member in seq.group])
 
@@ -158,7 +171,7 @@ class EngineLoop:
         # a sample not yet forked was aborted with its leader: it still gets its last delta
         if self.engine.abort(request_id) or t.seq.finish_reason == "abort":
             self.metrics.finished.labels("abort").inc()
-            t.emit(Delta([], [], [], "", self.engine.output_of(t.seq)))
+            self._send(t, Delta([], [], [], "", self.engine.output_of(t.seq)))
 
     def _step(self) -> None:
         before = sum(len(t.seq.output_ids) for t in self.tracked.values())
@@ -193,4 +206,17 @@ class EngineLoop:
         if done:
             del self.tracked[rid]
             self.metrics.finished.labels(seq.finish_reason or "unknown").inc()
-        t.emit(delta)
+        self._send(t, delta)
+
+    def _send(self, t: _Tracked, delta: Delta) -> None:
+        if t.post is None:
+            t.emit(delta)
+        else:
+            self._outbox.setdefault(t.post, []).append((t.emit, delta))
+
+    def _flush(self) -> None:
+        """Hand each consumer this iteration's deltas in one call (one event-loop wake-up per
+        step, instead of one per stream)."""
+        outbox, self._outbox = self._outbox, {}
+        for post, items in outbox.items():
+            post(_deliver, items)
