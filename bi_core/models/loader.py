@@ -169,26 +169,38 @@ def _plan(source, wmap, args: ModelArgs) -> tuple[list[_Step], list[str], list[s
     return steps, unknown, problems
 
 
+def _shard_pieces(dst: tuple, view: torch.Tensor, param: torch.nn.Parameter):
+    """``(local index, part of view)`` pairs: the part of ``param_full[dst] = view`` that falls in
+    this rank's shard of ``param`` (tensor parallelism), placed at its local position."""
+    full, shard, tp = param.full_shape, param.shard, param.tp
+    idx = tuple(dst) + (slice(None),) * (len(full) - len(dst))
+    d = shard.dim
+    assert isinstance(idx[d], slice), "a placement indexes the split dim with an int"
+    start, stop, step = idx[d].indices(full[d])
+    assert step == 1
+    view_dim = d - sum(isinstance(c, int) for c in idx[:d])  # ints before d drop dims from the view
+    offset = 0
+    for lo, hi in shard.ranges(tp.rank, tp.world):
+        a, b = max(start, lo), min(stop, hi)
+        if a < b:
+            local = list(idx)
+            local[d] = slice(offset + a - lo, offset + b - lo)
+            yield tuple(local), view.narrow(view_dim, a - start, b - a)
+        offset += hi - lo
+
+
 @torch.no_grad()
 def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step]) -> None:
-    left: dict[str, int] = {}  # steps still to come per parameter
-    for step in steps:
-        left[step.placement.param] = left.get(step.placement.param, 0) + 1
-    staged: dict[str, torch.Tensor] = {}
     for step in steps:
         param, pl = params[step.placement.param], step.placement
-        target = param
-        if hasattr(param, "shard"):  # tensor parallel: fill the full tensor on the host, then keep this rank's part
-            if pl.param not in staged:
-                staged[pl.param] = torch.zeros(param.full_shape, dtype=param.dtype)
-            target = staged[pl.param]
         t = source.get(step.name)
         t = t.transpose(1, 2) if step.transposed else t.reshape(pl.shape)
         for dst, src in pl.pieces:
-            target[dst].copy_(t[src], non_blocking=True)
-        left[pl.param] -= 1
-        if pl.param in staged and not left[pl.param]:
-            param.copy_(param.shard.take(staged.pop(pl.param), param.tp.rank, param.tp.world))
+            if not hasattr(param, "shard"):
+                param[dst].copy_(t[src], non_blocking=True)
+                continue
+            for local, part in _shard_pieces(dst, t[src], param):  # tensor parallel: this rank's part only
+                param[local].copy_(part, non_blocking=True)
 
 
 def _missing(wmap, covered: dict[str, set]) -> str | None:

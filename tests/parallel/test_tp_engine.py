@@ -25,9 +25,10 @@ def _same(a, b) -> None:
     torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind,tie,strategy", [("moe", False, "mtp"), ("dense", True, "ar")])
-def test_tp2_checkpoint_matches_tp1(tmp_path, kind, tie, strategy):
-    path = save_checkpoint(make_hf_model(kind, tie=tie), tmp_path / "ckpt", experts="fused", with_mtp=True)
+@pytest.mark.parametrize("kind,tie,strategy,experts", [("moe", False, "mtp", "fused"), ("dense", True, "ar", "fused"),
+                                                        ("moe", False, "ar", "per_expert")])
+def test_tp2_checkpoint_matches_tp1(tmp_path, kind, tie, strategy, experts):
+    path = save_checkpoint(make_hf_model(kind, tie=tie), tmp_path / "ckpt", experts=experts, with_mtp=True)
     model = {"path": str(path), "random": None, "max_model_len": 256}
     extra = {"strategy": {"name": strategy, "num_speculative_tokens": 2}} if strategy == "mtp" else {}
     params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)
