@@ -246,6 +246,13 @@ def update_weights(model: torch.nn.Module, source) -> int:
     """Copy the tensors of ``source`` (any subset of the checkpoint's names) into the model's
     existing parameters, in place. Every name, shape and dtype is checked before anything is
     copied, so a bad update changes nothing. Returns the number of tensors copied."""
+    steps = check_update(model, source)
+    _copy(dict(model.named_parameters()), source, steps)
+    return len(steps)
+
+
+def check_update(model: torch.nn.Module, source) -> list[_Step]:
+    """The copy steps of an update, after checking every name, shape and dtype (raises)."""
     args = model.args
     wmap = weight_map(args, with_mtp=model.mtp is not None)
     steps, unknown, problems = _plan(source, wmap, args)
@@ -259,5 +266,4 @@ def update_weights(model: torch.nn.Module, source) -> int:
     if problems:
         raise CheckpointError("update_weights: " + "; ".join(problems[:5]) +
                               (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + "; nothing was updated")
-    _copy(dict(model.named_parameters()), source, steps)
-    return len(steps)
+    return steps

@@ -60,6 +60,18 @@ class Driver:
         cmds, self.pending = self.pending + [("step", (check,), {})], []
         dist.broadcast_object_list([cmds], src=0, group=self.group.control)
 
+    def send_now(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Send the pending calls and ``name(*args, **kwargs)`` now (not with the next step)."""
+        cmds, self.pending = self.pending + [(name, args, kwargs)], []
+        dist.broadcast_object_list([cmds], src=0, group=self.group.control)
+
+    def send_weights(self, source, names: list[str], device: torch.device) -> None:
+        """``update_weights`` from tensors: their names, shapes and dtypes first, then each tensor
+        broadcast from rank 0 over the device group (NCCL on GPUs), one at a time."""
+        self.send_now("receive_weights", ([(n, source.shape(n), source.dtype(n)) for n in names],), {})
+        for n in names:
+            dist.broadcast(source.get(n).to(device).contiguous(), src=0, group=self.group.device_group)
+
     def close(self, timeout_s: float = 30.0) -> None:
         if self.closed:
             return
@@ -91,6 +103,13 @@ def launch(config, device: torch.device) -> Driver:
         p.start()
     group = state.init(0, world, rank_device(device, 0), port)
     return Driver(procs, group)
+
+
+def receive_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The next tensor rank 0's ``send_weights`` broadcasts."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(t, src=0, group=state.current().device_group)
+    return t
 
 
 def worker_main(rank: int, config, port: int, device: str) -> None:

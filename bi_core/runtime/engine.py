@@ -14,7 +14,14 @@ from tqdm import tqdm
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError, ConfigError, PromptTooLongError, RequestError
 from bi_core.models.args import ModelArgs
-from bi_core.models.loader import CheckpointIndex, TensorDict, load_weights, read_config, update_weights
+from bi_core.models.loader import (
+    CheckpointIndex,
+    TensorDict,
+    check_update,
+    load_weights,
+    read_config,
+    update_weights,
+)
 from bi_core.models.presets import preset_args
 from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_args
 from bi_core.models.random_init import init_random_weights
@@ -433,9 +440,6 @@ class LLMEngine:
         Every name, shape and dtype is checked before anything is copied. Call it between steps
         with no request unfinished (results would mix two models), or ``abort_unfinished=True`` to
         abort them. Cached prefixes are dropped. Returns the number of tensors copied."""
-        if self.tp.world > 1:
-            raise BiEngineError("update_weights with parallel.tensor_parallel_size > 1 is not supported yet (each "
-                                "rank would need its shard of the new weights)")
         if self.requests:
             if not abort_unfinished:
                 raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
@@ -446,13 +450,31 @@ class LLMEngine:
             source = CheckpointIndex(weights)
         else:
             source = TensorDict(weights)
+        if self._driver is not None:  # tensor parallel: check here first, then every rank takes its shard
+            steps = check_update(self.model, source)
+            if isinstance(weights, (str, Path)):
+                self._driver.send_now("update_weights", (str(weights),), {})  # each rank reads its shard
+            else:
+                self._driver.send_weights(source, [st.name for st in steps], self.device)
         count = update_weights(self.model, source)
+        self._after_update()
+        return count
+
+    def receive_weights(self, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Tensor-parallel rank > 0: rank 0's ``update_weights`` tensors, received one at a time
+        (rank 0 checked them all first) and copied into this rank's shard."""
+        from bi_core.parallel.lockstep import receive_tensor
+
+        for name, shape, dtype in meta:
+            update_weights(self.model, TensorDict([(name, receive_tensor(shape, dtype, self.device))]))
+        self._after_update()
+
+    def _after_update(self) -> None:
         if self.cache.prefix is not None:
             self.cache.prefix.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.weight_version += 1
-        return count
 
     # ------------------------------------------------------------------ batch API
 

@@ -96,12 +96,31 @@ def test_tp2_lockstep_calls_match_tp1():
 def test_tp_errors_name_the_problem():
     with pytest.raises(ConfigError, match="parallel.tensor_parallel_size.*linear_num_key_heads=2"):
         build_engine(_config(4))
-    eng = build_engine(_config(2))
+
+
+@pytest.mark.parametrize("how", ["tensors", "directory"])
+def test_tp2_update_weights_equals_loading_the_new_checkpoint(tmp_path, how):
+    """Rank 0 checks the update, then every rank copies its shard: tensors broadcast from rank 0,
+    or each rank reading the directory. A bad update is refused before anything moves."""
+    old = save_checkpoint(make_hf_model("moe", seed=0), tmp_path / "old", experts="fused")
+    new_hf = make_hf_model("moe", seed=1)
+    new = save_checkpoint(new_hf, tmp_path / "new", experts="fused")
+    params = SamplingParams(max_new_tokens=8)
+    model = {"path": str(new), "random": None, "max_model_len": 256}
+    want = build_engine(_config(1, model=model)).generate(PROMPTS, params)
+    eng = build_engine(_config(2, model={**model, "path": str(old)}))
     try:
-        with pytest.raises(BiEngineError, match="update_weights with parallel.tensor_parallel_size > 1"):
-            eng.update_weights({})
+        before = eng.generate(PROMPTS, params)
+        with pytest.raises(BiEngineError, match="shape"):
+            eng.update_weights({"model.norm.weight": torch.zeros(3)})
+        weights = str(new) if how == "directory" else new_hf.state_dict()
+        assert eng.update_weights(weights) > 0
+        got = eng.generate(PROMPTS, params)
     finally:
         eng.close()
+    assert [o.token_ids for o in before] != [o.token_ids for o in want]  # the update has something to change
+    for a, b in zip(want, got):
+        _same(a, b)
 
 
 def test_shard_ranges_split_each_part_and_replicate_short_ones():
