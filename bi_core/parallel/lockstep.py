@@ -47,6 +47,7 @@ class Driver:
     def __init__(self, procs: list, group: state.TPGroup) -> None:
         self.procs, self.group = procs, group
         self.pending: list[tuple[str, tuple, dict]] = []
+        self.started = False  # every rank built its engine and listens for calls
         self.closed = False
 
     def record(self, name: str, args: tuple, kwargs: dict) -> None:
@@ -77,8 +78,10 @@ class Driver:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if self.started and all(p.is_alive() for p in self.procs):
                 dist.broadcast_object_list([[("shutdown", (), {})]], src=0, group=self.group.control)
+            else:  # rank 0 failed while building: the others may wait in a collective, stop them
+                timeout_s = 0.0
         finally:
             for p in self.procs:
                 p.join(timeout_s)

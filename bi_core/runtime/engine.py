@@ -83,12 +83,14 @@ class LLMEngine:
         self.args = args
         self.tp = TPInfo(tp_rank, config.parallel.tensor_parallel_size)
         check_tensor_parallel(args, self.tp.world)
-        self._driver = None  # rank 0 of a tensor-parallel engine: the other ranks' processes
-        driver = launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
         if self.max_model_len > args.max_position_embeddings:
             raise ConfigError("model.max_model_len", f"{self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {args.max_position_embeddings}")
+        self._driver = None  # rank 0 of a tensor-parallel engine, once every rank is built: the other ranks
+        driver = launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
+        if driver is not None:
+            atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
         self.checkpoint_has_mtp = index is not None and index.has_prefix("mtp.")
         with_mtp = self.checkpoint_has_mtp if index is not None else args.mtp_num_hidden_layers > 0
         try:
@@ -145,8 +147,8 @@ class LLMEngine:
         if config.graph.warmup and config.graph.enabled and self.device.type == "cuda":
             self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
         if driver is not None:
+            driver.started = True
             self._driver = driver
-            atexit.register(self.close)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op with one rank); the engine is unusable after."""
