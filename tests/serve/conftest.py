@@ -33,9 +33,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp: Path, *extra: str) -> None:
+    def __init__(self, tmp: Path, *extra: str, config: str = CONFIG) -> None:
         cfg = tmp / "serve.yaml"
-        cfg.write_text(CONFIG)
+        cfg.write_text(config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY, ServerProcess, httpx
+from conftest import API_KEY, CONFIG, ServerProcess, httpx
 
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -209,3 +209,36 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
         assert r.status_code == 200
     t.join(60)
     assert result["finish"] == "length" and s.stop() == 0
+
+
+def test_tensor_parallel_server_matches_one_process(server, tmp_path):
+    """`bi-engine serve` with tensor_parallel_size 2 (two engine processes, gloo): concurrent
+    requests answer as the one-process server does, a stream cut mid-way is aborted on every rank,
+    and SIGTERM stops both ranks with exit code 0."""
+    tp = ServerProcess(tmp_path, config=CONFIG + "parallel: {tensor_parallel_size: 2}\n")
+    try:
+        rng = random.Random(1)
+        reqs = [dict(model="tiny", prompt=[rng.randrange(256) for _ in range(rng.randint(1, 40))],
+                     max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000),
+                     logprobs=0) for _ in range(16)]
+
+        async def burst(url):
+            ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+            try:
+                return await asyncio.gather(*(ac.completions.create(**r) for r in reqs))
+            finally:
+                await ac.close()
+
+        with httpx.stream("POST", f"{tp.url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True}) as r:
+            next(r.iter_lines())  # then the client goes away mid-stream
+        two = asyncio.run(burst(tp.url))
+        one = asyncio.run(burst(server.url))
+        for a, b in zip(one, two):
+            assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and metric(tp, "bi_requests_running"):
+            time.sleep(0.2)
+        assert metric(tp, "bi_requests_running") == 0 and metric(tp, "bi_kv_pages_used") == 0
+    finally:
+        assert tp.stop() == 0
