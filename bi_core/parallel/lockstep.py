@@ -54,15 +54,14 @@ class Driver:
         self.pending.append((name, args, kwargs))
 
     def send_step(self, check: tuple) -> None:
+        self.send_now("step", (check,), {})
+
+    def send_now(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Send the pending calls and ``name(*args, **kwargs)`` now (not with the next step)."""
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise BiEngineError(f"tensor-parallel rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} "
                                 "stopped; the engine cannot go on")
-        cmds, self.pending = self.pending + [("step", (check,), {})], []
-        dist.broadcast_object_list([cmds], src=0, group=self.group.control)
-
-    def send_now(self, name: str, args: tuple, kwargs: dict) -> None:
-        """Send the pending calls and ``name(*args, **kwargs)`` now (not with the next step)."""
         cmds, self.pending = self.pending + [(name, args, kwargs)], []
         dist.broadcast_object_list([cmds], src=0, group=self.group.control)
 
