@@ -142,3 +142,15 @@ def test_explain_shows_the_collectives_the_policy_chose():
     assert "all_reduce    -> cuda_hopper_invariant" in text and "summed in rank order" in text
     assert "all_gather    -> cuda_hopper_invariant" in text
     assert "all_reduce" not in explain(_config(1))
+
+
+def test_a_rank_that_died_is_reported_not_waited_for():
+    eng = build_engine(_config(2))
+    try:
+        worker = eng._driver.procs[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.raises(BiEngineError, match=r"tensor-parallel rank\(s\) 1 \(exit code -9\) stopped"):
+            eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    finally:
+        eng.close()
