@@ -35,18 +35,6 @@ class Shard:
     def local_size(self, world: int) -> int:
         return sum(hi - lo for lo, hi in self.ranges(0, world))
 
-    def problems(self, world: int) -> list[str]:
-        """Why this split cannot be made on ``world`` ranks (empty when it can)."""
-        out = []
-        for size, units in self.parts:
-            if size % units:
-                out.append(f"a part of {size} is not made of {units} equal units")
-            elif units >= world and units % world:
-                out.append(f"{units} heads/units do not split over {world} ranks")
-            elif units < world and world % units:
-                out.append(f"{units} heads cannot be replicated evenly over {world} ranks")
-        return out
-
     def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         """This rank's slice of the full tensor."""
         pieces = [full.narrow(self.dim, lo, hi - lo) for lo, hi in self.ranges(rank, world)]

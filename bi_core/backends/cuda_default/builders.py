@@ -6,9 +6,8 @@ import torch
 
 from bi_core.backends.cuda_common import ops
 from bi_core.backends.cuda_common.checks import cuda_reasons
+from bi_core.backends.reference.collective import ReferenceAllGatherBuilder, ReferenceAllReduceBuilder
 from bi_core.ops import (
-    AllGatherBuilder,
-    AllReduceBuilder,
     AttentionBuilder,
     GdnBuilder,
     GraphRunnerBuilder,
@@ -18,7 +17,6 @@ from bi_core.ops import (
     SamplingBuilder,
     TopKBuilder,
 )
-from bi_core.ops.collective import LastDimAllGather, LibraryAllReduce, distributed_reasons
 
 BF16_FP32 = (torch.bfloat16, torch.float32)
 
@@ -116,19 +114,13 @@ class DefaultGraphRunnerBuilder(GraphRunnerBuilder):
         return CudaGraphRunnerImpl(spec)
 
 
-class DefaultAllReduceBuilder(AllReduceBuilder):
+class DefaultAllReduceBuilder(ReferenceAllReduceBuilder):
     """NCCL's all-reduce (its algorithm follows the message size: not batch-invariant)."""
 
     def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + distributed_reasons()
-
-    def build(self, spec):
-        return LibraryAllReduce(spec)
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + super().check(spec, policy)
 
 
-class DefaultAllGatherBuilder(AllGatherBuilder):
+class DefaultAllGatherBuilder(ReferenceAllGatherBuilder):
     def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + distributed_reasons()
-
-    def build(self, spec):
-        return LastDimAllGather(spec)
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + super().check(spec, policy)
