@@ -66,6 +66,22 @@ class FixedOrderAllReduce:
         return all_reduce_fixed_order(x, self.group, self.world)
 
 
+class PairAllReduce(LibraryAllReduce):
+    """Two ranks: the library's all-reduce is batch-invariant. Each element gets one addition,
+    r0 + r1, rounded once, and IEEE addition commutes, so every algorithm, chunking and protocol
+    gives the same bits (measured equal to the fixed-order sum at 1..256 rows on 2 x H200:
+    tests/gpu/test_tp_gpu.py). Only with NVLink SHARP (NVLS) off: a reduction inside the switch
+    has no documented rounding; ``nvls_off()`` says whether it is."""
+
+
+def nvls_off() -> bool:
+    """NCCL's NVLink SHARP reduction is off (``bi_core.parallel.state.init`` turns it off unless the
+    user set ``NCCL_NVLS_ENABLE`` themselves)."""
+    import os
+
+    return os.environ.get("NCCL_NVLS_ENABLE", "0") == "0"
+
+
 class LastDimAllGather:
     """Concatenation over ranks along the last dim: moves bytes, no arithmetic (invariant)."""
 

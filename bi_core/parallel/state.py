@@ -6,6 +6,7 @@ for the lock-step commands rank 0 sends (host objects, never on the GPU's stream
 from __future__ import annotations
 
 import datetime
+import os
 
 import attrs
 import torch
@@ -35,6 +36,10 @@ def init(rank: int, world: int, device: torch.device, port: int, timeout_s: floa
         raise RuntimeError("tensor-parallel groups already initialised in this process "
                            "(one tensor-parallel engine per process)")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # NVLink SHARP reduces inside the switch with undocumented rounding: off, so that a two-rank
+    # NCCL all-reduce is exactly r0 + r1 (the invariant backend relies on it; ops/collective.py).
+    # A user who sets NCCL_NVLS_ENABLE=1 gets the fixed-order sum at two ranks too.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -48,6 +48,8 @@ def _check(rank: int, world: int, port: int, dtype: torch.dtype, expect_library_
             assert varies, "negative control: the library all-reduce gave row 0 the same bits at every size"
         else:
             assert not varies, f"two ranks: a + b should not depend on the message size ({varies})"
+            for n in ROWS:  # what the invariant backend's PairAllReduce relies on
+                assert torch.equal(library[n], want[:n].to(dtype)), f"two ranks: library sum of {n} rows is not r0 + r1"
         gathered = all_gather_last_dim(rows[:3, rank * 8:(rank + 1) * 8].contiguous(), dist.group.WORLD, world)
         whole = torch.cat([_rows(r, dtype)[:3, r * 8:(r + 1) * 8] for r in range(world)], dim=1)
         assert torch.equal(gathered, whole), "all_gather_last_dim: rank r's columns belong at [r*n, (r+1)*n)"
@@ -59,3 +61,23 @@ def _check(rank: int, world: int, port: int, dtype: torch.dtype, expect_library_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_order_all_reduce_is_size_independent(world, dtype):
     mp.spawn(_check, args=(world, _port(), dtype, world > 2), nprocs=world)
+
+
+def test_invariant_backend_uses_the_library_all_reduce_at_two_ranks_only(monkeypatch):
+    """Two ranks with NVLS off: NCCL's all-reduce (a + b commutes); 4 ranks, or NVLS on: fixed order."""
+    from bi_core.backends.cuda_hopper_invariant.builders import InvariantAllReduceBuilder
+    from bi_core.ops.collective import CollectiveSpec, FixedOrderAllReduce, PairAllReduce
+    from bi_core.parallel import state
+    from bi_core.parallel.shard import TPInfo
+
+    monkeypatch.setattr(state, "_current", state.TPGroup(TPInfo(0, 2), object(), object()))
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+
+    def built(world):
+        return InvariantAllReduceBuilder().build(CollectiveSpec(dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                                world_size=world))
+
+    assert type(built(2)) is PairAllReduce
+    assert type(built(4)) is FixedOrderAllReduce
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert type(built(2)) is FixedOrderAllReduce

@@ -7,7 +7,7 @@ from bi_core.backends.cuda_common import ops
 from bi_core.backends.cuda_common.checks import cuda_reasons
 from bi_core.backends.cuda_default import builders as d
 from bi_core.ops import AllReduceBuilder, AttentionBuilder, LinearBuilder
-from bi_core.ops.collective import FixedOrderAllReduce, distributed_reasons
+from bi_core.ops.collective import FixedOrderAllReduce, PairAllReduce, distributed_reasons, nvls_off
 
 
 def _hopper(spec) -> list[str]:
@@ -77,7 +77,8 @@ class InvariantGraphRunnerBuilder(_OnHopper, d.DefaultGraphRunnerBuilder):
 
 
 class InvariantAllReduceBuilder(AllReduceBuilder):
-    """Fixed rank-order sum (all-to-all, local float32 sum in rank order, all-gather)."""
+    """Two ranks (NVLS off): NCCL's all-reduce, r0 + r1 whatever the algorithm (``PairAllReduce``).
+    Otherwise the fixed rank-order sum (all-to-all, local float32 sum in rank order, all-gather)."""
 
     is_batch_invariant = True
 
@@ -85,6 +86,8 @@ class InvariantAllReduceBuilder(AllReduceBuilder):
         return cuda_reasons(spec, modules=()) + distributed_reasons()
 
     def build(self, spec):
+        if spec.world_size == 2 and nvls_off():
+            return PairAllReduce(spec)
         return FixedOrderAllReduce(spec)
 
 
