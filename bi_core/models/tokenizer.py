@@ -109,3 +109,10 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
     return HFTokenizer(p)
+
+
+def tokenizer_for(model) -> Tokenizer | None:
+    """The tokenizer an engine of this ``ModelConfig`` uses: ``model.tokenizer``, else the
+    checkpoint's own (None if it has none), else bytes (random presets have no tokenizer files)."""
+    path = model.tokenizer or model.path
+    return load_tokenizer(path) if path else ByteTokenizer()

@@ -25,7 +25,7 @@ from bi_core.models.loader import (
 from bi_core.models.presets import preset_args
 from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_args
 from bi_core.models.random_init import init_random_weights
-from bi_core.models.tokenizer import ByteTokenizer, load_tokenizer
+from bi_core.models.tokenizer import tokenizer_for
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, mix_seed, sample_seed
 from bi_core.parallel.lockstep import launch, rank_device
@@ -133,8 +133,7 @@ class LLMEngine:
                                    exact_step_tokens=min(limits, default=None))
         strategy_cls.check(self)
         self.strategy = strategy_cls(self)
-        tok_path = config.model.tokenizer or config.model.path
-        self.tokenizer = load_tokenizer(tok_path) if tok_path else ByteTokenizer()
+        self.tokenizer = tokenizer_for(config.model)
         self.eos_ids = args.eos_token_ids
         self.on_logits = None  # debugging hook: called with (sequences, logits) before sampling
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id

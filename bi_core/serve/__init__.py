@@ -1,14 +1,14 @@
 """``bi-engine serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
 
-A layer above the engine: ``app.py`` (routes, OpenAI formats, errors), ``loop.py`` (the one
-thread that owns the engine), ``protocol.py`` (request models), ``metrics.py`` (Prometheus).
-Needs the ``serve`` extra: ``pip install "bi-engine[serve]"``."""
+Two processes: this one runs the HTTP front (``app.py``: routes, OpenAI formats, errors;
+``protocol.py``: request models; ``metrics.py``: Prometheus; ``client.py``: the engine process's
+handle), and the engine process runs the engine loop (``loop.py``), so HTTP work never holds the
+engine's GIL. Needs the ``serve`` extra: ``pip install "bi-engine[serve]"``."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import threading
-import time
 from pathlib import Path
 
 from bi_core.config import EngineConfig
@@ -26,47 +26,47 @@ def model_name_for(config: EngineConfig) -> str:
 
 
 def run_server(config: EngineConfig) -> int:
-    """Build the engine, serve until SIGTERM/SIGINT, then stop accepting, let in-flight requests
-    finish within serve.shutdown_timeout_s (abort what is left) and return 0.
-
-    The engine loop runs here, on the main thread that built the engine (see ``loop.py`` for why);
-    uvicorn runs on a second thread, and the signals are caught here and handed to it."""
+    """Start the engine process, serve until SIGTERM/SIGINT, then stop accepting, let in-flight
+    requests finish within serve.shutdown_timeout_s (uvicorn's graceful exit), abort what is
+    left, stop the engine process and return 0."""
     try:
         import uvicorn
 
         from bi_core.serve.app import create_app
     except ImportError as e:
         raise BiEngineError(f"bi-engine serve needs the serve extra (pip install 'bi-engine[serve]'): {e}") from None
-    from bi_core import build_engine
+    from bi_core.models.tokenizer import tokenizer_for
+    from bi_core.serve.client import EngineClient
+    from bi_core.serve.metrics import Metrics
 
-    engine = build_engine(config)
-    app = create_app(engine, config.serve, model_name_for(config), loop_thread=False)
-    server = app.state.server
+    metrics = Metrics()
+    core = EngineClient(config, metrics)  # returns once the engine is built and warmed up
     s = config.serve
-    uv = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
-                                       timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s))))
-
-    def on_signal(sig, frame) -> None:  # SIGTERM/SIGINT: refuse new work, then uvicorn's graceful exit
-        server.shutting_down = True
-        uv.handle_exit(sig, frame)
-
-    def serve_http() -> None:
-        try:
-            uv.run()
-        finally:  # uvicorn ended (shut down, or never started: port taken): end the engine loop too
-            server.loop.stopping = True
-            server.loop.deadline = time.monotonic()
-            server.loop.wakeup.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    http = threading.Thread(target=serve_http, name="bi-engine-http", daemon=True)
     try:
-        http.start()
-        server.loop.run()
-        http.join()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        app = create_app(core, s, model_name_for(config), tokenizer_for(config.model), metrics)
+        server = app.state.server
+
+        class Uvicorn(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                """SIGTERM/SIGINT: refuse new work, then uvicorn's graceful exit; unlike uvicorn's own,
+                the signal is not raised again afterwards (we exit 0 once everything stopped)."""
+                def on_signal(sig, frame) -> None:
+                    server.shutting_down = True
+                    self.handle_exit(sig, frame)
+
+                previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        uv = Uvicorn(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
+                                    timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s))))
+        uv.run()
+    finally:  # uvicorn ended (shut down, or never started: port taken): end the engine process too
+        core.stop(0.0)
     if not uv.started:
         raise BiEngineError(f"the HTTP server did not start on {s.host}:{s.port} (see the log above)")
     return 0

@@ -1,4 +1,4 @@
-"""The HTTP front: a FastAPI app with OpenAI's endpoints over one EngineLoop.
+"""The HTTP front: a FastAPI app with OpenAI's endpoints over the engine process (``client.py``).
 
 Every response carries ``X-Batch-Invariant: true|false``: whether the engine behind it makes a
 request's tokens and logprobs independent of the other requests it shares steps with."""
@@ -20,10 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bi_core.config import ServeConfig
 from bi_core.errors import BiEngineError, CheckpointError, PromptTooLongError, RequestError
-from bi_core.runtime.engine import LLMEngine
+from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import formats
-from bi_core.serve.loop import Delta, EngineLoop
+from bi_core.serve.client import Delta, EngineClient, Unavailable
 from bi_core.serve.metrics import Metrics
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -47,13 +47,14 @@ class _Choice:
 
 
 class Server:
-    """What the routes share: the engine loop, the model's name, the mode, the settings."""
+    """What the routes share: the engine process's client, the tokenizer, the model's name, the
+    mode, the settings."""
 
-    def __init__(self, engine: LLMEngine, config: ServeConfig, model_name: str) -> None:
-        self.engine, self.config, self.model_name = engine, config, model_name
-        self.metrics = Metrics()
-        self.loop = EngineLoop(engine, self.metrics, max_waiting=config.max_waiting_requests)
-        self.invariant = engine.policy.batch_invariant
+    def __init__(self, core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
+                 metrics: Metrics) -> None:
+        self.core, self.config, self.model_name = core, config, model_name
+        self.tokenizer, self.metrics = tokenizer, metrics
+        self.max_model_len, self.invariant = core.info.max_model_len, core.info.batch_invariant
         self.shutting_down = False
         self.created = int(time.time())
 
@@ -72,10 +73,10 @@ class Server:
             def emit(sample: int, delta: Delta, base: int = len(choices)) -> None:  # on the event loop
                 queue.put_nowait((base + sample, delta))
             try:
-                rids = await asyncio.wrap_future(self.loop.submit(ids, params, emit, aloop.call_soon_threadsafe))
+                rids = await asyncio.wrap_future(self.core.submit(ids, params, emit, aloop.call_soon_threadsafe))
             except BiEngineError as e:
                 self.abort(choices)
-                if not self.loop.accepting or "too many waiting" in str(e):
+                if isinstance(e, Unavailable):
                     raise ApiError(503, str(e), "service_unavailable") from None
                 raise ApiError(400, str(e), param="prompt" if isinstance(e, PromptTooLongError) else None) from None
             choices += [_Choice(len(choices) + i, len(ids), rid) for i, rid in enumerate(rids)]
@@ -84,7 +85,7 @@ class Server:
     def abort(self, choices: list[_Choice]) -> None:
         for c in choices:
             if c.output is None:
-                self.loop.abort(c.request_id)
+                self.core.abort(c.request_id)
 
     async def wait(self, queue: asyncio.Queue, choices: list[_Choice], request: Request) -> None:
         """Until every choice has finished; a client that goes away aborts its requests."""
@@ -107,23 +108,23 @@ def _raise_errors(choices: list[_Choice]) -> None:
         raise ApiError(500, failed.error or "the engine failed", "server_error")
 
 
-def _max_new_tokens(engine: LLMEngine, ids: list[int], requested: int | None, param: str) -> int:
-    room = engine.max_model_len - len(ids)
+def _max_new_tokens(server: Server, ids: list[int], requested: int | None, param: str) -> int:
+    room = server.max_model_len - len(ids)
     if room < 1:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                            f"{engine.max_model_len} tokens including at least one generated token", param="prompt")
+                            f"{server.max_model_len} tokens including at least one generated token", param="prompt")
     if requested is not None and requested > room:
-        raise ApiError(400, f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has "
+        raise ApiError(400, f"this model's maximum context length is {server.max_model_len} tokens; the prompt has "
                             f"{len(ids)} and {param} is {requested}", param=param)
     return requested if requested is not None else room
 
 
-def _encode(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
+def _encode(tokenizer: Tokenizer | None, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         return prompt
-    if engine.tokenizer is None:
+    if tokenizer is None:
         raise ApiError(400, "text prompts need a tokenizer; this checkpoint has none: send token ids", param="prompt")
-    ids = engine.tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt)
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt")
     return ids
@@ -140,17 +141,17 @@ def _usage(choices: list[_Choice], n: int) -> dict:
 
 async def completions(server: Server, req: CompletionRequest, request: Request):
     server.check_model(req.model)
-    engine = server.engine
+    tokenizer = server.tokenizer
     try:
-        prompts = [_encode(engine, p) for p in req.prompts()]
+        prompts = [_encode(tokenizer, p) for p in req.prompts()]
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt") from None
-    jobs = [(ids, req.sampling_params(_max_new_tokens(engine, ids, req.max_tokens, "max_tokens"), req.logprobs))
+    jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens"), req.logprobs))
             for ids in prompts]
 
     def choice(c: _Choice) -> dict:
         o = c.output
-        lp = (formats.completion_logprobs(engine.tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [], 0)
+        lp = (formats.completion_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [], 0)
               if req.logprobs is not None else None)
         return {"index": c.index, "text": o.text or "", "logprobs": lp, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason}
@@ -160,23 +161,23 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
 
 async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):
     server.check_model(req.model)
-    engine = server.engine
-    if engine.tokenizer is None:
+    tokenizer = server.tokenizer
+    if tokenizer is None:
         raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
     try:
-        ids, turn_end = engine.tokenizer.chat(req.conversation())
+        ids, turn_end = tokenizer.chat(req.conversation())
         num_logprobs = req.num_logprobs()
     except (ValueError, CheckpointError) as e:
         raise ApiError(400, str(e), param="messages") from None
     limit = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    new_tokens = _max_new_tokens(engine, ids, limit, param)
+    new_tokens = _max_new_tokens(server, ids, limit, param)
     params = req.sampling_params(new_tokens, num_logprobs)
     jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end))]
 
     def choice(c: _Choice) -> dict:
         o = c.output
-        lp = (formats.chat_logprobs(engine.tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
+        lp = (formats.chat_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
                                     req.top_logprobs or 0) if req.logprobs else None)
         return {"index": c.index, "message": {"role": "assistant", "content": o.text or ""}, "logprobs": lp,
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
@@ -197,7 +198,7 @@ async def _respond(server: Server, req, request: Request, jobs: list, choice, *,
 
 def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, rid: str, chat: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
-    tok = server.engine.tokenizer
+    tok = server.tokenizer
 
     def chunk(index: int, delta: Delta | None, text: str, finish: str | None, offset: int) -> dict:
         if chat:
@@ -240,18 +241,16 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, r
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(engine: LLMEngine, config: ServeConfig, model_name: str, *, loop_thread: bool = True) -> FastAPI:
-    """The app; with ``loop_thread`` the engine loop gets a thread of its own at startup, else the
-    caller runs ``app.state.server.loop.run()`` on its thread (what ``bi-engine serve`` does)."""
-    server = Server(engine, config, model_name)
+def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
+               metrics: Metrics) -> FastAPI:
+    """The app over a started engine process; stopping the app stops the engine process."""
+    server = Server(core, config, model_name, tokenizer, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if loop_thread:
-            server.loop.start()
         yield
         server.shutting_down = True
-        await asyncio.to_thread(server.loop.stop, 0.0)  # uvicorn already waited for in-flight responses
+        await asyncio.to_thread(core.stop, 0.0)  # uvicorn already waited for in-flight responses
 
     app = FastAPI(title="bi-engine", lifespan=lifespan)
     app.state.server = server
@@ -260,9 +259,9 @@ def create_app(engine: LLMEngine, config: ServeConfig, model_name: str, *, loop_
 
     @app.get("/health")
     async def health():
-        down = server.shutting_down or not server.loop.accepting
+        down = server.shutting_down or not core.accepting
         body = {"status": "unavailable" if down else "ok", "batch_invariant": server.invariant,
-                "reason": server.loop.failure or ("shutting down" if server.shutting_down else None)}
+                "reason": core.failure or ("shutting down" if server.shutting_down else None)}
         return JSONResponse(body, status_code=503 if down else 200)
 
     @app.get("/metrics")
@@ -272,7 +271,7 @@ def create_app(engine: LLMEngine, config: ServeConfig, model_name: str, *, loop_
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "bi-engine", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "bi-engine", "max_model_len": server.max_model_len}]}
 
     @app.post("/v1/completions")
     async def post_completions(req: CompletionRequest, request: Request):

@@ -1,129 +1,73 @@
-"""The engine loop: one thread owns the LLMEngine and runs its steps; the HTTP side talks to it
-through a command queue (add, abort) and gets each request's progress back as deltas.
+"""The engine process of ``bi-engine serve``: one loop owns the LLMEngine and steps it; the HTTP
+process (``client.py``) talks to it over a pipe.
 
-``bi-engine serve`` runs the loop on the main thread (``run``), the thread that built the engine,
-and uvicorn on another: torch's CPU thread pool (OpenMP) belongs to the thread that first used
-it, and steps run from a second thread were measured 1.4-2.5x slower on a 2-core CPU (two pools
-contending); CUDA's current stream is per thread too. ``start`` runs it on its own thread instead,
-for embedding the app elsewhere.
+Why a process of its own: an HTTP front formatting hundreds of streams (JSON, SSE, logprob dicts)
+holds the GIL, and an engine thread sharing that GIL waits for it at every torch call that
+releases and re-takes it (measured on an H200 with one process: HTTP took 1.22x the Python API's
+time at 64 streams, 1.66x at 256; docs/benchmarks.md section 7). Here the engine's process runs
+nothing but the loop, on the main thread that built the engine (torch's CPU thread pool belongs
+to it). The pipe carries token ids, logprobs and the engine's incremental text: one message per
+step with every stream's delta, polled between steps (no thread in this process).
 
-Requests join the running batch at the next step (continuous batching as in ``generate``); an
-abort frees the request's KV pages and state slot before the next step. The engine stays
-synchronous and knows nothing of HTTP; nothing but this thread touches it."""
+Messages, HTTP -> engine: ``("add", key, prompt, params)``, ``("abort", request_id)``,
+``("stop", timeout_s)``. Engine -> HTTP: ``("ready", EngineInfo)`` or ``("error", message)`` once
+at start; ``("added", key, request_ids)`` or ``("refused", key, reason, message)`` per add;
+``("out", deltas, counts, failure)`` once per loop iteration that produced anything, a delta being
+``(key, sample_index, token_ids, logprobs, top_logprobs, text, output or None)``; ``("stopped",)``.
+
+Requests join the running batch at the next step (continuous batching as in ``generate``); an abort
+frees the request's KV pages and state slot before the next step."""
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
-import queue
-import threading
+import signal
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 
 import attrs
 
-from bi_core.errors import BiEngineError
-from bi_core.runtime.engine import LLMEngine, Prompt
-from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
-from bi_core.serve.metrics import Metrics
+from bi_core.errors import BiEngineError, PromptTooLongError
+from bi_core.runtime.engine import LLMEngine
+from bi_core.runtime.sequence import Sequence, Status
+from bi_core.serve.metrics import StepCounter
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 
 
 @attrs.frozen
-class Delta:
-    """A request's progress since its previous delta."""
+class EngineInfo:
+    """What the HTTP process needs to know of the engine."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]  # empty unless the request asked for logprobs
-    text: str
-    output: RequestOutput | None = None  # set on the last delta (the request finished)
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None
+    max_model_len: int
+    batch_invariant: bool
 
 
 @attrs.define(eq=False)
 class _Tracked:
     seq: Sequence
-    emit: Callable[[Delta], None]
-    post: Callable | None = None  # runs ``fn(*args)`` on the consumer's thread (e.g. call_soon_threadsafe)
+    key: int  # the HTTP side's id of the submission
     tokens_sent: int = 0
     text_sent: int = 0
 
 
-def _deliver(items: list[tuple[Callable[[Delta], None], Delta]]) -> None:
-    for emit, delta in items:
-        emit(delta)
-
-
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: Metrics, *, max_waiting: int) -> None:
-        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.wakeup = threading.Event()
+    """Steps the engine; commands come from ``channel`` (``poll``/``recv``/``send``, a
+    multiprocessing Connection), outputs go back on it."""
+
+    def __init__(self, engine: LLMEngine, channel, *, max_waiting: int) -> None:
+        self.engine, self.channel, self.max_waiting = engine, channel, max_waiting
         self.tracked: dict[int, _Tracked] = {}
+        self.counter = StepCounter()
         self.stopping = False
-        self.deadline: float | None = None
+        self.deadline = 0.0
         self.failure: str | None = None  # set when a step raised: the engine may be unusable
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
-        self.thread: threading.Thread | None = None
-        self.done = threading.Event()
-        self._outbox: dict[Callable, list] = {}  # deltas of this iteration per consumer, posted at once
-
-    def start(self) -> None:
-        """Run the loop on a thread of its own (``run`` runs it on the caller's)."""
-        self.thread = threading.Thread(target=self.run, name="bi-engine-loop", daemon=True)
-        self.thread.start()
-
-    # ------------------------------------------------------------------ called from the HTTP side
-
-    def submit(self, prompt: Prompt, params: SamplingParams, emit: Callable[[int, Delta], None],
-               post: Callable | None = None) -> Future:
-        """Queue a request; the future resolves to the request ids of its ``params.n`` samples, or
-        to the engine's RequestError (bad prompt) so the caller can answer 400 before streaming
-        anything. ``emit(sample_index, delta)`` reports each sample's progress: called on the
-        engine thread, or with ``post`` (e.g. an asyncio loop's ``call_soon_threadsafe``) on the
-        consumer's, every request sharing a ``post`` getting one hand-over per engine step."""
-        fut: Future = Future()
-        self.commands.put(("add", (prompt, params, emit, post, fut)))
-        self.wakeup.set()
-        return fut
-
-    def abort(self, request_id: int) -> None:
-        self.commands.put(("abort", request_id))
-        self.wakeup.set()
-
-    def stop(self, timeout_s: float) -> None:
-        """Refuse new requests, let the running ones finish within ``timeout_s``, abort the rest,
-        and end the thread."""
-        self.deadline = time.monotonic() + timeout_s
-        self.stopping = True
-        self.wakeup.set()
-        self.done.wait()
-
-    @property
-    def accepting(self) -> bool:
-        return not self.stopping and self.failure is None
-
-    # ------------------------------------------------------------------ the engine thread
+        self._out: list[tuple] = []
 
     def run(self) -> None:
-        """Step the engine until ``stop``: the loop body, on whichever thread calls it."""
-        try:
-            self._loop()
-        finally:
-            self.done.set()
-
-    def _loop(self) -> None:
         while True:
-            self.wakeup.clear()  # before draining: a command queued after this point sets it again
-            self._drain()
+            busy = self.engine.scheduler.has_work() and self.failure is None
+            self._drain(0.0 if busy else IDLE_WAIT_S)
             if self.stopping and (not self.tracked or time.monotonic() >= self.deadline):
                 for rid in list(self.tracked):
                     self._abort(rid)
@@ -131,38 +75,40 @@ class EngineLoop:
                 return
             if self.engine.scheduler.has_work() and self.failure is None:
                 self._step()
-                self._flush()
-            else:
-                self.wakeup.wait(IDLE_WAIT_S)
+            self._flush()
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                kind, payload = self.commands.get_nowait()
-            except queue.Empty:
+    def _drain(self, wait_s: float) -> None:
+        try:
+            if not self.channel.poll(wait_s):
                 return
-            if kind == "add":
-                self._add(*payload)
-            else:
-                self._abort(payload)
-        self._flush()
+            while self.channel.poll(0):
+                self._command(*self.channel.recv())
+        except (EOFError, OSError):  # the HTTP process is gone: abort everything and end
+            self.stopping, self.deadline = True, 0.0
 
-    def _add(self, prompt, params, emit, post, fut: Future) -> None:
-        if not self.accepting:
-            fut.set_exception(BiEngineError(self.failure or "the server is shutting down"))
-            return
+    def _command(self, kind: str, *args) -> None:
+        if kind == "add":
+            self._add(*args)
+        elif kind == "abort":
+            self._abort(args[0])
+        elif kind == "stop":
+            self.stopping, self.deadline = True, time.monotonic() + args[0]
+
+    def _add(self, key: int, prompt, params) -> None:
+        if self.stopping or self.failure is not None:
+            return self.channel.send(("refused", key, "unavailable", self.failure or "the server is shutting down"))
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
-            fut.set_exception(BiEngineError(f"too many waiting requests ({self.max_waiting}); retry later"))
-            return
+            return self.channel.send(("refused", key, "unavailable",
+                                      f"too many waiting requests ({self.max_waiting}); retry later"))
         try:
             seq = self.engine.add_request(prompt, params, text=True)
         except BiEngineError as e:
-            fut.set_exception(e)
-            return
+            reason = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid"
+            return self.channel.send(("refused", key, reason, str(e)))
         for member in seq.group:  # the prompt's n samples, each its own stream
-            self.tracked[member.request_id] = _Tracked(member, functools.partial(emit, member.sample_index), post)
-        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
-        fut.set_result([member.request_id for member in seq.group])
+            self.tracked[member.request_id] = _Tracked(member, key)
+        self.counter.counts.prompt_tokens += len(seq.prompt_ids)
+        self.channel.send(("added", key, [member.request_id for member in seq.group]))
 
     def _abort(self, request_id: int) -> None:
         t = self.tracked.pop(request_id, None)
@@ -170,8 +116,8 @@ class EngineLoop:
             return
         # a sample not yet forked was aborted with its leader: it still gets its last delta
         if self.engine.abort(request_id) or t.seq.finish_reason == "abort":
-            self.metrics.finished.labels("abort").inc()
-            self._send(t, Delta([], [], [], "", self.engine.output_of(t.seq)))
+            self.counter.finished("abort")
+            self._out.append((t.key, t.seq.sample_index, [], [], [], "", self.engine.output_of(t.seq)))
 
     def _step(self) -> None:
         before = sum(len(t.seq.output_ids) for t in self.tracked.values())
@@ -187,10 +133,9 @@ class EngineLoop:
             return
         dt = time.perf_counter() - t0
         generated = sum(len(t.seq.output_ids) for t in self.tracked.values()) - before
-        self._recent.append((dt, generated))
         for rid, t in list(self.tracked.items()):
             self._emit(rid, t)
-        self.metrics.observe_step(self.engine, dt, generated, self._recent)
+        self.counter.step(self.engine, dt, generated)
 
     def _emit(self, rid: int, t: _Tracked) -> None:
         seq, new = t.seq, len(t.seq.output_ids)
@@ -199,24 +144,46 @@ class EngineLoop:
             return
         text = seq.text.text if seq.text is not None else ""
         upto = len(text) if done or seq.text is None else seq.text.settled  # a stop string may still cut the rest
-        delta = Delta(seq.output_ids[t.tokens_sent:new], seq.token_logprobs[t.tokens_sent:new],
-                      seq.top_logprobs[t.tokens_sent:new] if seq.params.logprobs is not None else [],
-                      text[t.text_sent:upto], self.engine.output_of(seq) if done else None)
+        self._out.append((t.key, seq.sample_index, seq.output_ids[t.tokens_sent:new],
+                          seq.token_logprobs[t.tokens_sent:new],
+                          seq.top_logprobs[t.tokens_sent:new] if seq.params.logprobs is not None else [],
+                          text[t.text_sent:upto], self.engine.output_of(seq) if done else None))
         t.tokens_sent, t.text_sent = new, max(t.text_sent, upto)
         if done:
             del self.tracked[rid]
-            self.metrics.finished.labels(seq.finish_reason or "unknown").inc()
-        self._send(t, delta)
-
-    def _send(self, t: _Tracked, delta: Delta) -> None:
-        if t.post is None:
-            t.emit(delta)
-        else:
-            self._outbox.setdefault(t.post, []).append((t.emit, delta))
+            self.counter.finished(seq.finish_reason or "unknown")
 
     def _flush(self) -> None:
-        """Hand each consumer this iteration's deltas in one call (one event-loop wake-up per
-        step, instead of one per stream)."""
-        outbox, self._outbox = self._outbox, {}
-        for post, items in outbox.items():
-            post(_deliver, items)
+        """This iteration's deltas and counts in one message."""
+        counts = self.counter.take()
+        if self._out or counts:
+            out, self._out = self._out, []
+            self.channel.send(("out", out, counts, self.failure))
+
+
+def engine_main(config, channel) -> None:
+    """The engine process: build the engine, say ready (or why not), run the loop until stopped."""
+    # Ctrl-C in a terminal and a process manager's SIGTERM to the whole group reach this process
+    # too: the HTTP process decides how to stop (finish in-flight requests first) and tells us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from bi_core import build_engine
+
+    try:
+        engine = build_engine(config)
+    except BiEngineError as e:
+        channel.send(("error", str(e)))
+        return
+    except Exception as e:  # a bug: its traceback goes to the log, its message to the HTTP process
+        log.exception("building the engine failed")
+        channel.send(("error", f"building the engine failed: {type(e).__name__}: {e}"))
+        return
+    try:
+        channel.send(("ready", EngineInfo(engine.max_model_len, engine.policy.batch_invariant)))
+        EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests).run()
+    finally:
+        engine.close()
+    try:
+        channel.send(("stopped",))
+    except (BrokenPipeError, OSError):
+        pass

@@ -1,13 +1,57 @@
-"""Prometheus metrics of a server (its own registry, so several servers can share a process)."""
+"""Metrics of a server. The engine process counts (``Counts``: plain data, sent with each batch
+of outputs); the HTTP process keeps the Prometheus registry (``Metrics``) and applies them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import collections
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
+@attrs.define
+class Counts:
+    """What the engine loop saw since the last report, and the engine's state now."""
+
+    step_seconds: list[float] = attrs.Factory(list)
+    generated: int = 0
+    prompt_tokens: int = 0
+    finished: dict[str, int] = attrs.Factory(dict)  # by finish reason
+    state: dict[str, float] = attrs.Factory(dict)  # gauges: running, waiting, pages_used, ...
+
+    def __bool__(self) -> bool:
+        return bool(self.step_seconds or self.generated or self.prompt_tokens or self.finished or self.state)
+
+
+class StepCounter:
+    """The engine side: counts steps, tokens and finishes; ``take()`` hands them over and restarts."""
+
+    def __init__(self) -> None:
+        self.counts = Counts()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+
+    def step(self, engine, seconds: float, generated: int) -> None:
+        c, sched = self.counts, engine.scheduler
+        c.step_seconds.append(seconds)
+        c.generated += generated
+        self._recent.append((seconds, generated))
+        total_s = sum(dt for dt, _ in self._recent)
+        c.state = {"running": len(sched.running), "waiting": len(sched.waiting),
+                   "pages_used": sched.num_pages_used, "pages_total": engine.cache.num_blocks,
+                   "preemptions": sched.num_preemptions,
+                   "tokens_per_s": sum(n for _, n in self._recent) / total_s if total_s else 0.0}
+
+    def finished(self, reason: str) -> None:
+        self.counts.finished[reason] = self.counts.finished.get(reason, 0) + 1
+
+    def take(self) -> Counts:
+        counts, self.counts = self.counts, Counts()
+        return counts
+
+
 class Metrics:
+    """The Prometheus side (its own registry, so several servers can share a process)."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("bi_requests_running", "requests with KV pages and a state slot", registry=r)
@@ -24,16 +68,12 @@ class Metrics:
         self.step_seconds = Histogram("bi_step_seconds", "engine step time", registry=r,
                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
 
-    def observe_step(self, engine, seconds: float, generated: int, recent: Iterable[tuple[float, int]]) -> None:
-        sched = engine.scheduler
-        self.step_seconds.observe(seconds)
-        self.generated.inc(generated)
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.pages_used.set(sched.num_pages_used)
-        self.pages_total.set(engine.cache.num_blocks)
-        self.preemptions.set(sched.num_preemptions)
-        total_s, total_tokens = 0.0, 0
-        for dt, n in recent:
-            total_s, total_tokens = total_s + dt, total_tokens + n
-        self.tokens_per_s.set(total_tokens / total_s if total_s else 0.0)
+    def apply(self, c: Counts) -> None:
+        for s in c.step_seconds:
+            self.step_seconds.observe(s)
+        self.generated.inc(c.generated)
+        self.prompt_tokens.inc(c.prompt_tokens)
+        for reason, n in c.finished.items():
+            self.finished.labels(reason).inc(n)
+        for name, value in c.state.items():
+            getattr(self, name).set(value)

@@ -4,9 +4,12 @@ driven by the official openai client and httpx."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -242,3 +245,61 @@ def test_tensor_parallel_server_matches_one_process(server, tmp_path):
         assert metric(tp, "bi_requests_running") == 0 and metric(tp, "bi_kv_pages_used") == 0
     finally:
         assert tp.stop() == 0
+
+
+def engine_process(s: ServerProcess) -> int:
+    """The pid of the server's engine process (its child started by multiprocessing's spawn)."""
+    for pid in open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split():
+        if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read():
+            return int(pid)
+    raise AssertionError("no engine process under the server")
+
+
+def gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # exited, not yet reaped by its (killed) parent
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_engine_process_gone_is_reported_and_a_killed_server_leaves_no_engine(tmp_path):
+    """The engine runs in a process of its own: if it dies mid-stream the stream ends with an
+    error, /health says why (503) and new requests get 503; if the HTTP process is killed, the
+    engine process notices and exits (no orphan holding a GPU)."""
+    s = ServerProcess(tmp_path)
+    try:
+        engine = engine_process(s)
+        with httpx.stream("POST", f"{s.url}/v1/completions", headers=AUTH, timeout=60, json={
+                "model": "tiny", "prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(engine, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "engine process exited unexpectedly" in rest and rest.rstrip().endswith("[DONE]")
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and "engine process exited" in health.json()["reason"]
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        assert s.stop() == 0
+    s = ServerProcess(tmp_path)
+    engine = engine_process(s)
+    s.proc.kill()
+    s.proc.wait()
+    assert gone(engine, 30), "the engine process outlived its killed server"
+
+
+def test_engine_build_error_is_one_clear_line(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(CONFIG.replace("backend: reference", "backend: cuda_hopper_invariant\npolicy: {batch_invariant: true}"))
+    r = subprocess.run([sys.executable, "-m", "bi_core.cli", "serve", "--config", str(cfg), "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("bi-engine: error:"), r.stderr

@@ -1,0 +1,197 @@
+"""The HTTP process's handle on the engine process (``loop.py``): starts it, sends it adds and
+aborts, and hands each step's deltas to the streams that asked for them.
+
+Two threads of this process touch the pipe: a sender (so a handler never blocks on a full pipe
+while the engine is inside a step) and a receiver (which turns one "out" message into one
+hand-over per consumer, e.g. one ``call_soon_threadsafe`` per asyncio loop per step)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import attrs
+
+from bi_core.errors import BiEngineError, PromptTooLongError, RequestError
+from bi_core.runtime.sequence import RequestOutput
+from bi_core.serve.loop import EngineInfo, engine_main
+from bi_core.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Delta:
+    """A request's progress since its previous delta."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]  # empty unless the request asked for logprobs
+    text: str
+    output: RequestOutput | None = None  # set on the last delta (the request finished)
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+class Unavailable(BiEngineError):
+    """The engine takes no new requests (shutting down, failed, or too many waiting)."""
+
+
+@attrs.define(eq=False)
+class _Stream:
+    emit: Callable[[int, Delta], None]  # (sample index, delta)
+    post: Callable | None  # runs ``fn(items)`` on the consumer's thread; None: on the receiver thread
+    unfinished: set[int] = attrs.Factory(set)  # sample indices (known once the engine accepted the request)
+
+
+def _deliver(items: list[tuple[Callable, int, Delta]]) -> None:
+    for emit, sample, delta in items:
+        emit(sample, delta)
+
+
+class EngineClient:
+    def __init__(self, config, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.failure: str | None = None
+        self.stopping = False
+        self._keys = itertools.count()
+        self._futures: dict[int, Future] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_main, args=(config, child), name="bi-engine-core")
+        self.proc.start()
+        child.close()
+        try:
+            self.info: EngineInfo = self._wait_ready()
+        except BaseException:
+            self.proc.kill()  # it ignores SIGTERM/SIGINT (the server stops it through the pipe)
+            self.proc.join()
+            raise
+        threading.Thread(target=self._send_loop, name="bi-engine-send", daemon=True).start()
+        threading.Thread(target=self._receive_loop, name="bi-engine-receive", daemon=True).start()
+
+    def _wait_ready(self) -> EngineInfo:
+        while True:
+            if self.conn.poll(0.2):
+                try:
+                    kind, payload = self.conn.recv()
+                except EOFError:
+                    continue  # the process ended: reported below
+                if kind == "error":
+                    raise BiEngineError(payload)
+                return payload
+            if not self.proc.is_alive():
+                raise BiEngineError(f"the engine process exited with code {self.proc.exitcode} while starting "
+                                    "(see the log above)")
+
+    # ------------------------------------------------------------------ called from the HTTP side
+
+    @property
+    def accepting(self) -> bool:
+        return not self.stopping and self.failure is None
+
+    def submit(self, prompt, params, emit: Callable[[int, Delta], None], post: Callable | None = None) -> Future:
+        """Queue a request; the future resolves to the request ids of its ``params.n`` samples, or
+        to an error (RequestError / PromptTooLongError: a bad request; Unavailable: try later) so
+        the caller can answer before streaming anything. ``emit(sample_index, delta)`` reports each
+        sample's progress: on the receiver thread, or through ``post`` (e.g. an asyncio loop's
+        ``call_soon_threadsafe``) on the consumer's, one hand-over per consumer per engine step."""
+        fut: Future = Future()
+        if not self.accepting:
+            fut.set_exception(Unavailable(self.failure or "the server is shutting down"))
+            return fut
+        key = next(self._keys)
+        self._futures[key], self._streams[key] = fut, _Stream(emit, post)
+        self._outbox.put(("add", key, prompt, params))
+        return fut
+
+    def abort(self, request_id: int) -> None:
+        self._outbox.put(("abort", request_id))
+
+    def stop(self, timeout_s: float) -> None:
+        """Refuse new requests, let the running ones finish within ``timeout_s``, abort the rest,
+        and wait for the engine process to end."""
+        self.stopping = True
+        if self.proc.is_alive():
+            self._outbox.put(("stop", timeout_s))
+            self._stopped.wait(timeout_s + 120)
+        self._outbox.put(None)
+        self.proc.join(60)
+        if self.proc.is_alive():
+            log.warning("the engine process did not stop; killing it")
+            self.proc.kill()
+            self.proc.join()
+
+    # ------------------------------------------------------------------ the pipe's threads
+
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, OSError):
+                return  # the engine process is gone: the receiver reports it
+
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return self._lost()
+            kind = msg[0]
+            if kind == "out":
+                _, deltas, counts, failure = msg
+                if failure is not None:
+                    self.failure = failure
+                self._hand_over(deltas)
+                self.metrics.apply(counts)
+            elif kind == "added":
+                _, key, request_ids = msg
+                self._streams[key].unfinished = set(range(len(request_ids)))
+                self._futures.pop(key).set_result(request_ids)
+            elif kind == "refused":
+                _, key, reason, message = msg
+                self._streams.pop(key, None)
+                error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError}.get(reason, Unavailable)
+                self._futures.pop(key).set_exception(error(message))
+            elif kind == "stopped":
+                self._stopped.set()
+                return
+
+    def _hand_over(self, deltas: list[tuple]) -> None:
+        batches: dict[Callable | None, list] = {}
+        for key, sample, *fields in deltas:
+            stream = self._streams[key]
+            delta = Delta(*fields)
+            if delta.finished:
+                stream.unfinished.discard(sample)
+                if not stream.unfinished:
+                    del self._streams[key]
+            batches.setdefault(stream.post, []).append((stream.emit, sample, delta))
+        for post, items in batches.items():
+            _deliver(items) if post is None else post(_deliver, items)
+
+    def _lost(self) -> None:
+        """The engine process ended without being asked: fail what is waiting on it."""
+        if self._stopped.is_set():
+            return
+        self.failure = self.failure or f"the engine process exited unexpectedly (code {self.proc.exitcode})"
+        for key, fut in list(self._futures.items()):
+            self._futures.pop(key, None)
+            fut.set_exception(Unavailable(self.failure))
+        out = RequestOutput(request_id=-1, prompt_token_ids=[], token_ids=[], text=None, token_logprobs=[],
+                            logprobs=None, finish_reason="error", error=self.failure)
+        for key, stream in list(self._streams.items()):
+            self._streams.pop(key, None)
+            items = [(stream.emit, i, Delta([], [], [], "", out)) for i in sorted(stream.unfinished)]
+            _deliver(items) if stream.post is None else stream.post(_deliver, items)
+        self._stopped.set()
