@@ -16,7 +16,7 @@ from bi_core import SamplingParams, build_engine
 
 def main() -> None:
     backend, layers, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    eng = build_engine(config(backend, layers, graphs=False))
+    eng = build_engine(config(backend, layers, graphs=False, max_seqs=max(64, batch)))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     seqs = [eng.add_request(torch.randint(0, 248320, (512,), generator=g).tolist(), params) for _ in range(batch)]
