@@ -1,10 +1,11 @@
 """Routed MoE experts (plus the shared expert, folded in as expert E) as two grouped GEMMs over
 (token, slot) pairs sorted by expert.
 
-Routing (``align``) at decode and verify sizes is one Triton program: per-expert counts
-(``tl.histogram``), each expert's run padded to BLOCK_M rows, a stable counting sort of the
-pairs (``tl.sort`` on expert-major keys) and the expert of every BLOCK_M block, with static
-shapes (CUDA-graph capturable); prefill-sized batches use the same sort through torch ops. A
+Routing (``align``) at decode and verify sizes is one Triton launch, a program per expert:
+per-expert counts (``tl.histogram``), each expert's run padded to BLOCK_M rows, a stable
+counting sort of the pairs (each program places its expert's pairs in pair order) and the
+expert of every BLOCK_M block, with static shapes (CUDA-graph capturable); prefill-sized
+batches get the same rows through torch ops. A
 pair's result never depends on where it lands: every grouped-GEMM row is its own dot products
 over K in the fixed order of ``gemm.py`` (BLOCK_K fixed by K), whatever BLOCK_M, the expert's
 row count or the row's place in the tile. The first GEMM computes the gate and up halves of an
@@ -34,54 +35,59 @@ class Routing:
     slots: int  # pairs per token: top_k, plus 1 with a shared expert
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_pairs", "max_rows", "max_blocks"])  # batch-dependent
-def _align_kernel(IDS, SORTED, BLOCK_EXPERT, SCRATCH, num_tokens, num_pairs, max_rows, max_blocks,
+@triton.jit
+def _expert_of(IDS, p, num_pairs, TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+               E_BLOCK: tl.constexpr):
+    """Expert of pairs ``p`` (token * SLOTS + slot): IDS[token, slot] for slot < TOP_K, else the
+    shared expert NUM_EXPERTS - 1; E_BLOCK - 1 (a bin no expert has) past num_pairs."""
+    ok = p < num_pairs
+    slot = p % SLOTS
+    e = tl.load(IDS + (p // SLOTS) * TOP_K + slot, mask=ok & (slot < TOP_K), other=NUM_EXPERTS - 1).to(tl.int32)
+    return tl.where(ok, e, E_BLOCK - 1)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])  # batch-dependent
+def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, max_rows, max_blocks,
                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
-    """Pair p = token * SLOTS + slot has expert IDS[token, slot] for slot < TOP_K, else
-    NUM_EXPERTS - 1 (the shared expert, when SLOTS > TOP_K)."""
+    """One program per expert, plus one for the tail: every program counts all pairs per expert
+    (a few KB from L2) to find where its expert's rows start; program e writes expert e's pairs
+    in pair order (a stable counting sort), its padding rows and its blocks; the last program
+    writes the rows and blocks past every expert's. Each row and block is written exactly once."""
+    pid = tl.program_id(0)
     e_range = tl.arange(0, E_BLOCK)
     counts = tl.zeros((E_BLOCK,), tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        ok = p < num_pairs
-        slot = p % SLOTS
-        e = tl.load(IDS + (p // SLOTS) * TOP_K + slot, mask=ok & (slot < TOP_K), other=NUM_EXPERTS - 1).to(tl.int32)
-        counts += tl.histogram(tl.where(ok, e, E_BLOCK - 1), E_BLOCK)
+        e = _expert_of(IDS, c0 + tl.arange(0, CHUNK), num_pairs, TOP_K, SLOTS, NUM_EXPERTS, E_BLOCK)
+        counts += tl.histogram(e, E_BLOCK)
     counts = tl.where(e_range < NUM_EXPERTS, counts, 0)  # drop the padding bin
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
-    # fill: every row is padding, every block empty, until written below
-    for r0 in range(0, max_rows, FILL):
-        r = r0 + tl.arange(0, FILL)
-        tl.store(SORTED + r, num_pairs, mask=r < max_rows)
-    for b0 in range(0, max_blocks, FILL):
-        b = b0 + tl.arange(0, FILL)
-        tl.store(BLOCK_EXPERT + b, NUM_EXPERTS, mask=b < max_blocks)
-    tl.debug_barrier()
-    # each expert's blocks
-    blocks_of = padded // BLOCK_M
-    for j in range(0, tl.max(blocks_of, axis=0)):
-        tl.store(BLOCK_EXPERT + padded_start // BLOCK_M + j, e_range, mask=j < blocks_of)
-    # stable counting sort, CHUNK pairs at a time: a pair's row = its expert's start + pairs of
-    # that expert in earlier chunks + its rank among them in this chunk
-    cursor = padded_start
-    for c0 in range(0, num_pairs, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        ok = p < num_pairs
-        slot = p % SLOTS
-        e = tl.load(IDS + (p // SLOTS) * TOP_K + slot, mask=ok & (slot < TOP_K), other=NUM_EXPERTS - 1).to(tl.int32)
-        e = tl.where(ok, e, E_BLOCK - 1)
-        keys = tl.sort(e.to(tl.int64) * CHUNK + tl.arange(0, CHUNK))  # expert-major, then pair order
-        e_sorted = (keys // CHUNK).to(tl.int32)
-        p_sorted = (keys % CHUNK).to(tl.int32) + c0
-        chunk_counts = tl.histogram(e_sorted, E_BLOCK)
-        first_in_chunk = tl.cumsum(chunk_counts, axis=0) - chunk_counts
-        base = cursor - first_in_chunk  # row of the i-th sorted pair of expert e = base[e] + i
-        rows = tl.gather(base, e_sorted, 0) + tl.arange(0, CHUNK)
-        tl.store(SORTED + rows, p_sorted, mask=e_sorted < NUM_EXPERTS)
-        cursor += tl.where(e_range < NUM_EXPERTS, chunk_counts, 0)
+    if pid < NUM_EXPERTS:
+        mine_bin = e_range == pid
+        start = tl.sum(tl.where(mine_bin, padded_end - padded, 0), axis=0)
+        count = tl.sum(tl.where(mine_bin, counts, 0), axis=0)
+        num_blocks = tl.sum(tl.where(mine_bin, padded, 0), axis=0) // BLOCK_M
+        seen = 0
+        for c0 in range(0, num_pairs, CHUNK):
+            p = c0 + tl.arange(0, CHUNK)
+            mine = _expert_of(IDS, p, num_pairs, TOP_K, SLOTS, NUM_EXPERTS, E_BLOCK) == pid
+            rank = seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            tl.store(SORTED + start + rank, p, mask=mine)
+            seen += tl.sum(mine.to(tl.int32), axis=0)
+        pad = count + tl.arange(0, BLOCK_M)  # the padding rows of the expert's last block
+        tl.store(SORTED + start + pad, num_pairs, mask=pad < num_blocks * BLOCK_M)
+        for b0 in range(0, num_blocks, FILL):
+            b = b0 + tl.arange(0, FILL)
+            tl.store(BLOCK_EXPERT + start // BLOCK_M + b, pid, mask=b < num_blocks)
+    else:
+        total = tl.sum(padded, axis=0)
+        for r0 in range(0, max_rows, FILL):
+            r = r0 + tl.arange(0, FILL)
+            tl.store(SORTED + r, num_pairs, mask=(r >= total) & (r < max_rows))
+        for b0 in range(0, max_blocks, FILL):
+            b = b0 + tl.arange(0, FILL)
+            tl.store(BLOCK_EXPERT + b, NUM_EXPERTS, mask=(b >= total // BLOCK_M) & (b < max_blocks))
 
 
 def max_rows_for(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -91,9 +97,9 @@ def max_rows_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
     """Pairs sorted by expert; ``num_experts`` counts the shared expert (the last) when ``shared``.
-    Up to SORT_CHUNK pairs (decode, verify) one Triton program does it all; more (prefill) go
-    through parallel torch ops, since one program sorting chunk after chunk is slow there. Both
-    give a valid grouping, and no row's result depends on which (see the module docstring)."""
+    Up to SORT_CHUNK pairs (decode, verify) one Triton launch does it all; more (prefill) go
+    through torch ops. Both give the same rows (a stable sort by expert), and no row's result
+    would depend on them anyway (see the module docstring)."""
     num_tokens, top_k = topk_ids.shape
     slots = top_k + (1 if shared else 0)
     num_pairs = num_tokens * slots
@@ -107,11 +113,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     if num_pairs:
         ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        chunk = next(c for c in (256, 1024, SORT_CHUNK) if c >= num_pairs)  # few sizes: few compiled variants
-        _align_kernel[(1,)](ids, sorted_pairs, block_expert, None, num_tokens, num_pairs, max_rows, max_blocks,
-                            TOP_K=top_k, SLOTS=slots, NUM_EXPERTS=num_experts,
-                            E_BLOCK=triton.next_power_of_2(num_experts + 1), BLOCK_M=bm, CHUNK=chunk, FILL=1024,
-                            num_warps=4)
+        chunk = 256 if num_pairs <= 256 else 1024  # few sizes: few compiled variants
+        _align_kernel[(num_experts + 1,)](ids, sorted_pairs, block_expert, num_pairs, max_rows, max_blocks,
+                                          TOP_K=top_k, SLOTS=slots, NUM_EXPERTS=num_experts,
+                                          E_BLOCK=triton.next_power_of_2(num_experts + 1), BLOCK_M=bm, CHUNK=chunk,
+                                          FILL=1024, num_warps=4)
     return Routing(sorted_pairs, block_expert, bm, num_pairs, slots)
 
 
