@@ -339,13 +339,15 @@ def test_sampler(device):
     assert a[3] == b[0] and a.tolist() != c.tolist()
 
 
-def test_align_paths_agree(device):
-    """The one-program routing and the torch sort give the same rows for the same pairs."""
+@pytest.mark.parametrize("tokens,k,e", [(1, 8, 256), (200, 4, 16), (400, 8, 64)])
+def test_align_paths_agree(device, tokens, k, e):
+    """The Triton routing (a program per expert) and the torch sort give the same rows for the
+    same pairs: one token over 257 experts (decode), one chunk of pairs, several chunks."""
     from bi_core.kernels.moe import SORT_CHUNK, _align_sorted, align, max_rows_for
 
-    ids = torch.stack([torch.randperm(16, device=device)[:4] for _ in range(200)])
-    r = align(ids, 17, True)
+    ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(tokens)])
+    r = align(ids, e + 1, True)
     assert r.num_pairs <= SORT_CHUNK
-    s = _align_sorted(ids, 17, True, r.block_m, max_rows_for(r.num_pairs, 17, r.block_m))
-    assert torch.equal(r.sorted_pairs, s.sorted_pairs) and torch.equal(r.block_expert.clamp(max=17),
-                                                                       s.block_expert.clamp(max=17))
+    s = _align_sorted(ids, e + 1, True, r.block_m, max_rows_for(r.num_pairs, e + 1, r.block_m))
+    assert torch.equal(r.sorted_pairs, s.sorted_pairs) and torch.equal(r.block_expert.clamp(max=e + 1),
+                                                                       s.block_expert.clamp(max=e + 1))
