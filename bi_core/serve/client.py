@@ -170,7 +170,10 @@ class EngineClient:
     def _hand_over(self, deltas: list[tuple]) -> None:
         batches: dict[Callable | None, list] = {}
         for key, sample, *fields in deltas:
-            stream = self._streams[key]
+            stream = self._streams.get(key)
+            if stream is None:  # cannot happen unless the engine emits after a stream's last delta
+                log.error("engine output for an unknown stream %d dropped", key)
+                continue
             delta = Delta(*fields)
             if delta.finished:
                 stream.unfinished.discard(sample)
