@@ -85,11 +85,12 @@ class EngineClient:
             if self.conn.poll(0.2):
                 try:
                     kind, payload = self.conn.recv()
-                except EOFError:
-                    continue  # the process ended: reported below
-                if kind == "error":
-                    raise BiEngineError(payload)
-                return payload
+                except EOFError:  # the process ended without a word (killed, crashed): reported below
+                    self.proc.join()
+                else:
+                    if kind == "error":
+                        raise BiEngineError(payload)
+                    return payload
             if not self.proc.is_alive():
                 raise BiEngineError(f"the engine process exited with code {self.proc.exitcode} while starting "
                                     "(see the log above)")
