@@ -36,27 +36,10 @@ def _epilogue(acc, acc_up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
     return acc.to(dt)
 
 
-@triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
-def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    k_lo = split * K_PER_SPLIT
-    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
-    a_ptr = A + rm[:, None].to(tl.int64) * stride_am + (k_lo + rk)[None, :]
-    b_ptr = B + rn[None, :].to(tl.int64) * stride_bn + (k_lo + rk)[:, None]
-    up_ptr = b_ptr + N * stride_bn  # SILU_MUL: weight rows [N, 2N) are the up projection
+@triton.jit
+def _k_range(a_ptr, b_ptr, up_ptr, rm, rn, rk, M, N, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr):
+    """One split: fp32 sums over K in [k_lo, k_hi), fixed BLOCK_K steps in order (pointers at k_lo)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -69,32 +52,68 @@ def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn,
             up_ptr += BLOCK_K
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
+    return acc, acc_up
+
+
+@triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
+def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 INLINE: tl.constexpr, SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptr = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    b_ptr = B + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+    up_off = N * stride_bn  # SILU_MUL: weight rows [N, 2N) are the up projection
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptr = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     dt = C.dtype.element_ty
-    if SPLIT_K == 1:
-        tl.store(c_ptr, _epilogue(acc, acc_up, dt, SILU_MUL), mask=c_mask)
-    else:
-        halves: tl.constexpr = 2 if SILU_MUL else 1
-        tile_elems = rm[:, None].to(tl.int64) * (halves * N) + rn[None, :]
-        part = WS + split * M * (halves * N) + tile_elems
-        tl.store(part, acc, mask=c_mask)
-        if SILU_MUL:
-            tl.store(part + N, acc_up, mask=c_mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        arrived = tl.atomic_add(LOCKS + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # last program of this tile: sum the partials in split order
-            total = tl.load(WS + tile_elems, mask=c_mask, other=0.0, cache_modifier=".cg")
-            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INLINE:  # one program does every split, and adds them in split order: the same sums, no workspace
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            k_lo = s * K_PER_SPLIT
+            acc, acc_up = _k_range(a_ptr + k_lo, b_ptr + k_lo, b_ptr + up_off + k_lo, rm, rn, rk, M, N, k_lo,
+                                   tl.minimum(K, k_lo + K_PER_SPLIT), BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, DOT)
+            total = tl.where(s == 0, acc, total + acc)  # split 0 as is (a -0.0 stays -0.0, as in the fix-up)
+            total_up = tl.where(s == 0, acc_up, total_up + acc_up)
+        tl.store(c_ptr, _epilogue(total, total_up, dt, SILU_MUL), mask=c_mask)
+    else:  # a constexpr branch: the INLINE variant never compiles the workspace code (LOCKS may be C then)
+        k_lo = split * K_PER_SPLIT
+        acc, acc_up = _k_range(a_ptr + k_lo, b_ptr + k_lo, b_ptr + up_off + k_lo, rm, rn, rk, M, N, k_lo,
+                               tl.minimum(K, k_lo + K_PER_SPLIT), BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, DOT)
+        if SPLIT_K == 1:
+            tl.store(c_ptr, _epilogue(acc, acc_up, dt, SILU_MUL), mask=c_mask)
+        else:
+            halves: tl.constexpr = 2 if SILU_MUL else 1
+            tile_elems = rm[:, None].to(tl.int64) * (halves * N) + rn[None, :]
+            part = WS + split * M * (halves * N) + tile_elems
+            tl.store(part, acc, mask=c_mask)
             if SILU_MUL:
-                total_up = tl.load(WS + tile_elems + N, mask=c_mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
-                part = WS + s * M * (halves * N) + tile_elems
-                total += tl.load(part, mask=c_mask, other=0.0, cache_modifier=".cg")
+                tl.store(part + N, acc_up, mask=c_mask)
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+            arrived = tl.atomic_add(LOCKS + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # last program of this tile: sum the partials in split order
+                total = tl.load(WS + tile_elems, mask=c_mask, other=0.0, cache_modifier=".cg")
+                total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 if SILU_MUL:
-                    total_up += tl.load(part + N, mask=c_mask, other=0.0, cache_modifier=".cg")
-            tl.store(c_ptr, _epilogue(total, total_up, dt, SILU_MUL), mask=c_mask)
-            tl.atomic_xchg(LOCKS + pid, 0)  # leave the counter at zero for the next call (and graph replays)
+                    total_up = tl.load(WS + tile_elems + N, mask=c_mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, SPLIT_K):
+                    part = WS + s * M * (halves * N) + tile_elems
+                    total += tl.load(part, mask=c_mask, other=0.0, cache_modifier=".cg")
+                    if SILU_MUL:
+                        total_up += tl.load(part + N, mask=c_mask, other=0.0, cache_modifier=".cg")
+                tl.store(c_ptr, _epilogue(total, total_up, dt, SILU_MUL), mask=c_mask)
+                tl.atomic_xchg(LOCKS + pid, 0)  # leave the counter at zero for the next call (and graph replays)
 
 
 def block_m_for(m: int) -> int:
@@ -118,18 +137,22 @@ def split_k_for(n: int, k: int) -> int:
 
 def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """BLOCK_K and SPLIT_K fix the K order from (N, K); the rest follows M for speed (decode tiles
-    from the M=1 sweep; wider tiles for more rows, narrowed until about TARGET_PROGRAMS programs)."""
+    from the M=1 sweep; wider tiles for more rows, narrowed until about TARGET_PROGRAMS programs).
+    With enough full-width tiles to fill the GPU, a split GEMM runs INLINE: each program adds its
+    tile's splits itself, in split order (the same sums, no fp32 workspace round trip)."""
     bm, split = block_m_for(m), split_k_for(n, k)
+    inline = split > 1 and bm > 16 and triton.cdiv(m, bm) * triton.cdiv(n, 128) >= TARGET_PROGRAMS // 2
+    programs_per_tile = 1 if inline else split
     if bm <= 16:
         bn, warps, stages = (16 if n <= 1024 else DECODE_BLOCK_N if n <= 16384 else 64), 2, 4
     else:
         bn, warps, stages = 128, (8 if bm == 128 else 4), (3 if bm >= 64 else 4)
-        while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * split < TARGET_PROGRAMS:
+        while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * programs_per_tile < TARGET_PROGRAMS:
             bn //= 2
     if dtype == torch.float32:
         stages = 2  # fp32 tiles are twice the bytes: three stages of 128x128 tiles overflow shared memory
     bn = min(bn, max(16, triton.next_power_of_2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(n, k), "SPLIT_K": split,
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(n, k), "SPLIT_K": split, "INLINE": inline,
             "num_warps": warps, "num_stages": stages}
 
 
@@ -155,16 +178,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     c = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return c.view(*shape[:-1], n)
-    cfg = dict(config or gemm_config(m, n, k, x.dtype))
+    cfg = {"INLINE": False, **(config or gemm_config(m, n, k, x.dtype))}
     split = cfg.pop("SPLIT_K")
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    if split > 1 and tiles > MAX_LOCKS:
+    if split > 1 and not cfg["INLINE"] and tiles > MAX_LOCKS:
         raise ValueError(f"split-K GEMM with {tiles} tiles (M={m}, N={n}): more than {MAX_LOCKS} counters")
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     halves = 2 if silu_mul else 1
-    ws = torch.empty((split, m, halves * n), dtype=torch.float32, device=x.device) if split > 1 else c
-    locks = tile_locks(x.device) if split > 1 else c
-    _gemm_kernel[(tiles, split)](a, weight, c, ws, locks, m, n, k, k_per_split, a.stride(0), weight.stride(0),
+    grid_split = 1 if cfg["INLINE"] else split
+    ws = torch.empty((split, m, halves * n), dtype=torch.float32, device=x.device) if grid_split > 1 else c
+    locks = tile_locks(x.device) if grid_split > 1 else c
+    _gemm_kernel[(tiles, grid_split)](a, weight, c, ws, locks, m, n, k, k_per_split, a.stride(0), weight.stride(0),
                                  c.stride(0), SPLIT_K=split, SILU_MUL=silu_mul, GROUP_M=8, DOT=dot_mode(x.dtype),
                                  **cfg)
     return c.view(*shape[:-1], n)

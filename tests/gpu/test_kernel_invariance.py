@@ -39,6 +39,25 @@ def test_gemm_invariant_and_cublas_is_not(n, k):
     torch.testing.assert_close(linear(ref, w).float(), ref.float() @ w.float().T, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("n,k", [(2048, 4096), (512, 2048), (4096, 4096)])  # split 8, 4, 4
+def test_gemm_inline_splits_equal_split_programs(n, k):
+    """Large M runs a split GEMM INLINE (one program adds its tile's splits in order): every row
+    must be bitwise what the split programs + ordered fix-up give, and a large batch that takes
+    the inline path must still equal its rows computed alone (M=1)."""
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    torch.manual_seed(k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+    assert gemm_config(8192, n, k)["INLINE"] and not gemm_config(1, n, k)["INLINE"]
+    for m in (1, 70, 1024, 8192):
+        cfg = gemm_config(m, n, k)
+        split_cfg, inline_cfg = {**cfg, "INLINE": False}, {**cfg, "INLINE": True}
+        assert torch.equal(linear(x[:m], w, config=split_cfg), linear(x[:m], w, config=inline_cfg))
+    full = linear(x, w)
+    assert all(torch.equal(linear(x[i:i + 1], w), full[i:i + 1]) for i in (0, 1, 777, 8191))
+
+
 @pytest.mark.parametrize("n,k", [(3584, 1024), (12288, 4096)])  # split 2 and 1
 def test_gemm_silu_mul_invariant(n, k):
     from bi_core.backends.reference.linear import silu_and_mul

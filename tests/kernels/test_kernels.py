@@ -179,6 +179,23 @@ def test_linear(device, dtype, n, k):
         assert rel(linear(x, w2, silu_mul=True), want) < 2 * tol
 
 
+def test_linear_inline_splits_equal_split_programs(device):
+    """The INLINE path (one program adds a tile's splits in split order) gives the split programs'
+    bits (with their ordered fix-up); the large-M config takes it, M=1 does not."""
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    n, k = 40, 2048
+    assert gemm_config(16384, 2048, 4096)["INLINE"] and not gemm_config(1, 2048, 4096)["INLINE"]
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(33, k, device=device, dtype=torch.bfloat16)
+    cfg = gemm_config(33, n, k)
+    assert cfg["SPLIT_K"] == 8
+    split = linear(x, w, config={**cfg, "INLINE": False})
+    inline = linear(x, w, config={**cfg, "INLINE": True})
+    assert torch.equal(split, inline)
+    assert rel(inline, x.float() @ w.float().T) < 1e-2
+
+
 def attention_inputs(device, dtype, hq=4, hkv=2, d=32, rot=8):
     spec = AttentionSpec(dtype=dtype, device=device, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
                          rotary_dim=rot, rope_theta=1e4, norm_eps=1e-6)
