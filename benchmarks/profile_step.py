@@ -1,10 +1,15 @@
-"""Where a decode step's time goes: torch profiler over eager decode steps, top kernels by CUDA time.
+"""Where a step's time goes: torch profiler over eager steps, top kernels by CUDA time.
 
-python3 benchmarks/profile_step.py BACKEND LAYERS BATCH"""
+python3 benchmarks/profile_step.py BACKEND LAYERS BATCH [PROMPTS]
+
+BATCH sequences of 512-token prompts decode; with PROMPTS, the profiled step also prefills that
+many new 512-token prompts (a throughput run's mixed step; a first such step, unprofiled, warms
+the prefill kernels)."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -16,7 +21,8 @@ from bi_core import SamplingParams, build_engine
 
 def main() -> None:
     backend, layers, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    eng = build_engine(config(backend, layers, graphs=False, max_seqs=max(64, batch)))
+    prompts = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    eng = build_engine(config(backend, layers, graphs=False, max_seqs=max(64, batch + 2 * prompts)))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     seqs = [eng.add_request(torch.randint(0, 248320, (512,), generator=g).tolist(), params) for _ in range(batch)]
@@ -24,13 +30,25 @@ def main() -> None:
         eng.step()
     for _ in range(3):
         eng.step()
+    steps = 5
+    if prompts:
+        for warm in (True, False):  # the first mixed step warms the prefill kernels; the second is profiled
+            for _ in range(prompts):
+                eng.add_request(torch.randint(0, 248320, (512,), generator=g).tolist(), params)
+            if warm:
+                eng.step()
+        steps = 1
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
-    print(f"== {backend} layers={layers} batch={batch}: per 5 steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+        wall = (time.perf_counter() - t0) * 1e3
+    print(f"== {backend} layers={layers} batch={batch} prompts={prompts}: per {steps} steps, wall {wall:.1f} ms "
+          f"(profiler on)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
 
 if __name__ == "__main__":

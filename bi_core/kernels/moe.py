@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma
-from bi_core.kernels.gemm import block_k_for, block_m_for
+from bi_core.kernels.gemm import MAX_LOCKS, block_k_for, block_m_for, tile_locks
 
 SORT_CHUNK = 4096  # pairs sorted at once by the routing program (more are sorted chunk by chunk)
 
@@ -36,8 +36,7 @@ class Routing:
 
 
 @triton.jit
-def _expert_of(IDS, p, num_pairs, TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-               E_BLOCK: tl.constexpr):
+def _expert_of(IDS, p, num_pairs, TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS, E_BLOCK: tl.constexpr):
     """Expert of pairs ``p`` (token * SLOTS + slot): IDS[token, slot] for slot < TOP_K, else the
     shared expert NUM_EXPERTS - 1; E_BLOCK - 1 (a bin no expert has) past num_pairs."""
     ok = p < num_pairs
@@ -144,14 +143,19 @@ def _align_sorted(topk_ids: torch.Tensor, num_experts: int, shared: bool, bm: in
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_we,
+def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, IDS, num_pairs, N, K, num_experts, stride_am, stride_we,
                          stride_wn, stride_cm, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PER_PAIR: tl.constexpr,
+                         TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
-    if e >= num_experts:
-        return
-    pairs = tl.load(SORTED + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PER_PAIR:  # small batches, no routing sort: program b computes pair b alone (row 0 of its tile)
+        e = _expert_of(IDS, b, num_pairs, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, b, num_pairs)
+    else:
+        e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
+        if e >= num_experts:
+            return
+        pairs = tl.load(SORTED + b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -182,24 +186,113 @@ def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_exp
     tl.store(c_ptr, out, mask=valid[:, None] & (rn[None, :] < N))
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: int, silu_mul: bool = False
-                 ) -> torch.Tensor:
+def grouped_config(block_m: int, n: int, silu_mul: bool) -> dict:
+    """Tile width, warps and stages (speed only: BLOCK_K, fixed by (N, K), is the K order)."""
+    block_n = 32 if block_m <= 16 else 64 if block_m <= 64 else 128
+    return {"BLOCK_N": min(block_n, max(16, triton.next_power_of_2(n))),
+            "num_warps": 8 if block_m == 128 else 4,  # prefill: [128, 128] fp32 accumulators (two with SiLU)
+            "num_stages": 3 if silu_mul or block_m == 128 else 4}
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: int, silu_mul: bool = False,
+                 config: dict | None = None) -> torch.Tensor:
     """For every pair p: ``out[p] = a[p // a_row_div] @ w[expert(p)].T`` (w ``[E, N, K]``); with
-    ``silu_mul`` w is ``[E, 2N, K]`` and ``out[p] = silu(gate) * up`` ``[num_pairs, N]``."""
+    ``silu_mul`` w is ``[E, 2N, K]`` and ``out[p] = silu(gate) * up`` ``[num_pairs, N]``. ``config``
+    overrides the tile table (benchmarks)."""
     num_experts, n, k = w.shape
     n = n // 2 if silu_mul else n
     out = torch.empty((routing.num_pairs, n), dtype=a.dtype, device=a.device)
     if routing.num_pairs == 0:
         return out
-    block_n = 32 if routing.block_m <= 16 else 64 if routing.block_m <= 64 or silu_mul else 128
-    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
-    warps = 8 if routing.block_m == 128 else 4  # two [128, 64] fp32 accumulators (SiLU) or one [128, 128]
-    grid = (routing.block_expert.shape[0], triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](a, w, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k,
-                               num_experts, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BLOCK_M=routing.block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k_for(n, k), DOT=dot_mode(a.dtype), num_warps=warps,
-                               num_stages=3 if silu_mul or routing.block_m == 128 else 4)
+    cfg = config or grouped_config(routing.block_m, n, silu_mul)
+    grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
+    _grouped_gemm_kernel[grid](a, w, out, routing.sorted_pairs, routing.block_expert, routing.sorted_pairs,
+                               routing.num_pairs, n, k, num_experts, a.stride(0), w.stride(0), w.stride(1),
+                               out.stride(0), A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BLOCK_M=routing.block_m,
+                               BLOCK_K=block_k_for(n, k), DOT=dot_mode(a.dtype), PER_PAIR=False, TOP_K=1, SLOTS=1,
+                               E_BLOCK=1, **cfg)
+    return out
+
+
+PAIR_TOKENS = 8  # up to this many tokens the experts run per pair (no routing sort, combine fused)
+PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5}  # per-pair tiles (gemm_sweep.py pair, H200)
+PAIR_DOWN = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}
+
+
+@triton.jit
+def _down_combine_kernel(HA, W2, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h, stride_we,
+                         stride_wn, stride_sl, TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Program (pair p, column tile): the pair's down projection, as the grouped GEMM computes a
+    row (the pair in row 0 of a BLOCK_M tile, K in BLOCK_K steps), stored rounded to Y; the last
+    of a token's SLOTS programs to arrive (a per-(token, tile) counter, left at zero) combines the
+    token's rows of Y in slot order with ``_combine_kernel``'s arithmetic. The counter elects who
+    adds; it orders nothing arithmetic."""
+    p = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = p // SLOTS
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row0 = tl.arange(0, BLOCK_M) == 0
+    n_ok = rn < N
+    dt = OUT.dtype.element_ty
+    e = _expert_of(IDS, p, p + 1, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
+    a_ptr = HA + p * stride_h + rk[None, :]
+    w_ptr = W2 + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk + k0 < K
+        a = tl.load(a_ptr, mask=row0[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = mma(a, w, acc, DOT)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    y_ptr = Y + p * N + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
+    tl.store(y_ptr, acc.to(dt), mask=row0[:, None] & n_ok[None, :])
+    tl.debug_barrier()  # every thread's row is written before the arrival is counted
+    lock = LOCKS + t * tl.num_programs(1) + tile
+    if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SLOTS - 1:
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        for j in tl.static_range(TOP_K):  # slot order, fp32; weights applied in the model dtype
+            wt = tl.load(WTS + t * TOP_K + j).to(dt).to(tl.float32)
+            y = tl.load(Y + (t * SLOTS + j) * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            total += (y * wt).to(dt).to(tl.float32)
+        if SLOTS > TOP_K:  # + sigmoid(shared gate logit) * shared expert, each rounded like transformers
+            gate = tl.sigmoid(tl.load(SHARED_LOGIT + t * stride_sl).to(tl.float32)).to(dt).to(tl.float32)
+            y = tl.load(Y + (t * SLOTS + TOP_K) * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+            total = total.to(dt).to(tl.float32) + (y.to(tl.float32) * gate).to(dt).to(tl.float32)
+        tl.store(OUT + t * N + rn, total.to(dt), mask=n_ok)
+        tl.atomic_xchg(lock, 0)  # left at zero for the next call (and graph replays)
+
+
+def _moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, shared_logits: torch.Tensor | None, up: dict = PAIR_UP, down: dict = PAIR_DOWN
+                  ) -> torch.Tensor:
+    """Two launches for a few tokens, no routing sort: the gate/up GEMM a program per (pair, column
+    tile), then the down GEMM a program per (pair, column tile), the last of a token's pairs
+    combining them. Every number is computed as on the sorted path (the same row arithmetic,
+    the same roundings): tests/gpu checks the two bitwise."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    slots = top_k + (1 if shared_logits is not None else 0)
+    num_pairs = num_tokens * slots
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    e_block = triton.next_power_of_2(num_experts + 1)
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    dot = dot_mode(x.dtype)
+    _grouped_gemm_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w13, h, ids, ids, ids, num_pairs, inter, hidden, num_experts, x.stride(0), w13.stride(0), w13.stride(1),
+        h.stride(0), A_ROW_DIV=slots, SILU_MUL=True, BLOCK_M=16, BLOCK_K=block_k_for(inter, hidden), DOT=dot,
+        PER_PAIR=True, TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, **up)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    assert num_tokens * triton.cdiv(hidden, down["BLOCK_N"]) <= MAX_LOCKS  # a counter per (token, column tile)
+    logits = shared_logits if shared_logits is not None else topk_weights
+    _down_combine_kernel[(num_pairs, triton.cdiv(hidden, down["BLOCK_N"]))](
+        h, w2, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter, num_experts,
+        h.stride(0), w2.stride(0), w2.stride(1), logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block,
+        BLOCK_M=16, BLOCK_K=block_k_for(hidden, inter), DOT=dot, **down)
     return out
 
 
@@ -240,7 +333,16 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared_logits: torch.Ten
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, shared_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_j w_j · SwiGLU-expert_{id_j}(x) per token, combined in fp32 in slot order; with
-    ``shared_logits`` the last expert of w13/w2 is the shared expert, gated by sigmoid(logit)."""
+    ``shared_logits`` the last expert of w13/w2 is the shared expert, gated by sigmoid(logit).
+    Up to PAIR_TOKENS tokens per pair (2 launches), more sorted by expert (4 launches): the same
+    bits either way."""
+    if 0 < topk_ids.shape[0] <= PAIR_TOKENS:
+        return _moe_per_pair(x, topk_weights, topk_ids, w13, w2, shared_logits)
+    return _moe_sorted(x, topk_weights, topk_ids, w13, w2, shared_logits)
+
+
+def _moe_sorted(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, shared_logits: torch.Tensor | None) -> torch.Tensor:
     routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None)
     h = grouped_gemm(x, w13, routing, a_row_div=routing.slots, silu_mul=True)
     y = grouped_gemm(h, w2, routing, a_row_div=1)

@@ -336,6 +336,33 @@ def test_topk_and_fused_moe(device, shared):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_per_pair_path_equals_sorted_path(device, shared, dtype):
+    """Up to PAIR_TOKENS tokens the experts run per pair with the combine fused into the down
+    GEMM: the same numbers as the sorted path (bitwise on the GPU; the interpreter's dot is
+    numpy's, whose rounding may follow the tile's other rows, and it truncates to bf16)."""
+    from bi_core.kernels.moe import PAIR_TOKENS, _moe_per_pair, _moe_sorted, fused_moe
+
+    e, k, h, i = 8, 2, 64, 48
+    w13 = (torch.randn(e + shared, 2 * i, h, device=device) / 8).to(dtype)
+    w2 = (torch.randn(e + shared, h, i, device=device) / 6).to(dtype)
+    for t in (1, 3, PAIR_TOKENS):
+        x = torch.randn(t, h, device=device, dtype=dtype)
+        ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)])
+        wts = torch.rand(t, k, device=device).softmax(-1)
+        gate = torch.randn(t, device=device) if shared else None
+        pair, sorted_ = _moe_per_pair(x, wts, ids, w13, w2, gate), _moe_sorted(x, wts, ids, w13, w2, gate)
+        assert torch.equal(fused_moe(x, wts, ids, w13, w2, gate), pair)
+        if device.type == "cuda":
+            assert torch.equal(pair, sorted_)
+        else:
+            assert rel(pair, sorted_) < (1e-6 if dtype == torch.float32 else 1e-2)
+        if dtype == torch.float32:
+            want = ReferenceMoEImpl().forward(x, wts, ids, w13, w2, gate)
+            torch.testing.assert_close(pair, want, atol=1e-5, rtol=1e-5)
+
+
 def test_sampler(device):
     from bi_core.kernels.sampling import sample
 

@@ -1,0 +1,161 @@
+"""GEMM and grouped-GEMM tile sweeps at the Qwen3.5-35B-A3B shapes, for the sizes a throughput
+run spends its time in: dense GEMMs at M = 256 (a full decode batch) and 7680 (a prefill
+chunk), the expert GEMMs at decode batches 1 / 8 / 64 / 256 and a 7,680-token prefill. Every
+config keeps BLOCK_K and SPLIT_K (the K order) as the tile table has them: only the speed knobs
+move (BLOCK_M / BLOCK_N / warps / stages / INLINE), so any config found here can replace the
+table's without changing a bit of output. cuBLAS is timed alongside as the speed reference.
+
+python3 benchmarks/gemm_sweep.py [dense|moe|pair|all] [--json out.jsonl]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+
+import torch
+import triton
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+H, E, TOP_K, INTER = 2048, 256, 8, 512
+DENSE = {"in_proj": (12352, 2048), "qkv": (9216, 2048), "out_proj": (2048, 4096), "lm_head": (248320, 2048)}
+rows: list[dict] = []
+
+
+def timed(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3  # us
+
+
+def record(**row) -> None:
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def sweep_dense() -> None:
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    tiles = [(64, 4), (128, 4), (128, 8)]  # (BLOCK_M, warps)
+    for name, (n, k) in DENSE.items():
+        w = torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5
+        for m in ((256,) if name == "lm_head" else (256, 7680)):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            flop = 2 * m * n * k
+            base = gemm_config(m, n, k)
+            us_cublas = timed(partial(torch.matmul, x, w.T))
+            us_table = timed(partial(linear, x, w))
+            record(kind="dense", name=name, m=m, config="table", cfg=base, us=round(us_table, 2),
+                   tflops=round(flop / us_table / 1e6, 1), cublas_us=round(us_cublas, 2),
+                   cublas_tflops=round(flop / us_cublas / 1e6, 1))
+            best = (us_table, "table")
+            inlines = (False, True) if base["SPLIT_K"] > 1 else (False,)
+            for (bm, warps), bn, stages, inline in itertools.product(tiles, (64, 128, 256), (3, 4), inlines):
+                if bm == 128 and bn == 256 and warps == 4:
+                    continue
+                cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+                       "INLINE": inline}
+                try:
+                    us = timed(partial(linear, x, w, config=cfg))
+                except Exception as e:  # noqa: BLE001 - an unsupported tile is a sweep result
+                    print(f"  {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                best = min(best, (us, json.dumps(cfg)))
+                record(kind="dense-sweep", name=name, m=m, cfg=cfg, us=round(us, 2), tflops=round(flop / us / 1e6, 1))
+            print(f"BEST dense {name} M={m}: {best[0]:.2f} us (table {us_table:.2f}, cuBLAS {us_cublas:.2f}) "
+                  f"{best[1]}", flush=True)
+
+
+def sweep_moe() -> None:
+    from bi_core.kernels.moe import align, grouped_config, grouped_gemm
+    from bi_core.kernels.topk import softmax_topk
+
+    w13 = torch.randn(E + 1, 2 * INTER, H, device=DEV, dtype=BF16) / H**0.5
+    w2 = torch.randn(E + 1, H, INTER, device=DEV, dtype=BF16) / INTER**0.5
+    router = torch.randn(E, H, device=DEV, dtype=BF16) / H**0.5
+    for t in (1, 8, 64, 256, 7680):
+        x = torch.randn(t, H, device=DEV, dtype=BF16)
+        _, ids = softmax_topk(x @ router.T, TOP_K)
+        routing = align(ids, E + 1, shared=True)
+        hit = E * (1 - (1 - TOP_K / E) ** t) + 1
+        h = grouped_gemm(x, w13, routing, a_row_div=routing.slots, silu_mul=True)
+        for gemm, (w, a, div, silu, n) in {"w13": (w13, x, routing.slots, True, INTER),
+                                            "w2": (w2, h, 1, False, H)}.items():
+            nbytes = int(hit * w.shape[1] * w.shape[2] * 2)
+            base = grouped_config(routing.block_m, n, silu)
+            us_table = timed(partial(grouped_gemm, a, w, routing, div, silu))
+            record(kind="moe", gemm=gemm, tokens=t, block_m=routing.block_m, config="table", cfg=base,
+                   us=round(us_table, 2), tb_s=round(nbytes / us_table / 1e6, 2))
+            best = (us_table, "table")
+            big = routing.block_m >= 64
+            for bn, warps, stages in itertools.product((32, 64, 128), (4, 8) if big else (2, 4),
+                                                       (2, 3, 4) if big else (3, 4, 5)):
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                try:
+                    us = timed(partial(grouped_gemm, a, w, routing, div, silu, config=cfg))
+                except Exception as e:  # noqa: BLE001 - an unsupported tile is a sweep result
+                    print(f"  {gemm} T={t} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                best = min(best, (us, json.dumps(cfg)))
+                record(kind="moe-sweep", gemm=gemm, tokens=t, block_m=routing.block_m, cfg=cfg, us=round(us, 2),
+                       tb_s=round(nbytes / us / 1e6, 2))
+            print(f"BEST moe {gemm} T={t} (BLOCK_M {routing.block_m}): {best[0]:.2f} us (table {us_table:.2f}) "
+                  f"{best[1]}", flush=True)
+
+
+def sweep_pair() -> None:
+    """The small-batch MoE path (per pair, combine fused) against the sorted path, whole MoE
+    (router logits given), and its two kernels' tiles."""
+    from bi_core.kernels.moe import PAIR_DOWN, PAIR_UP, _moe_per_pair, _moe_sorted
+    from bi_core.kernels.topk import softmax_topk
+
+    w13 = torch.randn(E + 1, 2 * INTER, H, device=DEV, dtype=BF16) / H**0.5
+    w2 = torch.randn(E + 1, H, INTER, device=DEV, dtype=BF16) / INTER**0.5
+    router = torch.randn(E + 1, H, device=DEV, dtype=BF16) / H**0.5
+    for t in (1, 2, 4, 8, 16):
+        x = torch.randn(t, H, device=DEV, dtype=BF16)
+        logits = x @ router.T
+        wts, ids = softmax_topk(logits[:, :E], TOP_K)
+        gate = logits[:, E]
+        us_sorted = timed(partial(_moe_sorted, x, wts, ids, w13, w2, gate))
+        us_pair = timed(partial(_moe_per_pair, x, wts, ids, w13, w2, gate))
+        same = torch.equal(_moe_sorted(x, wts, ids, w13, w2, gate), _moe_per_pair(x, wts, ids, w13, w2, gate))
+        record(kind="pair", tokens=t, sorted_us=round(us_sorted, 2), pair_us=round(us_pair, 2), bitwise_equal=same)
+        best = {"up": (us_pair, PAIR_UP), "down": (us_pair, PAIR_DOWN)}
+        for which in ("up", "down"):
+            for bn, warps, stages in itertools.product((16, 32, 64), (2, 4), (3, 4, 5)):
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                kw = {which: cfg}
+                try:
+                    us = timed(partial(_moe_per_pair, x, wts, ids, w13, w2, gate, **kw))
+                except Exception as e:  # noqa: BLE001 - an unsupported tile is a sweep result
+                    print(f"  pair {which} T={t} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                best[which] = min(best[which], (us, cfg), key=lambda b: b[0])
+                record(kind="pair-sweep", which=which, tokens=t, cfg=cfg, us=round(us, 2))
+        print(f"BEST pair T={t}: sorted {us_sorted:.2f} us, per pair {us_pair:.2f} us (bitwise equal: {same}); "
+              f"up {best['up']}, down {best['down']}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", nargs="?", default="all", choices=["dense", "moe", "pair", "all"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), flush=True)
+    if args.what in ("pair", "all"):
+        sweep_pair()
+    if args.what in ("moe", "all"):
+        sweep_moe()
+    if args.what in ("dense", "all"):
+        sweep_dense()
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
