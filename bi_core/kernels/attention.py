@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bi_core.kernels.common import dot_mode, mma
+from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 
 M_ROWS = 64  # rows per program (tokens per tile = M_ROWS // GROUP)
 BLOCK_N = 32
@@ -92,7 +92,8 @@ def _gated_store(OUT, G, rows, head, d, acc, denom, mask, stride_ot, stride_gt, 
 def _prefill_kernel(Q, KC, VC, G, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_log2,
                     stride_qt, stride_qh, stride_gt, stride_ot, stride_kb, stride_ko, stride_kh, stride_bt,
                     PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DOT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.load(TILE_SEQ + tile).to(tl.int64)
@@ -151,7 +152,8 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
                          stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, num_heads,
                          PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
                          BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr,
-                         BLOCK_B: tl.constexpr, DOT: tl.constexpr):
+                         BLOCK_B: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i = tl.program_id(0)
     p = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -184,7 +186,9 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
 
 @triton.jit
 def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stride_ot, num_heads,
-                  D: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr):
+                  D: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_start(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(DEC_SEQS + i).to(tl.int64)
@@ -248,7 +252,7 @@ def prefill_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens
         scale * LOG2E, q.stride(0), q.stride(1), gate.stride(0), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         PAGE=page, GROUP=num_heads // num_kv_heads, D=head_dim, M_ROWS=M_ROWS, BLOCK_N=BLOCK_N,
-        KV_SPLIT=KV_SPLIT, DOT=dot_mode(q.dtype), num_warps=NUM_WARPS, num_stages=2)
+        KV_SPLIT=KV_SPLIT, DOT=dot_mode(q.dtype), num_warps=NUM_WARPS, num_stages=2, **pdl())
 
 
 def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, dec_seqs,
@@ -278,7 +282,7 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=rows, BLOCK_N=BLOCK_N,
         KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype),
-        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **pdl())
     _merge_kernel[(num_dec, num_heads)](
         ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,
-        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, num_warps=4)
+        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, num_warps=4, **pdl())

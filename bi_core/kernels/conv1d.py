@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 
 @triton.jit
 def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, stride_x, stride_o, stride_ss, stride_sc,
-                   C, BLOCK_C: tl.constexpr, PER_TOKEN: tl.constexpr):
+                   C, BLOCK_C: tl.constexpr, PER_TOKEN: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     cb = tl.program_id(1)
     start = tl.load(CU + s).to(tl.int64)
@@ -68,5 +71,5 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu
     grid = (seq_ids.shape[0], triton.cdiv(channels, block_c))
     _conv1d_kernel[grid](x, weight, state, out, cu_seqlens, context_lens, slots, token_slots, seq_ids, x.stride(0),
                          out.stride(0), state.stride(0), state.stride(1), channels, BLOCK_C=block_c,
-                         PER_TOKEN=per_token, num_warps=4)
+                         PER_TOKEN=per_token, num_warps=4, **pdl())
     return out

@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 
 @triton.jit
-def _silu_mul_kernel(X, Y, N, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Y, N, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -25,5 +28,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, y, n, x.stride(0), y.stride(0), BLOCK=block,
+                          num_warps=4, **pdl())
     return y

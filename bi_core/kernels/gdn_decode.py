@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 NUM_WARPS = 4  # measured on an H200: 4 warps beat 8 and 16 at B=64 (occupancy), equal at B=1
 
 
@@ -34,7 +36,8 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
                        SEQ_IDS, stride_p, stride_o, stride_cs, stride_cc, stride_ss, stride_sh, scale, eps,
                        NUM_V_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHANNELS: tl.constexpr,
-                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr):
+                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     hk = tl.program_id(1)
     dt = OUT.dtype.element_ty
@@ -129,5 +132,5 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tenso
             VALUE_DIM=value_dim, GROUP=group, DK=head_k_dim, DV=head_v_dim,
             CHANNELS=triton.next_power_of_2(2 * head_k_dim + group * head_v_dim), PER_TOKEN=per_token,
             ROUND_STATE=state.dtype != torch.float32,
-            num_warps=NUM_WARPS)
+            num_warps=NUM_WARPS, **pdl())
     return out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bi_core.kernels.common import dot_mode, mma
+from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs) at decode
 DECODE_BLOCK_N = 32  # the tile width a decode GEMV uses; split counts are planned against it
@@ -58,7 +58,9 @@ def _k_range(a_ptr, b_ptr, up_ptr, rm, rn, rk, M, N, k_lo, k_hi, BLOCK_M: tl.con
 @triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
 def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 INLINE: tl.constexpr, SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr):
+                 INLINE: tl.constexpr, SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -190,5 +192,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     locks = tile_locks(x.device) if grid_split > 1 else c
     _gemm_kernel[(tiles, grid_split)](a, weight, c, ws, locks, m, n, k, k_per_split, a.stride(0), weight.stride(0),
                                  c.stride(0), SPLIT_K=split, SILU_MUL=silu_mul, GROUP_M=8, DOT=dot_mode(x.dtype),
-                                 **cfg)
+                                 **cfg, **pdl())
     return c.view(*shape[:-1], n)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bi_core.kernels.common import dot_mode, mma
+from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 from bi_core.kernels.gemm import MAX_LOCKS, block_k_for, block_m_for, tile_locks
 
 SORT_CHUNK = 4096  # pairs sorted at once by the routing program (more are sorted chunk by chunk)
@@ -48,11 +48,12 @@ def _expert_of(IDS, p, num_pairs, TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])  # batch-dependent
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, max_rows, max_blocks,
                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     """One program per expert, plus one for the tail: every program counts all pairs per expert
     (a few KB from L2) to find where its expert's rows start; program e writes expert e's pairs
     in pair order (a stable counting sort), its padding rows and its blocks; the last program
     writes the rows and blocks past every expert's. Each row and block is written exactly once."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     e_range = tl.arange(0, E_BLOCK)
     counts = tl.zeros((E_BLOCK,), tl.int32)
@@ -116,7 +117,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
         _align_kernel[(num_experts + 1,)](ids, sorted_pairs, block_expert, num_pairs, max_rows, max_blocks,
                                           TOP_K=top_k, SLOTS=slots, NUM_EXPERTS=num_experts,
                                           E_BLOCK=triton.next_power_of_2(num_experts + 1), BLOCK_M=bm, CHUNK=chunk,
-                                          FILL=1024, num_warps=4)
+                                          FILL=1024, num_warps=4, **pdl())
     return Routing(sorted_pairs, block_expert, bm, num_pairs, slots)
 
 
@@ -146,7 +147,8 @@ def _align_sorted(topk_ids: torch.Tensor, num_experts: int, shared: bool, bm: in
 def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, IDS, num_pairs, N, K, num_experts, stride_am, stride_we,
                          stride_wn, stride_cm, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PER_PAIR: tl.constexpr,
-                         TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr):
+                         TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     b = tl.program_id(0)
     if PER_PAIR:  # small batches, no routing sort: program b computes pair b alone (row 0 of its tile)
         e = _expert_of(IDS, b, num_pairs, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
@@ -210,7 +212,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: 
                                routing.num_pairs, n, k, num_experts, a.stride(0), w.stride(0), w.stride(1),
                                out.stride(0), A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BLOCK_M=routing.block_m,
                                BLOCK_K=block_k_for(n, k), DOT=dot_mode(a.dtype), PER_PAIR=False, TOP_K=1, SLOTS=1,
-                               E_BLOCK=1, **cfg)
+                               E_BLOCK=1, **cfg, **pdl())
     return out
 
 
@@ -222,12 +224,14 @@ PAIR_DOWN = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}
 @triton.jit
 def _down_combine_kernel(HA, W2, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h, stride_we,
                          stride_wn, stride_sl, TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (pair p, column tile): the pair's down projection, as the grouped GEMM computes a
     row (the pair in row 0 of a BLOCK_M tile, K in BLOCK_K steps), stored rounded to Y; the last
     of a token's SLOTS programs to arrive (a per-(token, tile) counter, left at zero) combines the
     token's rows of Y in slot order with ``_combine_kernel``'s arithmetic. The counter elects who
     adds; it orders nothing arithmetic."""
+    pdl_start(PDL)
     p = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     t = p // SLOTS
@@ -284,7 +288,7 @@ def _moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     _grouped_gemm_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13, h, ids, ids, ids, num_pairs, inter, hidden, num_experts, x.stride(0), w13.stride(0), w13.stride(1),
         h.stride(0), A_ROW_DIV=slots, SILU_MUL=True, BLOCK_M=16, BLOCK_K=block_k_for(inter, hidden), DOT=dot,
-        PER_PAIR=True, TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, **up)
+        PER_PAIR=True, TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, **up, **pdl())
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     assert num_tokens * triton.cdiv(hidden, down["BLOCK_N"]) <= MAX_LOCKS  # a counter per (token, column tile)
@@ -292,13 +296,14 @@ def _moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     _down_combine_kernel[(num_pairs, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, w2, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter, num_experts,
         h.stride(0), w2.stride(0), w2.stride(1), logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block,
-        BLOCK_M=16, BLOCK_K=block_k_for(hidden, inter), DOT=dot, **down)
+        BLOCK_M=16, BLOCK_K=block_k_for(hidden, inter), DOT=dot, **down, **pdl())
     return out
 
 
 @triton.jit
 def _combine_kernel(Y, W, SHARED_LOGIT, OUT, H, stride_sl, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -326,7 +331,7 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared_logits: torch.Ten
         block = min(1024, triton.next_power_of_2(h))
         logits = shared_logits if shared_logits is not None else weights
         _combine_kernel[(rows, triton.cdiv(h, block))](y, weights.contiguous(), logits, out, h, logits.stride(0),
-                                                       TOP_K=top_k, SLOTS=slots, BLOCK=block, num_warps=4)
+                                                       TOP_K=top_k, SLOTS=slots, BLOCK=block, num_warps=4, **pdl())
     return out
 
 

@@ -7,10 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_OUT, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -26,7 +29,8 @@ def _rms_norm_kernel(X, R, W, Y, R_OUT, stride_x, stride_r, stride_y, stride_ro,
 
 
 @triton.jit
-def _gated_rms_norm_kernel(X, G, W, Y, stride_x, stride_g, stride_y, N, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(X, G, W, Y, stride_x, stride_g, stride_y, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -54,12 +58,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     warps = 4 if block <= 2048 else 8
     if residual is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), 0, y.stride(0), 0, n, eps,
-                                         HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+                                         HAS_RESIDUAL=False, BLOCK=block, num_warps=warps, **pdl())
         return y.view(shape)
     r2 = _rows(residual)
     r_out = torch.empty_like(y)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0),
-                                     r_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+                                     r_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=warps, **pdl())
     return y.view(shape), r_out.view(shape)
 
 
@@ -69,5 +73,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x2, g2 = _rows(x), _rows(gate)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _gated_rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, x2.stride(0), g2.stride(0), y.stride(0), n, eps,
-                                           BLOCK=triton.next_power_of_2(n), num_warps=4)
+                                           BLOCK=triton.next_power_of_2(n), num_warps=4, **pdl())
     return y.view(shape)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 
 @triton.jit
 def _norm_rope(X, W, d, pos, inv_freq_ptr, eps, D: tl.constexpr, ROT: tl.constexpr):
@@ -36,7 +38,9 @@ def _norm_rope(X, W, d, pos, inv_freq_ptr, eps, D: tl.constexpr, ROT: tl.constex
 
 @triton.jit
 def _qk_norm_rope_kernel(QKV, QW, KW, INV_FREQ, POS, SLOTS, QOUT, KC, VC, stride_t, stride_qt, stride_qh, eps,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -67,12 +71,13 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
         _qk_norm_rope_kernel[(num_tokens, num_heads + num_kv_heads)](
             qkv, q_norm, k_norm, inv_freq, positions, slot_mapping, q, k_cache, v_cache, qkv.stride(0),
             q.stride(0), q.stride(1), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
-            ROT=rotary_dim, num_warps=2)
+            ROT=rotary_dim, num_warps=2, **pdl())
     return q
 
 
 @triton.jit
-def _gate_kernel(ATTN, G, OUT, stride_ot, stride_gt, stride_out, D: tl.constexpr):
+def _gate_kernel(ATTN, G, OUT, stride_ot, stride_gt, stride_out, D: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -87,5 +92,5 @@ def apply_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, num_heads * head_dim), dtype=o.dtype, device=o.device)
     if num_tokens:
         _gate_kernel[(num_tokens, num_heads)](o, gate, out, o.stride(0), gate.stride(0), out.stride(0), D=head_dim,
-                                             num_warps=2)
+                                             num_warps=2, **pdl())
     return out

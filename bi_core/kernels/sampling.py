@@ -8,12 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 CHUNK = 8192  # vocabulary slice per program; the split is fixed by the vocabulary size alone
 
 
 @triton.jit
 def _sample_partial_kernel(L, SEEDS, TEMPS, PART_M, PART_S, PART_BEST, PART_IDX, V, stride_l, num_chunks,
-                           CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
+                           CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seed = tl.load(SEEDS + row)
@@ -52,7 +55,8 @@ def _sample_partial_kernel(L, SEEDS, TEMPS, PART_M, PART_S, PART_BEST, PART_IDX,
 
 @triton.jit
 def _sample_combine_kernel(PART_M, PART_S, PART_BEST, PART_IDX, L, TOKENS, LSE, PACKED, num_chunks, stride_l,
-                           BLOCK_C: tl.constexpr):
+                           BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     mask = c < num_chunks
@@ -93,7 +97,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor
     part = [torch.empty(rows * num_chunks, dtype=dt, device=dev)
             for dt in (torch.float32, torch.float32, torch.float32, torch.int32)]
     _sample_partial_kernel[(rows, num_chunks)](logits, seeds, temperatures, *part, vocab, logits.stride(0),
-                                               num_chunks, CHUNK=chunk, BLOCK_V=min(2048, chunk), num_warps=4)
+                                               num_chunks, CHUNK=chunk, BLOCK_V=min(2048, chunk), num_warps=4, **pdl())
     _sample_combine_kernel[(rows,)](*part, logits, tokens, lse, packed, num_chunks, logits.stride(0),
-                                    BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+                                    BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1, **pdl())
     return tokens, lse, packed

@@ -7,9 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from bi_core.kernels.common import pdl, pdl_start
+
 
 @triton.jit
-def _softmax_topk_kernel(L, W, IDS, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+def _softmax_topk_kernel(L, W, IDS, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
@@ -35,5 +38,5 @@ def softmax_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     ids = torch.empty((rows, top_k), dtype=torch.int64, device=logits.device)
     if rows:
         _softmax_topk_kernel[(rows,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
-                                     BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+                                     BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4, **pdl())
     return weights, ids
