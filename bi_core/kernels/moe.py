@@ -216,6 +216,25 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, routing: Routing, a_row_div: 
     return out
 
 
+@triton.jit
+def _combine(Y, W, SHARED_LOGIT, t, cols, mask, H, stride_sl, dt: tl.constexpr, TOP_K: tl.constexpr,
+             SLOTS: tl.constexpr, CACHE: tl.constexpr):
+    """Token t's combined expert output for ``cols`` (fp32, not yet rounded), from its SLOTS rows of
+    Y ``[T*SLOTS, H]``: Σ_j round(y_j * w_j) in fp32 in slot order, then + the shared expert's
+    gated output, each rounded like transformers. The one copy of this arithmetic: the sorted and
+    the per-pair paths must give the same bits."""
+    acc = tl.zeros(cols.shape, tl.float32)
+    for j in tl.static_range(TOP_K):  # slot order, fp32; weights applied in the model dtype
+        w = tl.load(W + t * TOP_K + j).to(dt).to(tl.float32)
+        y = tl.load(Y + (t * SLOTS + j) * H + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        acc += (y * w).to(dt).to(tl.float32)
+    if SLOTS > TOP_K:  # + sigmoid(shared gate logit) * shared expert, each rounded like transformers
+        gate = tl.sigmoid(tl.load(SHARED_LOGIT + t * stride_sl).to(tl.float32)).to(dt).to(tl.float32)
+        y = tl.load(Y + (t * SLOTS + TOP_K) * H + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+        acc = acc.to(dt).to(tl.float32) + (y.to(tl.float32) * gate).to(dt).to(tl.float32)
+    return acc
+
+
 PAIR_TOKENS = 8  # up to this many tokens the experts run per pair (no routing sort, combine fused)
 PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5}  # per-pair tiles (gemm_sweep.py pair, H200)
 PAIR_DOWN = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}
@@ -229,7 +248,7 @@ def _down_combine_kernel(HA, W2, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, nu
     """Program (pair p, column tile): the pair's down projection, as the grouped GEMM computes a
     row (the pair in row 0 of a BLOCK_M tile, K in BLOCK_K steps), stored rounded to Y; the last
     of a token's SLOTS programs to arrive (a per-(token, tile) counter, left at zero) combines the
-    token's rows of Y in slot order with ``_combine_kernel``'s arithmetic. The counter elects who
+    token's rows of Y in slot order (``_combine``, as the sorted path). The counter elects who
     adds; it orders nothing arithmetic."""
     pdl_start(PDL)
     p = tl.program_id(0).to(tl.int64)
@@ -256,15 +275,7 @@ def _down_combine_kernel(HA, W2, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, nu
     tl.debug_barrier()  # every thread's row is written before the arrival is counted
     lock = LOCKS + t * tl.num_programs(1) + tile
     if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SLOTS - 1:
-        total = tl.zeros((BLOCK_N,), tl.float32)
-        for j in tl.static_range(TOP_K):  # slot order, fp32; weights applied in the model dtype
-            wt = tl.load(WTS + t * TOP_K + j).to(dt).to(tl.float32)
-            y = tl.load(Y + (t * SLOTS + j) * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            total += (y * wt).to(dt).to(tl.float32)
-        if SLOTS > TOP_K:  # + sigmoid(shared gate logit) * shared expert, each rounded like transformers
-            gate = tl.sigmoid(tl.load(SHARED_LOGIT + t * stride_sl).to(tl.float32)).to(dt).to(tl.float32)
-            y = tl.load(Y + (t * SLOTS + TOP_K) * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
-            total = total.to(dt).to(tl.float32) + (y.to(tl.float32) * gate).to(dt).to(tl.float32)
+        total = _combine(Y, WTS, SHARED_LOGIT, t, rn, n_ok, N, stride_sl, dt, TOP_K, SLOTS, ".cg")  # from L2
         tl.store(OUT + t * N + rn, total.to(dt), mask=n_ok)
         tl.atomic_xchg(lock, 0)  # left at zero for the next call (and graph replays)
 
@@ -308,15 +319,7 @@ def _combine_kernel(Y, W, SHARED_LOGIT, OUT, H, stride_sl, TOP_K: tl.constexpr, 
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     dt = OUT.dtype.element_ty
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order, fp32; weights applied in the model dtype
-        w = tl.load(W + t * TOP_K + j).to(dt).to(tl.float32)
-        y = tl.load(Y + (t * SLOTS + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += (y * w).to(dt).to(tl.float32)
-    if SLOTS > TOP_K:  # + sigmoid(shared gate logit) * shared expert, each rounded like transformers
-        gate = tl.sigmoid(tl.load(SHARED_LOGIT + t * stride_sl).to(tl.float32)).to(dt).to(tl.float32)
-        y = tl.load(Y + (t * SLOTS + TOP_K) * H + cols, mask=mask, other=0.0).to(tl.float32)
-        acc = acc.to(dt).to(tl.float32) + (y * gate).to(dt).to(tl.float32)
+    acc = _combine(Y, W, SHARED_LOGIT, t, cols, mask, H, stride_sl, dt, TOP_K, SLOTS, "")
     tl.store(OUT + t * H + cols, acc.to(dt), mask=mask)
 
 
