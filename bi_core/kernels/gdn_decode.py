@@ -21,7 +21,6 @@ import triton.language as tl
 from bi_core.kernels.common import pdl, pdl_start
 
 NUM_WARPS = 4  # measured on an H200: 4 warps beat 8 and 16 at B=64 (occupancy), equal at B=1
-BLOCK_V = 64  # state rows a program updates at a time (a speed knob: every row's sums run over DK alone)
 
 
 @triton.jit
@@ -37,7 +36,7 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
                        SEQ_IDS, stride_p, stride_o, stride_cs, stride_cc, stride_ss, stride_sh, scale, eps,
                        NUM_V_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHANNELS: tl.constexpr,
-                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     hk = tl.program_id(1)
@@ -71,66 +70,54 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
     if not PER_TOKEN:
         _store_window(CONV + tl.load(TOKEN_SLOTS + end - 1).to(tl.int64) * stride_cs + c * stride_cc, h0, h1, h2, ok)
     tl.debug_barrier()  # phase 2 reads what other threads of this program wrote
-    # phase 2, per value head and block of BLOCK_V state rows: gates, L2 norms, the delta rule on
-    # the state rows; each row's sums run over DK alone, so the row blocking changes no bit
+    # phase 2, per value head: gates, L2 norms, the delta rule on the state tile, the gated norm
     dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    tile = dv[:, None] * DK + dk[None, :]  # int32 offsets inside one head's state, stored transposed [DV, DK]
     for g in tl.static_range(GROUP):
         hv = hk * GROUP + g
         head = STATE + hv * stride_sh
+        h = tl.where(has_past, tl.load(head + slot * stride_ss + tile).to(tl.float32), 0.0)
         neg_a = -tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
-        for vb in tl.static_range(DV // BLOCK_V):
-            dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-            tile = dv[:, None] * DK + dk[None, :]  # int32 offsets inside one head's state, stored transposed [DV, DK]
-            h = tl.where(has_past, tl.load(head + slot * stride_ss + tile).to(tl.float32), 0.0)
-            for t in range(start, end):
-                row = PROJ + t * stride_p
-                q = tl.load(QKV + t * conv_dim + hk * DK + dk).to(tl.float32)
-                k = tl.load(QKV + t * conv_dim + KEY_DIM + hk * DK + dk).to(tl.float32)
-                v = tl.load(QKV + t * conv_dim + 2 * KEY_DIM + hv * DV + dv).to(tl.float32)
-                beta = tl.sigmoid(tl.load(row + conv_dim + VALUE_DIM + hv).to(tl.float32)).to(dt).to(tl.float32)
-                x = tl.load(row + conv_dim + VALUE_DIM + NUM_V_HEADS + hv).to(tl.float32) + dt_bias
-                softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-                q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-                k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-                # h is S transposed, [DV, DK]: S^T k and S^T q reduce over DK, the contiguous (in-warp) axis
-                h = h * tl.exp(neg_a * softplus)
-                u = (v - tl.sum(h * k[None, :], axis=1)) * beta
-                h = h + u[:, None] * k[None, :]
-                # the attention output, rounded; normalised below once all its rows exist
-                tl.store(OUT + t * stride_o + hv * DV + dv, tl.sum(h * q[None, :], axis=1).to(dt))
-                if PER_TOKEN:
-                    dst = tl.load(TOKEN_SLOTS + t).to(tl.int64)
-                    tl.store(head + dst * stride_ss + tile, h.to(STATE.dtype.element_ty))
-                if ROUND_STATE:  # a state stored narrower than fp32: the next token starts from the stored
-                    h = h.to(STATE.dtype.element_ty).to(tl.float32)  # value, as in a step of its own
-            if not PER_TOKEN:
-                dst = tl.load(TOKEN_SLOTS + end - 1).to(tl.int64)
-                tl.store(head + dst * stride_ss + tile, h.to(STATE.dtype.element_ty))
-    tl.debug_barrier()  # phase 3 reads the output rows other threads of this program wrote
-    # phase 3, the gated RMSNorm of each value head's output, transformers' rounding: normalise,
-    # cast, times weight, times silu(z) in fp32
-    dv = tl.arange(0, DV)
-    norm_w = tl.load(NORM_W + dv).to(dt).to(tl.float32)
-    for g in tl.static_range(GROUP):
-        hv = hk * GROUP + g
+        norm_w = tl.load(NORM_W + dv).to(dt).to(tl.float32)
         for t in range(start, end):
-            o = tl.load(OUT + t * stride_o + hv * DV + dv).to(tl.float32)
+            row = PROJ + t * stride_p
+            q = tl.load(QKV + t * conv_dim + hk * DK + dk).to(tl.float32)
+            k = tl.load(QKV + t * conv_dim + KEY_DIM + hk * DK + dk).to(tl.float32)
+            v = tl.load(QKV + t * conv_dim + 2 * KEY_DIM + hv * DV + dv).to(tl.float32)
+            beta = tl.sigmoid(tl.load(row + conv_dim + VALUE_DIM + hv).to(tl.float32)).to(dt).to(tl.float32)
+            x = tl.load(row + conv_dim + VALUE_DIM + NUM_V_HEADS + hv).to(tl.float32) + dt_bias
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+            # h is S transposed, [DV, DK]: S^T k and S^T q reduce over DK, the contiguous (in-warp) axis
+            h = h * tl.exp(neg_a * softplus)
+            u = (v - tl.sum(h * k[None, :], axis=1)) * beta
+            h = h + u[:, None] * k[None, :]
+            o = tl.sum(h * q[None, :], axis=1).to(dt).to(tl.float32)
+            # gated RMSNorm, transformers' rounding: normalise, cast, times weight, times silu(z) in fp32
             rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)
             y = (norm_w * (o * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            z = tl.load(PROJ + t * stride_p + conv_dim + hv * DV + dv).to(tl.float32)
+            z = tl.load(row + conv_dim + hv * DV + dv).to(tl.float32)
             tl.store(OUT + t * stride_o + hv * DV + dv, (y * z * tl.sigmoid(z)).to(dt))
+            if PER_TOKEN:
+                dst = tl.load(TOKEN_SLOTS + t).to(tl.int64)
+                tl.store(head + dst * stride_ss + tile, h.to(STATE.dtype.element_ty))
+            if ROUND_STATE:  # a state stored narrower than fp32: the next token starts from the stored
+                h = h.to(STATE.dtype.element_ty).to(tl.float32)  # value, as in a step of its own
+        if not PER_TOKEN:
+            dst = tl.load(TOKEN_SLOTS + end - 1).to(tl.int64)
+            tl.store(head + dst * stride_ss + tile, h.to(STATE.dtype.element_ty))
 
 
 def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                norm_weight: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                context_lens: torch.Tensor, slots: torch.Tensor, token_slots: torch.Tensor, seq_ids: torch.Tensor,
-               out: torch.Tensor, *, num_k_heads: int, head_k_dim: int, eps: float, per_token: bool,
-               config: dict | None = None) -> torch.Tensor:
+               out: torch.Tensor, *, num_k_heads: int, head_k_dim: int, eps: float, per_token: bool) -> torch.Tensor:
     """``proj [T, qkv | z | b | a]`` -> gated-normed ``out [T, Hv*Dv]`` rows of the sequences
     ``seq_ids``; conv state ``[slots, conv_dim, 3]`` and fp32 (or bf16) state
-    updated in place, both as the cache stores them (S transposed: ``[slots, Hv, Dv, Dk]``).
-    ``config`` overrides ``BLOCK_V`` / ``num_warps`` (benchmarks)."""
+    updated in place, both as the cache stores them (S transposed: ``[slots, Hv, Dv, Dk]``)."""
     num_v_heads, head_v_dim, _ = state.shape[1:]
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     assert proj.stride(-1) == 1 and conv_weight.shape[1] == 4 and state.is_contiguous()
@@ -145,5 +132,5 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tenso
             VALUE_DIM=value_dim, GROUP=group, DK=head_k_dim, DV=head_v_dim,
             CHANNELS=triton.next_power_of_2(2 * head_k_dim + group * head_v_dim), PER_TOKEN=per_token,
             ROUND_STATE=state.dtype != torch.float32,
-            **{"BLOCK_V": min(BLOCK_V, head_v_dim), "num_warps": NUM_WARPS, **(config or {})}, **pdl())
+            num_warps=NUM_WARPS, **pdl())
     return out
