@@ -21,6 +21,7 @@ import triton.language as tl
 from bi_core.kernels.common import pdl, pdl_start
 
 NUM_WARPS = 4  # measured on an H200: 4 warps beat 8 and 16 at B=64 (occupancy), equal at B=1
+PREFETCH = 1  # value heads whose state a program reads before the conv (a speed knob: no bit moves)
 
 
 @triton.jit
@@ -36,7 +37,7 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
                        SEQ_IDS, stride_p, stride_o, stride_cs, stride_cc, stride_ss, stride_sh, scale, eps,
                        NUM_V_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHANNELS: tl.constexpr,
-                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, PDL: tl.constexpr):
+                       PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     hk = tl.program_id(1)
@@ -46,6 +47,14 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
     has_past = tl.load(CTX + s) - (end - start) > 0  # a new sequence starts from zeros
     slot = tl.load(SLOTS + s).to(tl.int64)
     conv_dim: tl.constexpr = 2 * KEY_DIM + VALUE_DIM
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    tile = dv[:, None] * DK + dk[None, :]  # int32 offsets inside one head's state, stored transposed [DV, DK]
+    # the first PREFETCH value heads' states are read now: those reads overlap the conv below
+    if PREFETCH >= 1:
+        h_first = tl.load(STATE + (hk * GROUP) * stride_sh + slot * stride_ss + tile)
+    if PREFETCH >= 2:
+        h_second = tl.load(STATE + (hk * GROUP + 1) * stride_sh + slot * stride_ss + tile)
     # phase 1, the conv of this program's channels (q and k of key head hk, v of its value heads),
     # token by token, outputs to the QKV scratch; windows read and written by this program only
     i = tl.arange(0, CHANNELS)
@@ -71,13 +80,15 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
         _store_window(CONV + tl.load(TOKEN_SLOTS + end - 1).to(tl.int64) * stride_cs + c * stride_cc, h0, h1, h2, ok)
     tl.debug_barrier()  # phase 2 reads what other threads of this program wrote
     # phase 2, per value head: gates, L2 norms, the delta rule on the state tile, the gated norm
-    dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
-    tile = dv[:, None] * DK + dk[None, :]  # int32 offsets inside one head's state, stored transposed [DV, DK]
     for g in tl.static_range(GROUP):
         hv = hk * GROUP + g
         head = STATE + hv * stride_sh
-        h = tl.where(has_past, tl.load(head + slot * stride_ss + tile).to(tl.float32), 0.0)
+        if PREFETCH >= 1 and g == 0:
+            h = tl.where(has_past, h_first.to(tl.float32), 0.0)
+        elif PREFETCH >= 2 and g == 1:
+            h = tl.where(has_past, h_second.to(tl.float32), 0.0)
+        else:
+            h = tl.where(has_past, tl.load(head + slot * stride_ss + tile).to(tl.float32), 0.0)
         neg_a = -tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
         norm_w = tl.load(NORM_W + dv).to(dt).to(tl.float32)
@@ -114,10 +125,12 @@ def _gdn_decode_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, Q
 def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                norm_weight: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                context_lens: torch.Tensor, slots: torch.Tensor, token_slots: torch.Tensor, seq_ids: torch.Tensor,
-               out: torch.Tensor, *, num_k_heads: int, head_k_dim: int, eps: float, per_token: bool) -> torch.Tensor:
+               out: torch.Tensor, *, num_k_heads: int, head_k_dim: int, eps: float, per_token: bool,
+               config: dict | None = None) -> torch.Tensor:
     """``proj [T, qkv | z | b | a]`` -> gated-normed ``out [T, Hv*Dv]`` rows of the sequences
     ``seq_ids``; conv state ``[slots, conv_dim, 3]`` and fp32 (or bf16) state
-    updated in place, both as the cache stores them (S transposed: ``[slots, Hv, Dv, Dk]``)."""
+    updated in place, both as the cache stores them (S transposed: ``[slots, Hv, Dv, Dk]``).
+    ``config`` overrides ``PREFETCH`` / ``num_warps`` (benchmarks)."""
     num_v_heads, head_v_dim, _ = state.shape[1:]
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     assert proj.stride(-1) == 1 and conv_weight.shape[1] == 4 and state.is_contiguous()
@@ -132,5 +145,5 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tenso
             VALUE_DIM=value_dim, GROUP=group, DK=head_k_dim, DV=head_v_dim,
             CHANNELS=triton.next_power_of_2(2 * head_k_dim + group * head_v_dim), PER_TOKEN=per_token,
             ROUND_STATE=state.dtype != torch.float32,
-            num_warps=NUM_WARPS, **pdl())
+            **{"PREFETCH": min(PREFETCH, group), "num_warps": NUM_WARPS, **(config or {})}, **pdl())
     return out

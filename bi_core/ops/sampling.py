@@ -28,7 +28,12 @@ class SamplingBatch:
     num_logprobs: int  # top-N logprobs to return (0 = only the sampled token's)
 
     def needs_filter(self, i: int) -> bool:
-        return self.temperatures[i] > 0 and (self.top_ks[i] > 0 or self.top_ps[i] < 1.0)
+        return needs_filter(self.temperatures[i], self.top_ks[i], self.top_ps[i])
+
+
+def needs_filter(temperature: float, top_k: int, top_p: float) -> bool:
+    """Whether a row's sample needs top-k / top-p filtering (the row-by-row sampler, not the step's)."""
+    return temperature > 0 and (top_k > 0 or top_p < 1.0)
 
 
 @attrs.define

@@ -35,13 +35,21 @@ def plan_batch(
     offset = 0
     for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
         flat += ids
-        for t, pos in enumerate(range(past, past + len(ids))):
-            positions.append(pos)
-            slots.append(blk[pos // block_size] * block_size + pos % block_size)
-            token_states.append(base * ring + (past + t + 1) % ring)
-        wanted = [len(ids) - 1] if logits_rows is None else logits_rows[i]
-        rows += [offset + r for r in wanted]
-        offset += len(ids)
+        n = len(ids)
+        if n == 1:  # a decode row (most rows of most steps): no inner loop
+            positions.append(past)
+            slots.append(blk[past // block_size] * block_size + past % block_size)
+            token_states.append(base * ring + (past + 1) % ring)
+        else:
+            for t, pos in enumerate(range(past, past + n)):
+                positions.append(pos)
+                slots.append(blk[pos // block_size] * block_size + pos % block_size)
+                token_states.append(base * ring + (past + t + 1) % ring)
+        if logits_rows is None:
+            rows.append(offset + n - 1)
+        else:
+            rows += [offset + r for r in logits_rows[i]]
+        offset += n
     query_lens = [len(t) for t in token_ids]
     return HostBatch(
         token_ids=flat, positions=positions, slot_mapping=slots, token_state_slots=token_states,
@@ -76,7 +84,7 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
         state_slots_host=list(hb.state_slots), token_state_slots=token_state_slots,
         token_state_slots_host=list(hb.token_state_slots), state_ring=hb.ring,
         is_recurrent_host=list(hb.is_recurrent), recurrent_ids=recurrent_ids,
-        block_tables_host=[list(b) for b in hb.blocks], block_size=hb.block_size,
+        block_tables_host=hb.blocks, block_size=hb.block_size,
         logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows, sample_keys=sample_keys,
         temperatures=temperatures, extras=extras if extras is not None else {})
 

@@ -27,7 +27,7 @@ from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_arg
 from bi_core.models.random_init import init_random_weights
 from bi_core.models.tokenizer import tokenizer_for
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.ops.sampling import SamplingBatch, mix_seed, sample_seed
+from bi_core.ops.sampling import SamplingBatch, mix_seed, needs_filter, sample_seed
 from bi_core.parallel.lockstep import launch, rank_device
 from bi_core.parallel.shard import TPInfo
 from bi_core.plugins import load_registry
@@ -372,11 +372,10 @@ class LLMEngine:
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        batch = self.sampling_batch(seqs, positions, n)
-        if samples is not None and n == 0 and not any(batch.needs_filter(i) for i in range(len(seqs))):
+        if samples is not None and n == 0 and not any(needs_filter(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs):
             packed = samples.cpu()
         else:
-            packed = self.model.sampler.forward(logits, batch).to_host()
+            packed = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n)).to_host()
         tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
         top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
         rows = []

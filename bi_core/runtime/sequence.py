@@ -138,6 +138,15 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids`` (a decode step reads one token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

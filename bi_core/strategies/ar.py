@@ -12,15 +12,17 @@ class ARStrategy(Strategy):
 
     def step(self, scheduled: list[Scheduled]) -> None:
         eng = self.engine
+        seqs = [s.seq for s in scheduled]
+        samples = [s.samples for s in scheduled]
         input_ids, ctx = eng.make_batch(
-            [s.seq.all_ids[s.seq.num_computed : s.seq.num_computed + s.num_tokens] for s in scheduled],
-            [s.seq for s in scheduled],
+            [seq.ids(seq.num_computed, seq.num_computed + s.num_tokens) for seq, s in zip(seqs, scheduled)],
+            seqs,
             [s.recurrent for s in scheduled],
-            [[s.num_tokens - 1] if s.samples else [] for s in scheduled],
-            sample_positions=[[s.seq.num_tokens] if s.samples else [] for s in scheduled])
+            [[s.num_tokens - 1] if sample else [] for s, sample in zip(scheduled, samples)],
+            sample_positions=[[seq.num_tokens] if sample else [] for seq, sample in zip(seqs, samples)])
         out = eng.run_model(input_ids, ctx)
         eng.record_scores(scheduled, out.hidden, ctx.cu_seqlens_host)
-        sampling = [s.seq for s in scheduled if s.samples]
+        sampling = [seq for seq, sample in zip(seqs, samples) if sample]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
         if sampling:

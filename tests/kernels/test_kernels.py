@@ -143,6 +143,32 @@ def test_gdn_decode_ring_keeps_the_state_after_every_token(device):
         assert torch.equal(out[t:t + 1], o1)
 
 
+def test_gdn_decode_speed_knobs_change_no_bit(device):
+    """PREFETCH (value heads whose state is read before the conv) is a speed knob: outputs,
+    states and conv windows are bitwise the same for each setting (decode and verify-like rows,
+    new and continuing sequences). The warp count is not one in general: it can change the
+    layout a small state tile's row sums run in (it did at this test's 16 x 32 heads on an H200)."""
+    from bi_core.kernels.gdn_decode import gdn_decode
+
+    torch.manual_seed(5)
+    spec = gdn_spec(device, torch.bfloat16)
+    qlens, plens = [3, 1, 1, 4], [0, 4, 9, 2]
+    ctx, _ = ragged_ctx(qlens, plens, device, recurrent=[True] * 4)
+    proj, weights, conv, state = gdn_inputs(spec, sum(qlens), 4, device, torch.bfloat16)
+    runs = []
+    for prefetch in (0, 1, 2):
+        c, s = conv.clone(), state.clone()
+        out = torch.empty((proj.shape[0], spec.value_dim), dtype=proj.dtype, device=device)
+        gdn_decode(proj, weights.conv1d, weights.A_log, weights.dt_bias, weights.norm, c, s, ctx.cu_seqlens_q,
+                   ctx.context_lens, ctx.state_slots, ctx.token_state_slots, ctx.recurrent_ids, out,
+                   num_k_heads=spec.num_k_heads, head_k_dim=spec.head_k_dim, eps=1e-6, per_token=False,
+                   config={"PREFETCH": prefetch})
+        runs.append((out, s, c))
+    for out, s, c in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(s, runs[0][1]) and torch.equal(c, runs[0][2])
+    assert not torch.equal(runs[0][1], state)  # the states moved
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_recurrent_row_equals_one_token_steps(device, state_dtype):
     """Exact scoring runs a whole continuation as one recurrent row: outputs and final state must

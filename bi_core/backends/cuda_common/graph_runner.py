@@ -17,11 +17,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from bi_core.ops.context import ForwardContext, HostBatch
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.runtime.batch import context_from, float_bits, upload
+from bi_core.runtime.batch import context_from, upload
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -29,16 +30,19 @@ def buckets(max_batch: int) -> list[int]:
     return sorted(set(out + [max_batch]))
 
 
-def _pinned(values: list[int]) -> torch.Tensor:
-    """A host int64 tensor the device can copy from asynchronously (the pinned caching allocator
-    keeps it alive until the copy is done)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory() if torch.cuda.is_available() else t
+def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A host tensor shaped like ``like`` (holding its current values), pinned when the device
+    copies from it asynchronously."""
+    host = like.cpu()
+    return host.pin_memory() if pinned else host
 
 
 class StaticBatch:
     """The static inputs of one (L, bucket) graph: int64 device buffers the graph reads, filled
-    per step from a pinned host staging tensor."""
+    per step from pinned host staging buffers of the same layout (reused: a step waits for the
+    previous step's copy out of them first). The block table is staged row by row: a row is
+    rewritten only when its sequence's pages differ from what the row holds, and copied only
+    when a row changed (a decode step at 256 sequences no longer converts 256 page lists)."""
 
     def __init__(self, spec: GraphRunnerSpec, q: int, bucket: int, block_size: int, device: torch.device) -> None:
         self.spec, self.q, self.bucket, self.block_size = spec, q, bucket, block_size
@@ -58,6 +62,11 @@ class StaticBatch:
         self.extras = {"graph_bucket": bucket, "graph_q_len": q}  # shared by every step of this graph
         self.extra: torch.Tensor | None = None  # static per-token input, allocated at capture
         self.current: HostBatch | None = None  # the real batch last loaded
+        pinned = device.type == "cuda"
+        self._stage_region = _staging(self.region, pinned)
+        self._stage_table = _staging(self.block_tables, pinned)
+        self._table_rows: list[list[int] | None] = [None] * bucket  # the pages each staged row holds
+        self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the staging buffers
 
     def padded(self, hb: HostBatch | None) -> HostBatch:
         """``hb`` plus padding sequences up to the bucket (all padding when ``hb`` is None): q
@@ -78,14 +87,29 @@ class StaticBatch:
     def load(self, hb: HostBatch | None) -> HostBatch:
         """Copy a (padded) batch into the static buffers; returns the padded batch."""
         p = self.padded(hb)
-        keys, temps = [0] * self.num_tokens, [0.0] * self.num_tokens  # every row samples in a graph (padding: greedy)
-        for row, key, temp in zip(p.logits_rows, p.sample_keys, p.temperatures):
-            keys[row], temps[row] = key, temp
-        self.region.copy_(_pinned(p.token_ids + p.positions + p.slot_mapping + p.token_state_slots + keys +
-                                  float_bits(temps) + p.context_lens + p.state_slots), non_blocking=True)
-        width = max(len(b) for b in p.blocks)
-        table = _pinned([x for b in p.blocks for x in b + [self.spec.scratch_page] * (width - len(b))])
-        self.block_tables[:, :width].copy_(table.view(self.bucket, width), non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()  # the staging buffers are free again (normally long since)
+        t = self.num_tokens
+        region = self._stage_region.numpy()
+        region[: 4 * t] = p.token_ids + p.positions + p.slot_mapping + p.token_state_slots
+        region[4 * t: 6 * t] = 0  # every row samples in a graph (padding: greedy, key 0)
+        n = min(len(p.logits_rows), len(p.sample_keys))  # rows sampled with a key (none when the caller samples)
+        if n:
+            rows = np.asarray(p.logits_rows[:n])
+            region[4 * t + rows] = p.sample_keys[:n]
+            region[5 * t: 6 * t].view(np.float64)[rows] = p.temperatures[:n]
+        region[6 * t:] = p.context_lens + p.state_slots
+        self.region.copy_(self._stage_region, non_blocking=True)
+        table, rows, changed = self._stage_table.numpy(), self._table_rows, False
+        for i, pages in enumerate(p.blocks):
+            if rows[i] != pages:
+                table[i, : len(pages)] = pages
+                table[i, len(pages):] = self.spec.scratch_page
+                rows[i], changed = list(pages), True
+        if changed:
+            self.block_tables.copy_(self._stage_table, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return p
 
     def context(self, p: HostBatch) -> ForwardContext:
