@@ -5,7 +5,7 @@ config keeps BLOCK_K and SPLIT_K (the K order) as the tile table has them: only 
 move (BLOCK_M / BLOCK_N / warps / stages / INLINE), so any config found here can replace the
 table's without changing a bit of output. cuBLAS is timed alongside as the speed reference.
 
-python3 benchmarks/gemm_sweep.py [dense|moe|pair|all] [--json out.jsonl]"""
+python3 benchmarks/gemm_sweep.py [dense|mid|moe|pair|all] [--json out.jsonl]"""
 
 from __future__ import annotations
 
@@ -66,6 +66,33 @@ def sweep_dense() -> None:
                 record(kind="dense-sweep", name=name, m=m, cfg=cfg, us=round(us, 2), tflops=round(flop / us / 1e6, 1))
             print(f"BEST dense {name} M={m}: {best[0]:.2f} us (table {us_table:.2f}, cuBLAS {us_cublas:.2f}) "
                   f"{best[1]}", flush=True)
+
+
+def sweep_mid() -> None:
+    """Dense GEMMs at large decode batches (65..256 rows): the tile table against a few tiles,
+    the previous rule (128-row tiles, 8 warps, split programs) among them, and cuBLAS."""
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    for name, (n, k) in DENSE.items():
+        if name == "lm_head":
+            continue
+        w = torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5
+        for m in (96, 128, 192, 256):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            base = gemm_config(m, n, k)
+            us_cublas = timed(partial(torch.matmul, x, w.T))
+            ref = linear(x, w)
+            res = {}
+            for label, bm, bn, warps, inline in [("table", 0, 0, 0, None), ("old-rule", 128, 64, 8, False),
+                                                  ("128x128w4", 128, 128, 4, False), ("64x128", 64, 128, 4, False),
+                                                  ("64x64", 64, 64, 4, False), ("64x64-inline", 64, 64, 4, True),
+                                                  ("64x128-inline", 64, 128, 4, True)]:
+                cfg = dict(base) if label == "table" else {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
+                                                           "num_stages": 3, "INLINE": inline and base["SPLIT_K"] > 1}
+                us = timed(partial(linear, x, w, config=cfg))
+                res[label] = round(us, 2)
+                assert torch.equal(linear(x, w, config=cfg), ref), f"{name} M={m} {label}: bits differ"
+            record(kind="dense-mid", name=name, m=m, table=base, us=res, cublas_us=round(us_cublas, 2))
 
 
 def sweep_moe() -> None:
@@ -141,7 +168,7 @@ def sweep_pair() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["dense", "moe", "pair", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "moe", "pair", "all"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -152,6 +179,8 @@ def main() -> None:
         sweep_moe()
     if args.what in ("dense", "all"):
         sweep_dense()
+    if args.what in ("mid", "all"):
+        sweep_mid()
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

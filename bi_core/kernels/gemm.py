@@ -21,6 +21,8 @@ from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs) at decode
 DECODE_BLOCK_N = 32  # the tile width a decode GEMV uses; split counts are planned against it
 MIN_SPLIT_K = 256  # no split range shorter than this many K elements
+MID_M_MAX = 256  # rows up to which gemm_config uses the large-decode-batch tiles
+MID_MIN_TILES = 200  # fewer 64 x 128 tiles than this: 64 x 64 ones (gemm_sweep.py mid, H200)
 MAX_LOCKS = 1 << 16  # per-tile arrival counters (tiles of a split GEMM, any M up to 65536 rows)
 
 _locks: dict[torch.device, torch.Tensor] = {}
@@ -143,10 +145,21 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     With enough full-width tiles to fill the GPU, a split GEMM runs INLINE: each program adds its
     tile's splits itself, in split order (the same sums, no fp32 workspace round trip)."""
     bm, split = block_m_for(m), split_k_for(n, k)
-    inline = split > 1 and bm > 16 and triton.cdiv(m, bm) * triton.cdiv(n, 128) >= TARGET_PROGRAMS // 2
+    # a large decode batch through a hidden-sized GEMM (not the lm_head): 64-row tiles, 4 warps,
+    # and a split GEMM with enough tiles adds its splits in-program (gemm_sweep.py mid, H200)
+    mid = 64 < m <= MID_M_MAX and n < 65536
+    if mid:
+        bm = 64
+        inline = split > 1 and m > 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) >= 64
+    else:
+        inline = split > 1 and bm > 16 and triton.cdiv(m, bm) * triton.cdiv(n, 128) >= TARGET_PROGRAMS // 2
     programs_per_tile = 1 if inline else split
     if bm <= 16:
         bn, warps, stages = (16 if n <= 1024 else DECODE_BLOCK_N if n <= 16384 else 64), 2, 4
+    elif mid:  # split GEMMs 64 wide; the others 128 wide unless that leaves under ~1.5 tiles per SM
+        bn, warps, stages = (64 if split > 1 else 128), 4, 3
+        while split == 1 and bn > 64 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < MID_MIN_TILES:
+            bn //= 2
     else:
         bn, warps, stages = 128, (8 if bm == 128 else 4), (3 if bm >= 64 else 4)
         while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * programs_per_tile < TARGET_PROGRAMS:

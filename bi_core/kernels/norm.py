@@ -29,19 +29,22 @@ def _rms_norm_kernel(X, R, W, Y, R_OUT, stride_x, stride_r, stride_y, stride_ro,
 
 
 @triton.jit
-def _gated_rms_norm_kernel(X, G, W, Y, stride_x, stride_g, stride_y, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _gated_rms_norm_kernel(X, G, W, Y, stride_x, stride_g, stride_y, N, eps, HEADS: tl.constexpr,
+                           PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    xf = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    # transformers' rounding: normalise, cast, times weight in the model dtype, times silu(gate) in fp32
-    y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
-    y = (w * y).to(Y.dtype.element_ty).to(tl.float32)
-    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (y * g * tl.sigmoid(g)).to(Y.dtype.element_ty), mask=mask)
+    for i in tl.static_range(PER_PROGRAM):  # each (row, head) alone, the same arithmetic however many
+        row = tl.program_id(0).to(tl.int64) * PER_PROGRAM + i
+        t, head = row // HEADS, row % HEADS  # HEADS groups of N in each strided row (a row of N when 1)
+        xf = tl.load(X + t * stride_x + head * N + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        # transformers' rounding: normalise, cast, times weight in the model dtype, times silu(gate) in fp32
+        y = (xf * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        y = (w * y).to(Y.dtype.element_ty).to(tl.float32)
+        g = tl.load(G + t * stride_g + head * N + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + t * stride_y + head * N + cols, (y * g * tl.sigmoid(g)).to(Y.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -67,11 +70,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return y.view(shape), r_out.view(shape)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``w * rmsnorm(x) * silu(gate)`` over the last dim (GDN output norm)."""
-    shape, n = x.shape, x.shape[-1]
-    x2, g2 = _rows(x), _rows(gate)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _gated_rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, x2.stride(0), g2.stride(0), y.stride(0), n, eps,
-                                           BLOCK=triton.next_power_of_2(n), num_warps=4, **pdl())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   head_dim: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``w * rmsnorm(x) * silu(gate)`` over the last dim (GDN output norm). With ``head_dim``, x,
+    gate and ``out`` are ``[T, heads * head_dim]`` rows (any row stride, e.g. columns of the
+    in_proj output, rows of the layer output) normalised per head in place of a reshape copy."""
+    if head_dim is None:
+        shape, n = x.shape, x.shape[-1]
+        x2, g2 = _rows(x), _rows(gate)
+        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if out is None else out.view(x2.shape)
+        heads = 1
+    else:
+        assert x.dim() == 2 and x.shape == gate.shape and x.shape[1] % head_dim == 0
+        assert x.stride(1) == 1 and gate.stride(1) == 1
+        shape, n, x2, g2 = x.shape, head_dim, x, gate
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        assert y.shape == x.shape and y.stride(1) == 1
+        heads = x.shape[1] // head_dim
+    rows = x2.shape[0] * heads
+    per = 8 if heads % 8 == 0 else 1  # (row, head) pairs a program normalises: 8 heads of one row
+    if rows:
+        _gated_rms_norm_kernel[(rows // per,)](x2, g2, weight, y, x2.stride(0), g2.stride(0), y.stride(0), n, eps,
+                                               HEADS=heads, PER_PROGRAM=per, BLOCK=triton.next_power_of_2(n),
+                                               num_warps=4, **pdl())
     return y.view(shape)

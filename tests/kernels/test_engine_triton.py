@@ -32,7 +32,8 @@ class DecodeKernelGdnImpl(CudaGdnImpl):
 
     def _prefill(self, proj, weights, conv_state, state, ctx, meta, out):
         full = ReferenceGdnImpl(self.spec).forward(proj, weights, conv_state, state, ctx, meta["seq_ids"].tolist())
-        out.index_copy_(0, meta["tokens"], full[meta["tokens"]])
+        rows = meta["rows"]  # a slice (contiguous chunked rows) or an index
+        out[rows] = full[rows]
 
 
 class DecodeKernelGdnBuilder(GdnBuilder):

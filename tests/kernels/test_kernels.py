@@ -59,6 +59,22 @@ def test_rms_norm(device, dtype):
     assert rel(got, want) < gated_tol
 
 
+def test_gated_rms_norm_per_head_of_strided_rows(device):
+    """``head_dim``: per-head norms of strided [T, heads * head_dim] rows (the in_proj output's z
+    columns), written into strided output rows, bitwise what the reshaped copy gives."""
+    from bi_core.kernels.norm import gated_rms_norm
+
+    t, heads, dv = 5, 8, 32  # 8 heads: a program normalises a row's 8 heads
+    proj = torch.randn(t, 3 * heads * dv, device=device, dtype=torch.bfloat16)
+    x, z = proj[:, :heads * dv], proj[:, heads * dv: 2 * heads * dv]  # row stride 3 * heads * dv
+    w = 1 + 0.1 * torch.randn(dv, device=device, dtype=torch.bfloat16)
+    want = gated_rms_norm(x.reshape(-1, dv), z.reshape(-1, dv), w, 1e-6).reshape(t, heads * dv)
+    out = torch.full((t + 2, heads * dv), float("nan"), device=device, dtype=torch.bfloat16)
+    gated_rms_norm(x, z, w, 1e-6, head_dim=dv, out=out[1:t + 1])
+    assert torch.equal(out[1:t + 1], want) and out[0].isnan().all() and out[-1].isnan().all()
+    assert torch.equal(gated_rms_norm(x, z, w, 1e-6, head_dim=dv), want)
+
+
 def gdn_spec(device, dtype):
     return GdnSpec(dtype=dtype, device=device, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=32,
                    conv_kernel=4)
@@ -91,6 +107,31 @@ def test_conv1d_ragged_with_state(device):
     want = ReferenceGdnImpl(spec).conv(x, w, state_ref, ctx)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, state_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_token_runs_change_no_bit(device, dtype):
+    """Spreading a sequence's tokens over programs of ``chunk`` tokens (3, 4, 5, 64) gives
+    the outputs and stored windows of one program per sequence, bit for bit: new and continuing
+    sequences, runs shorter than the window and sequences shorter than a run."""
+    from bi_core.kernels.conv1d import causal_conv1d
+
+    qlens, plens = [5, 1, 9, 2, 70], [0, 7, 3, 0, 4]
+    ctx, _ = ragged_ctx(qlens, plens, device)
+    c = 40
+    x = torch.randn(sum(qlens), c, device=device).to(dtype)
+    w = torch.randn(c, 4, device=device).to(dtype)
+    state = torch.randn(len(qlens), c, 3, device=device).to(dtype)
+    runs = []
+    for chunk in (None, 3, 4, 5, 64):
+        s = state.clone()
+        kw = {} if chunk is None else {"max_tokens": max(qlens), "chunk": chunk}
+        out = causal_conv1d(x, w, s, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
+                            block_c=16, **kw)
+        runs.append((out, s))
+    for out, s in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(s, runs[0][1])
+    assert not torch.equal(runs[0][1], state)
 
 
 def run_gdn_decode(spec, proj, weights, conv, state, ctx, out=None):

@@ -66,19 +66,22 @@ class CudaGdnImpl:
                 ctx.extras[key] = None
                 return None
             dev = ctx.positions.device
-            tokens, cu = [], [0]
+            tokens, cu, longest = [], [0], 0
             for i in seqs:
                 a, b = ctx.token_range(i)
                 tokens += range(a, b)
                 cu.append(cu[-1] + b - a)
+                longest = max(longest, b - a)
             last = [ctx.token_state_slots_host[ctx.token_range(i)[1] - 1] for i in seqs]
+            contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
             ctx.extras[key] = dict(
-                tokens=torch.tensor(tokens, dtype=torch.int64, device=dev),
+                rows=slice(tokens[0], tokens[0] + len(tokens)) if contiguous
+                else torch.tensor(tokens, dtype=torch.int64, device=dev),
                 cu=torch.tensor(cu, dtype=torch.int64, device=dev),
                 slots=torch.tensor([ctx.state_slots_host[i] for i in seqs], dtype=torch.int64, device=dev),
                 has_past=torch.tensor([ctx.past_len(i) > 0 for i in seqs], dtype=torch.bool, device=dev),
                 final_slots=torch.tensor(last, dtype=torch.int64, device=dev),
-                seq_ids=torch.tensor(seqs, dtype=torch.int64, device=dev))
+                seq_ids=torch.tensor(seqs, dtype=torch.int64, device=dev), longest=longest)
         return ctx.extras[key]
 
     def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
@@ -90,19 +93,27 @@ class CudaGdnImpl:
 
         s = self.spec
         mixed, z, b, a = split_proj(proj, s)
-        mixed = causal_conv1d(mixed, weights.conv1d, conv_state, ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots,
-                              ctx.token_state_slots, per_token=ctx.state_ring > 1, seq_ids=meta["seq_ids"])
-        tokens = meta["tokens"]
-        n = tokens.shape[0]
-        q, k, v = torch.split(mixed[tokens], [s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        g, beta = gates(a[tokens], b[tokens], weights)
+        # the conv straight into contiguous q / k / v buffers (fla reads those without a copy)
+        qkv = []
+        for lo, width in ((0, s.key_dim), (s.key_dim, s.key_dim), (2 * s.key_dim, s.value_dim)):
+            qkv.append(causal_conv1d(
+                mixed[:, lo:lo + width], weights.conv1d[lo:lo + width], conv_state[:, lo:lo + width],
+                ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
+                per_token=ctx.state_ring > 1, seq_ids=meta["seq_ids"], max_tokens=meta["longest"],
+                out=torch.empty((proj.shape[0], width), dtype=proj.dtype, device=proj.device)))
+        rows = meta["rows"]  # the chunked-form rows: a slice when they are contiguous (views), else an index
+        q, k, v = (t[rows] for t in qkv)
+        n = q.shape[0]
+        g, beta = gates(a[rows], b[rows], weights)
         # fla's states are [N, Hv, Dk, Dv]; the cache holds them transposed ([Hv, Dv, Dk])
         init = torch.where(meta["has_past"][:, None, None, None], state[meta["slots"]].float().transpose(-1, -2), 0.0)
         o, final = chunk_gated_delta_rule(
-            q.reshape(1, n, s.num_k_heads, s.head_k_dim), k.reshape(1, n, s.num_k_heads, s.head_k_dim),
-            v.reshape(1, n, s.num_v_heads, s.head_v_dim), g=g[None], beta=beta[None], scale=self.scale,
+            q.view(1, n, s.num_k_heads, s.head_k_dim), k.view(1, n, s.num_k_heads, s.head_k_dim),
+            v.view(1, n, s.num_v_heads, s.head_v_dim), g=g[None], beta=beta[None], scale=self.scale,
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=meta["cu"])
         state.index_copy_(0, meta["final_slots"], final.transpose(-1, -2).to(state.dtype))
-        dv = s.head_v_dim
-        normed = gated_rms_norm(o[0].to(proj.dtype).reshape(-1, dv), z[tokens].reshape(-1, dv), weights.norm, s.norm_eps)
-        out.index_copy_(0, tokens, normed.reshape(n, s.value_dim))
+        o = o[0].to(proj.dtype).reshape(n, s.value_dim)
+        if isinstance(rows, slice):  # normalised straight into the layer output's rows
+            gated_rms_norm(o, z[rows], weights.norm, s.norm_eps, head_dim=s.head_v_dim, out=out[rows])
+        else:
+            out.index_copy_(0, rows, gated_rms_norm(o, z[rows], weights.norm, s.norm_eps, head_dim=s.head_v_dim))
