@@ -74,11 +74,13 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                    head_dim: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``w * rmsnorm(x) * silu(gate)`` over the last dim (GDN output norm). With ``head_dim``, x,
     gate and ``out`` are ``[T, heads * head_dim]`` rows (any row stride, e.g. columns of the
-    in_proj output, rows of the layer output) normalised per head in place of a reshape copy."""
+    in_proj output, rows of the layer output) normalised per head in place of a reshape copy;
+    ``out`` goes with ``head_dim``."""
     if head_dim is None:
+        assert out is None, "out= needs head_dim"
         shape, n = x.shape, x.shape[-1]
         x2, g2 = _rows(x), _rows(gate)
-        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if out is None else out.view(x2.shape)
+        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         heads = 1
     else:
         assert x.dim() == 2 and x.shape == gate.shape and x.shape[1] % head_dim == 0

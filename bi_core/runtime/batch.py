@@ -36,15 +36,10 @@ def plan_batch(
     for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
         flat += ids
         n = len(ids)
-        if n == 1:  # a decode row (most rows of most steps): no inner loop
-            positions.append(past)
-            slots.append(blk[past // block_size] * block_size + past % block_size)
-            token_states.append(base * ring + (past + 1) % ring)
-        else:
-            for t, pos in enumerate(range(past, past + n)):
-                positions.append(pos)
-                slots.append(blk[pos // block_size] * block_size + pos % block_size)
-                token_states.append(base * ring + (past + t + 1) % ring)
+        for t, pos in enumerate(range(past, past + n)):
+            positions.append(pos)
+            slots.append(blk[pos // block_size] * block_size + pos % block_size)
+            token_states.append(base * ring + (past + t + 1) % ring)
         if logits_rows is None:
             rows.append(offset + n - 1)
         else:
