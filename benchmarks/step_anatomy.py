@@ -2,8 +2,8 @@
 
     python3 benchmarks/step_anatomy.py CONFIG [--batch-sizes 1,64,256] [--context-len 512] [--steps 20]
 
-For each batch size: the median wall time of a full ``engine.step`` (as ``bi-engine bench``
-measures it), the host time of its phases (schedule, plan + pack, launch, wait for the samples,
+For each batch size: the wall time of a full ``engine.step``, steps back to back (as ``bi-engine
+bench`` measures it; with ``graph.overlap`` a step launches the next before returning), the host time of its phases (schedule, plan + pack, launch, wait for the samples,
 append), and the device time of the same CUDA graph replayed back to back (no host in between).
 ``wall - replay`` is what host work in series with the device costs a step: what overlapping the
 next step's host work with this step's device work could win at most.
@@ -12,7 +12,6 @@ next step's host work with this step's device work could win at most.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections import defaultdict
 
@@ -51,18 +50,17 @@ def anatomy(engine: LLMEngine, batch: int, context_len: int, steps: int) -> dict
     for _ in range(3):
         engine.step()
     _sync()
-    walls = []
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
         engine.step()
-        _sync()
-        walls.append(time.perf_counter() - t0)
+    _sync()
+    wall = (time.perf_counter() - t0) / steps
     acc: dict = defaultdict(float)
     sched, runner = engine.scheduler, engine.runner
     _timed(sched, "schedule", acc)
     _timed(engine, "make_batch", acc)
     _timed(runner, "run", acc)  # launches the replay; returns before the device is done
-    _timed(engine, "sample_and_append", acc)  # waits for the samples, appends, stop checks
+    _timed(engine, "sample_and_append", acc)  # waits for the samples, appends (steps not launched ahead)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -70,7 +68,7 @@ def anatomy(engine: LLMEngine, batch: int, context_len: int, steps: int) -> dict
     total = (time.perf_counter() - t0) / steps
     for name in ("schedule", "make_batch", "run", "sample_and_append"):
         delattr(sched if name == "schedule" else runner if name == "run" else engine, name)
-    phases = {k: v / steps * 1e3 for k, v in acc.items()}
+    phases = {k: acc[k] / steps * 1e3 for k in ("schedule", "make_batch", "run", "sample_and_append")}
     key = min((k for k in getattr(runner, "graphs", {}) if k[0] == 1 and k[1] >= batch), default=None)
     replay_ms = None
     if key is not None and hasattr(runner.graphs[key], "graph"):  # the same graph back to back: device time alone (its inputs are the last step's)
@@ -88,7 +86,7 @@ def anatomy(engine: LLMEngine, batch: int, context_len: int, steps: int) -> dict
             engine.abort(s.request_id)
     while sched.has_work():
         engine.step()
-    return {"batch": batch, "wall_ms": statistics.median(walls) * 1e3, "instrumented_ms": total * 1e3,
+    return {"batch": batch, "wall_ms": wall * 1e3, "instrumented_ms": total * 1e3,
             "replay_ms": replay_ms, **{f"{k}_ms": v for k, v in phases.items()}}
 
 

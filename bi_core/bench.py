@@ -85,9 +85,12 @@ def _prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[list[int
 
 def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, count_kernels: bool = False
                       ) -> tuple[float, int | None]:
-    """Median ms of ``steps`` full engine steps (schedule + forward + sample) once every prompt
-    decodes, after 3 warm-up steps (which also capture this bucket's graph); with
-    ``count_kernels``, also the device kernels of one such step (``kernels_per_decode_step``)."""
+    """Mean ms of ``steps`` full engine steps (schedule + forward + sample) run back to back once
+    every prompt decodes, after 3 warm-up steps (which also capture this bucket's graph); with
+    ``count_kernels``, also the device kernels of one such step (``kernels_per_decode_step``).
+    Back to back, not one step at a time with the device synchronized: with ``graph.overlap``
+    a step launches the next one before returning, and a wait after each step would put the
+    host's planning back in series with the device."""
     # Long enough that the first requests admitted are still decoding once the last has prefilled
     # (one prefill chunk of the budget per step, plus one admission per step at worst).
     budget = engine.config.scheduler.max_num_batched_tokens
@@ -100,17 +103,16 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
-    times = []
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / steps * 1e3
     running = [s for s in seqs if s.status is Status.RUNNING]  # early-admitted ones may have finished
     kernels = kernels_per_decode_step(engine, running) if count_kernels and running else None
     while engine.scheduler.has_work():
         engine.step()
-    return statistics.median(times) * 1e3, kernels
+    return ms, kernels
 
 
 def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:

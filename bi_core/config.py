@@ -232,6 +232,9 @@ class GraphConfig:
     max_batch_size: int | None = _field(_optional(_int(1)), None, doc="default: scheduler.max_num_seqs")
     warmup: bool = _field(_bool, True, doc="at start (CUDA, graphs enabled): capture every graph, largest batch "
                           "first, and run a few dummy prompts so no capture or kernel compile stalls a running batch")
+    overlap: bool = _field(_bool, True, doc="launch the next decode step before this one's tokens reach the host "
+                           "(AR steps replayed from a graph, sampled on the device): the host plans and books steps "
+                           "while the device runs; outputs are the same")
 
 
 @attrs.frozen(kw_only=True)

@@ -38,11 +38,17 @@ class GraphRunnerImpl(Protocol):
 
     def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext,
             prepare: Callable[[ForwardContext], None] | None = None,
-            extra: torch.Tensor | None = None) -> torch.Tensor:
+            extra: torch.Tensor | None = None, ids_from: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``step(input_ids, ctx)`` (or ``step(input_ids, ctx, extra)`` with a per-token input
         such as the MTP head's hidden states). The step returns a tuple: a per-token output, then
         outputs with one row per ``ctx.logits_indices`` row; so does ``run``. ``prepare(ctx)`` does
-        host-side per-step planning and always runs outside any captured graph."""
+        host-side per-step planning and always runs outside any captured graph. ``ids_from``: the
+        input ids are row indices into it, replaced by its tokens on the device first
+        (``runtime.batch.gather_ids``)."""
+
+    def wait_inputs(self) -> None:
+        """Block until the inputs of the last step launched have left the host (its staging
+        buffers and any host-side plan's): call before planning a step while one still runs."""
 
 
 class GraphRunnerBuilder(OpBuilder[GraphRunnerSpec]):

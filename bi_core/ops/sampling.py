@@ -36,6 +36,13 @@ def needs_filter(temperature: float, top_k: int, top_p: float) -> bool:
     return temperature > 0 and (top_k > 0 or top_p < 1.0)
 
 
+def device_sampled(seqs) -> bool:
+    """Whether a step's own device samples (greedy or plain temperature, token and its logprob)
+    serve these requests: none wants top-k/top-p filtering or top-N logprobs."""
+    return not any(s.params.logprobs or needs_filter(s.params.temperature, s.params.top_k, s.params.top_p)
+                   for s in seqs)
+
+
 @attrs.define
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64

@@ -106,6 +106,13 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     return ids, ctx
 
 
+def gather_ids(input_ids: torch.Tensor, ids_from: torch.Tensor) -> None:
+    """Input ids staged as row indices into ``ids_from`` (a step's device samples, [R, 2] float64
+    (token, logprob)) become those rows' tokens, on the device: the next decode step is launched
+    before this step's tokens reach the host (strategies/ar.py)."""
+    input_ids.copy_(ids_from[:, 0].index_select(0, input_ids))
+
+
 def build_context(token_ids, past_lens, blocks, state_slots, is_recurrent, *, block_size: int, device: torch.device,
                   ring: int = 1, logits_rows: list[list[int]] | None = None) -> tuple[torch.Tensor, ForwardContext]:
     """``plan_batch`` + ``upload``: an eager step's inputs (tests, probes)."""

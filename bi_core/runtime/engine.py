@@ -27,7 +27,7 @@ from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_arg
 from bi_core.models.random_init import init_random_weights
 from bi_core.models.tokenizer import tokenizer_for
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.ops.sampling import SamplingBatch, mix_seed, needs_filter, sample_seed
+from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed, sample_seed
 from bi_core.parallel.lockstep import launch, rank_device
 from bi_core.parallel.shard import TPInfo
 from bi_core.plugins import load_registry
@@ -190,9 +190,11 @@ class LLMEngine:
                         sample_keys=keys, temperatures=temps)
         return (runner or self.runner).make_context(hb, self.device)
 
-    def run_model(self, input_ids: torch.Tensor, ctx) -> StepOutput:
-        """The main model over one step's tokens, through the graph runner."""
-        return StepOutput(*self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step))
+    def run_model(self, input_ids: torch.Tensor, ctx, ids_from: torch.Tensor | None = None) -> StepOutput:
+        """The main model over one step's tokens, through the graph runner. ``ids_from``: the
+        input ids are row indices into it (a previous step's device samples; see ``gather_ids``)."""
+        return StepOutput(*self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step,
+                                           ids_from=ids_from))
 
     def _token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -300,12 +302,14 @@ class LLMEngine:
         if self._driver is not None:
             self._driver.send_step(self.lockstep_check())
         self.num_steps += 1
-        scheduled = self.scheduler.schedule()
+        # the live rows of a decode step the last call launched ahead (strategies/ar.py), else a schedule
+        ahead = self.strategy.launched()
+        scheduled = ahead or self.scheduler.schedule()
         if not scheduled:
             raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
         self._forked = []
         # prompt chunks (and recomputes): decode rows need none of what follows the step
-        chunks = [(s.seq, s.seq.num_computed, s.recurrent) for s in scheduled if not s.seq.is_decoding]
+        chunks = [] if ahead else [(s.seq, s.seq.num_computed, s.recurrent) for s in scheduled if not s.seq.is_decoding]
         with torch.inference_mode(), applied(self.policy):
             self.strategy.step(scheduled)
         self._after_chunks(chunks)
@@ -372,10 +376,15 @@ class LLMEngine:
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        if samples is not None and n == 0 and not any(needs_filter(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs):
+        if samples is not None and device_sampled(seqs):
             packed = samples.cpu()
         else:
             packed = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n)).to_host()
+        return self.rows_of(seqs, packed, n)
+
+    def rows_of(self, seqs: list[Sequence], packed: torch.Tensor, n: int = 0):
+        """Per row of a host ``packed`` sample tensor [R, 2 + 2n] (token, logprob, top-N ids, top-N
+        logprobs): (token, logprob, top-N dict or None) as ``Sequence.append`` takes them."""
         tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
         top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
         rows = []

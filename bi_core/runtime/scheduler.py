@@ -122,6 +122,32 @@ class Scheduler:
             budget -= cost
         return out
 
+    def plan_decode(self, continuing: list[Sequence], ending: list[Sequence]) -> list[Scheduled] | None:
+        """The next step's schedule, made while the current decode step runs (its tokens not yet
+        appended; ``ending``: its sequences that token ends by length, ``continuing``: the
+        others), when it is certain: nothing waits, every running sequence is one of the two, and
+        each continuing sequence decodes one token (pages taken now, never by preemption).
+        What ``schedule`` would then return, in the same order; else None. A sequence that the
+        token ends otherwise (a stop token) runs a wasted row in that step."""
+        if self.waiting or len(continuing) + len(ending) != len(self.running):
+            return None
+        if len(continuing) * self.decode_tokens > self.config.max_num_batched_tokens:
+            return None
+        keep = {id(s) for s in continuing}
+        if not keep or keep | {id(s) for s in ending} != {id(s) for s in self.running}:
+            return None
+        out = []
+        for seq in self.running:
+            if id(seq) not in keep:
+                continue
+            need = self._pages_needed(seq, seq.num_computed + 1)
+            if need > 0:
+                if not self.cache.reclaim(need):
+                    return None
+                seq.blocks += self.cache.blocks.allocate(need)
+            out.append(Scheduled(seq, 1))
+        return out
+
     def _match(self, seq: Sequence):
         """Start a fresh sequence at its longest cached prefix: the prefix's pages, shared (pinned
         before anything is evicted for the sequence's own pages); the caller restores the state."""

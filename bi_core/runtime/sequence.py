@@ -181,6 +181,11 @@ class Sequence:
         """Past its prompt with everything but the last sampled token in the caches."""
         return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
 
+    @property
+    def ends_at_next_token(self) -> bool:
+        """Whether the next token appended ends it by length (known before the token is)."""
+        return len(self.output_ids) + 1 >= self.params.max_new_tokens or self.num_tokens + 1 >= self.max_total_len
+
     def append(self, token: int, logprob: float, top: dict[int, float] | None, eos_ids: tuple[int, ...]) -> None:
         self.output_ids.append(token)
         self.token_logprobs.append(logprob)

@@ -50,6 +50,11 @@ class Strategy(abc.ABC):
     def forget(self, seq) -> None:
         """The request finished or was aborted: drop anything kept for it."""
 
+    def launched(self) -> list[Scheduled] | None:
+        """The live rows of a step the previous ``step`` call launched ahead (the engine's next
+        step then books it instead of scheduling one), or None."""
+        return None
+
     @abc.abstractmethod
     def step(self, scheduled: list[Scheduled]) -> None:
         """Run the model on the scheduled tokens and append sampled tokens to the sequences."""

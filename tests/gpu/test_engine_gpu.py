@@ -97,6 +97,31 @@ def test_graph_replay_equals_eager_invariant():
         assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs
 
 
+def test_overlap_bitwise_equal_invariant():
+    """``graph.overlap`` (the next decode step launched before this one's tokens reach the host,
+    its input ids gathered from this step's samples on the device): the same bits as without,
+    with sampled requests and some ending on a stop token mid-run (wasted rows after them)."""
+    import attrs
+
+    ps = prompts(13, seed=8, vocab=248320)
+    base = SamplingParams(max_new_tokens=24, temperature=0.8, seed=2, ignore_eos=True, logprobs=0)
+
+    def run(overlap, params):
+        cfg = gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True)
+        eng = build_engine(cfg.replace(graph={"overlap": overlap}))
+        return eng, eng.generate(ps, params)
+
+    _, plain = run(False, base)
+    params = [attrs.evolve(base, stop_token_ids=(o.token_ids[5],)) if i % 3 == 0 else base
+              for i, o in enumerate(plain)]
+    ref_eng, ref = run(False, params)
+    eng, out = run(True, params)
+    assert ref_eng.strategy.num_ahead == 0 and eng.strategy.num_ahead > 10
+    assert sum(o.finish_reason == "stop" for o in out) >= 3
+    for a, b in zip(ref, out):
+        assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs and a.logprobs == b.logprobs
+
+
 def mtp_config(backend, graphs, invariant, strategy="mtp"):
     strat = {"name": "mtp", "num_speculative_tokens": 3} if strategy == "mtp" else {"name": "ar"}
     return gpu_config(backend, "qwen3.5-35b-a3b", layers=4, graphs=graphs, invariant=invariant, strategy=strat)

@@ -22,7 +22,7 @@ import torch
 
 from bi_core.ops.context import ForwardContext, HostBatch
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.runtime.batch import context_from, upload
+from bi_core.runtime.batch import context_from, gather_ids, upload
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -167,6 +167,8 @@ class CudaGraphRunnerImpl:
         self.pool = None
         self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length
         self.capture_s: dict[tuple[int, int], float] = {}  # seconds each capture_all capture took (host clock)
+        # recorded after a step's host-staged inputs are queued, before it runs (wait_inputs)
+        self._inputs = torch.cuda.Event() if spec.device.type == "cuda" else None
 
     def graph_key(self, hb: HostBatch) -> tuple[int, int] | None:
         """(L, bucket) if this step can replay a graph, else None."""
@@ -213,24 +215,40 @@ class CudaGraphRunnerImpl:
                 n += 1
         return n
 
-    def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None):
+    def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None,
+            ids_from: torch.Tensor | None = None):
         """``step(input_ids, ctx[, extra])`` returns (per-token output, per-logits-row outputs...)."""
         key = ctx.extras.get("graph_key")
         if key is None:
+            if ids_from is not None:
+                gather_ids(input_ids, ids_from)
             if prepare is not None:
                 prepare(ctx)
+            self._mark_inputs()
             return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
         static = self.statics[key]
         if key not in self.graphs:
             self._record(key, step, prepare, extra)
             static.load(static.current)  # capture ran on padding: put this step's rows back
+        if ids_from is not None:
+            gather_ids(input_ids, ids_from)
         if extra is not None:
             static.extra[: extra.shape[0]].copy_(extra)
         if prepare is not None:
             prepare(ctx)
+        self._mark_inputs()
         outs = self.graphs[key].replay(ctx)
         self.num_replays[key[0]] += 1
         return self._outputs(outs, ctx, input_ids.shape[0])
+
+    def _mark_inputs(self) -> None:
+        """Record that everything the host staged for this step is queued (``wait_inputs``)."""
+        if self._inputs is not None:
+            self._inputs.record()
+
+    def wait_inputs(self) -> None:
+        if self._inputs is not None:
+            self._inputs.synchronize()
 
     @staticmethod
     def _outputs(outs, ctx: ForwardContext, num_tokens: int):

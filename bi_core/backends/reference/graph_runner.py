@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
-from bi_core.runtime.batch import upload
+from bi_core.runtime.batch import gather_ids, upload
 
 
 class EagerRunnerImpl:
@@ -11,7 +11,12 @@ class EagerRunnerImpl:
     def capture_all(self, step, block_size, prepare=None, extra=None) -> int:
         return 0  # nothing to capture
 
-    def run(self, step, input_ids, ctx, prepare=None, extra=None):
+    def wait_inputs(self) -> None:
+        """Nothing is staged on the host past a launch."""
+
+    def run(self, step, input_ids, ctx, prepare=None, extra=None, ids_from=None):
+        if ids_from is not None:
+            gather_ids(input_ids, ids_from)
         if prepare is not None:
             prepare(ctx)
         return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
