@@ -5,7 +5,7 @@ config keeps BLOCK_K and SPLIT_K (the K order) as the tile table has them: only 
 move (BLOCK_M / BLOCK_N / warps / stages / INLINE), so any config found here can replace the
 table's without changing a bit of output. cuBLAS is timed alongside as the speed reference.
 
-python3 benchmarks/gemm_sweep.py [dense|mid|moe|pair|all] [--json out.jsonl]"""
+python3 benchmarks/gemm_sweep.py [dense|mid|inline|moe|pair|all] [--json out.jsonl]"""
 
 from __future__ import annotations
 
@@ -95,6 +95,32 @@ def sweep_mid() -> None:
             record(kind="dense-mid", name=name, m=m, table=base, us=res, cublas_us=round(us_cublas, 2))
 
 
+def sweep_inline() -> None:
+    """Split GEMMs (out_proj: K=4096 in 8 splits) from a decode batch to a prefill chunk: the
+    table's config against split programs and INLINE (one program adds its tile's splits, its K
+    loops flattened into one) at a few tiles; every variant must give the table's bits. The
+    first run of this mode (FLAT on/off, before flattening became the only INLINE form) is in
+    docs/results/gemm_sweep_inline_flat_h200.jsonl."""
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    n, k = DENSE["out_proj"]
+    w = torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5
+    tiles = {"128x128w8": (128, 128, 8), "128x64w8": (128, 64, 8), "64x128w4": (64, 128, 4), "64x64w4": (64, 64, 4)}
+    for m in (160, 256, 320, 512, 768, 1024, 1536, 2048, 7680):
+        x = torch.randn(m, k, device=DEV, dtype=BF16)
+        base = gemm_config(m, n, k)
+        ref = linear(x, w)
+        res = {"cublas": round(timed(partial(torch.matmul, x, w.T)), 2)}
+        variants = {"table": {}, "split-programs": {"INLINE": False}}
+        variants.update({f"inline-{name}": {"INLINE": True, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
+                                            "num_stages": 3} for name, (bm, bn, warps) in tiles.items()})
+        for label, over in variants.items():
+            cfg = {**base, **over}
+            res[label] = round(timed(partial(linear, x, w, config=cfg)), 2)
+            assert torch.equal(linear(x, w, config=cfg), ref), f"out_proj M={m} {label}: bits differ"
+        record(kind="inline", name="out_proj", m=m, table=base, us=res)
+
+
 def sweep_moe() -> None:
     from bi_core.kernels.moe import align, grouped_config, grouped_gemm
     from bi_core.kernels.topk import softmax_topk
@@ -168,7 +194,7 @@ def sweep_pair() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "moe", "pair", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "inline", "moe", "pair", "all"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -181,6 +207,8 @@ def main() -> None:
         sweep_dense()
     if args.what in ("mid", "all"):
         sweep_mid()
+    if args.what in ("inline", "all"):
+        sweep_inline()
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
