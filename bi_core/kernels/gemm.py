@@ -158,8 +158,9 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     if mid:
         bm = 64
         inline = split > 1 and m > 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) >= 64
-    else:
-        inline = split > 1 and bm > 16 and triton.cdiv(m, bm) * triton.cdiv(n, 128) >= TARGET_PROGRAMS // 2
+    else:  # past the decode batches a wide split GEMM adds its splits in-program (gemm_sweep.py inline, N=2048)
+        wide = m > MID_M_MAX and n >= 1024
+        inline = split > 1 and bm > 16 and (wide or triton.cdiv(m, bm) * triton.cdiv(n, 128) >= TARGET_PROGRAMS // 2)
     programs_per_tile = 1 if inline else split
     if bm <= 16:
         bn, warps, stages = (16 if n <= 1024 else DECODE_BLOCK_N if n <= 16384 else 64), 2, 4
@@ -167,6 +168,8 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
         bn, warps, stages = (64 if split > 1 else 128), 4, 3
         while split == 1 and bn > 64 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < MID_MIN_TILES:
             bn //= 2
+    elif inline and wide:  # 128 x 64 tiles up to 512 rows, then 128 x 128
+        bn, warps, stages = (64 if m <= 2 * MID_M_MAX else 128), 8, 3
     else:
         bn, warps, stages = 128, (8 if bm == 128 else 4), (3 if bm >= 64 else 4)
         while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * programs_per_tile < TARGET_PROGRAMS:
