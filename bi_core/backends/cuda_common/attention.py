@@ -147,10 +147,12 @@ class FlashInferAttentionImpl:
         page_size = ctx.block_size
         pages = ctx.block_tables_host
         used = [-(-n // page_size) for n in ctx.context_lens_host]
-        indptr = torch.tensor([0] + list(_cumsum(used)), dtype=torch.int32, device=dev)
-        indices = torch.tensor([p for blk, n in zip(pages, used) for p in blk[:n]], dtype=torch.int32, device=dev)
-        last = torch.tensor([n - (u - 1) * page_size for n, u in zip(ctx.context_lens_host, used)],
-                            dtype=torch.int32, device=dev)
+        # FlashInfer plans on the host: indptr and last-page lengths go in as pinned host tensors
+        # (device ones it reads back, waiting for the step in flight: no overlapped decode), the
+        # page indices to the device without a wait (its copy of host indices is synchronous)
+        indptr = _pinned([0] + list(_cumsum(used)))
+        indices = _pinned([p for blk, n in zip(pages, used) for p in blk[:n]]).to(dev, non_blocking=True)
+        last = _pinned([n - (u - 1) * page_size for n, u in zip(ctx.context_lens_host, used)])
         q_len = ctx.extras.get("graph_q_len", 1)
         one_token = q_len == 1 if bucket is not None else all(q == 1 for q in ctx.query_lens_host)
         if bucket is not None:
@@ -162,7 +164,7 @@ class FlashInferAttentionImpl:
                          q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
         else:
             hint = {"uniform_q_len": q_len} if bucket is not None and self._takes_uniform_q_len else {}
-            qo_indptr = torch.tensor(ctx.cu_seqlens_host, dtype=torch.int32, device=dev)
+            qo_indptr = _pinned(ctx.cu_seqlens_host)
             wrapper.plan(qo_indptr, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
                          page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype,
                          **hint)
@@ -175,6 +177,11 @@ class FlashInferAttentionImpl:
         q = _qk_norm_rope(self.spec, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx)
         wrapper = ctx.extras.get(("flashinfer", id(self))) or self.prepare(ctx)
         return apply_gate(wrapper.run(q, (k_cache, v_cache)), qkv[:, self.spec.head_dim:])
+
+
+def _pinned(values) -> torch.Tensor:
+    """An int32 host tensor in pinned memory (its asynchronous copies need no wait)."""
+    return torch.tensor(values, dtype=torch.int32).pin_memory()
 
 
 def _cumsum(values):
