@@ -38,6 +38,9 @@ class _TritonPlan:
 EXACT_DECODE_ROWS = 32
 
 
+CHUNKS_PER_PROGRAM = 4  # KV chunks a decode program folds in series at most (when 64 programs allow)
+
+
 class TritonPagedAttentionImpl:
     """The fused per-token kernel (q/k norm, RoPE, KV write), then the fixed-split paged attention
     of ``kernels/attention.py``: decode/verify sequences through split programs and an ordered
@@ -66,7 +69,15 @@ class TritonPagedAttentionImpl:
             dec = [i for i, q in enumerate(lens) if ctx.is_recurrent_host[i] and q <= self.tile_tokens]
             pre = sorted(set(range(len(lens))) - set(dec))
             dec_seqs = ctx.recurrent_ids if len(dec) == len(lens) else torch.tensor(dec, dtype=torch.int64, device=dev)
-            splits = max(1, min(64, -(-264 // max(1, len(dec) * self.spec.num_kv_heads))))
+            # programs per (sequence, KV head): enough to fill the GPU, and enough that none folds
+            # more than CHUNKS_PER_PROGRAM chunks in series at the longest context the plan serves
+            # (a graph's: its block table's width). H200, B=64 at 7,500 tokens: 3 -> 8 programs,
+            # 22.86 -> 22.17 ms a step; the split count changes no bit (chunks merge in order)
+            longest = (ctx.block_tables.shape[1] * ctx.block_size if "graph_bucket" in ctx.extras
+                       else max((ctx.context_lens_host[i] for i in dec), default=1))
+            splits = max(-(-264 // max(1, len(dec) * self.spec.num_kv_heads)),
+                         -(-longest // (KV_SPLIT * CHUNKS_PER_PROGRAM)))
+            splits = max(1, min(64, splits))
             tile_seq, tile_start = make_tiles(lens, pre, self.tile_tokens, dev)
             chunks = sum(-(-ctx.context_lens_host[i] // KV_SPLIT) for i in dec)
             ctx.extras[key] = _TritonPlan(dec_seqs, max((lens[i] for i in dec), default=1), splits, tile_seq,
