@@ -9,7 +9,9 @@ timing every step (device synchronized), classified by kind:
   decode-g  decode rows only, replaying a CUDA graph
   decode-e  decode rows only, eager (no graph for this shape)
   capture   a step that captured a new graph
-and, per kind, how many steps compiled a Triton kernel (a fresh TRITON_CACHE_DIR is watched) and
+(each step followed by a device sync: with ``graph.overlap`` a decode step's host planning is then
+in series again, so the total here runs slower than ``bench``'s unsynchronized run; compare totals
+only with overlap off, or use ``bench``), and, per kind, how many steps compiled a Triton kernel (a fresh TRITON_CACHE_DIR is watched) and
 the time those steps took. Prints a table per kind and the 15 slowest steps.
 """
 
