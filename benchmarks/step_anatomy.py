@@ -2,8 +2,9 @@
 
     python3 benchmarks/step_anatomy.py CONFIG [--batch-sizes 1,64,256] [--context-len 512] [--steps 20]
 
-For each batch size: the wall time of a full ``engine.step``, steps back to back (as ``bi-engine
-bench`` measures it; with ``graph.overlap`` a step launches the next before returning), the host time of its phases (schedule, plan + pack, launch, wait for the samples,
+For each batch size: the wall time of a full ``engine.step``, steps back to back (as
+``bi-engine bench`` measures it; with ``graph.overlap`` a step launches the next before
+returning), the host time of its phases (schedule, plan + pack, launch, wait for the samples,
 append), and the device time of the same CUDA graph replayed back to back (no host in between).
 ``wall - replay`` is what host work in series with the device costs a step: what overlapping the
 next step's host work with this step's device work could win at most.

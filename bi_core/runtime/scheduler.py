@@ -129,12 +129,9 @@ class Scheduler:
         each continuing sequence decodes one token (pages taken now, never by preemption).
         What ``schedule`` would then return, in the same order; else None. A sequence that the
         token ends otherwise (a stop token) runs a wasted row in that step."""
-        if self.waiting or len(continuing) + len(ending) != len(self.running):
-            return None
-        if len(continuing) * self.decode_tokens > self.config.max_num_batched_tokens:
-            return None
         keep = {id(s) for s in continuing}
-        if not keep or keep | {id(s) for s in ending} != {id(s) for s in self.running}:
+        if (self.waiting or not keep or keep | {id(s) for s in ending} != {id(s) for s in self.running}
+                or len(continuing) * self.decode_tokens > self.config.max_num_batched_tokens):
             return None
         out = []
         for seq in self.running:

@@ -181,10 +181,10 @@ class Sequence:
         """Past its prompt with everything but the last sampled token in the caches."""
         return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
 
-    @property
-    def ends_at_next_token(self) -> bool:
-        """Whether the next token appended ends it by length (known before the token is)."""
-        return len(self.output_ids) + 1 >= self.params.max_new_tokens or self.num_tokens + 1 >= self.max_total_len
+    def at_length(self, more: int = 0) -> bool:
+        """Whether it has (with ``more`` tokens appended: will have) reached its length limit;
+        known before those tokens are (overlapped decode plans the step after the next token)."""
+        return len(self.output_ids) + more >= self.params.max_new_tokens or self.num_tokens + more >= self.max_total_len
 
     def append(self, token: int, logprob: float, top: dict[int, float] | None, eos_ids: tuple[int, ...]) -> None:
         self.output_ids.append(token)
@@ -200,7 +200,7 @@ class Sequence:
         elif self.text is not None and self.text.stop_reason is not None:
             self.stop_reason = self.text.stop_reason
             self.finish("stop")
-        elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_total_len:
+        elif self.at_length():
             self.finish("length")
 
     def finish(self, reason: str, error: str | None = None) -> None:

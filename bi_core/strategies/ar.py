@@ -127,9 +127,11 @@ class ARStrategy(Strategy):
     def _launch_next(self, flight: _Flight) -> _Flight | None:
         """Plan, stage and launch the decode step after ``flight`` before its tokens are known."""
         eng = self.engine
-        live = [s.seq for s in flight.scheduled if s.seq.status is Status.RUNNING]
-        ending = [seq for seq in live if seq.ends_at_next_token]
-        nxt = eng.scheduler.plan_decode([seq for seq in live if not seq.ends_at_next_token], ending)
+        continuing, ending = [], []
+        for s in flight.scheduled:
+            if s.seq.status is Status.RUNNING:
+                (ending if s.seq.at_length(1) else continuing).append(s.seq)
+        nxt = eng.scheduler.plan_decode(continuing, ending)
         if nxt is None:
             return None
         row = {id(s.seq): i for i, s in enumerate(flight.scheduled)}
