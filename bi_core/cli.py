@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="batch-invariance audit: each prompt alone vs in many batches")
     _add_config_args(verify)
     verify.add_argument("--num-prompts", type=int, default=32)
-    verify.add_argument("--batch-sizes", default=",".join(map(str, (1, 2, 3, 7, 8, 15, 16, 17, 32, 64, 128, 256))))
+    verify.add_argument("--batch-sizes", help="comma-separated, each at most scheduler.max_num_seqs (default: those "
+                        "of 1,2,3,7,8,15,16,17,32,64,128,256 up to scheduler.max_num_seqs)")
     verify.add_argument("--max-new-tokens", type=int, default=32)
     verify.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (seeded temperature 0.8)")
     verify.add_argument("--num-layers", type=int, help="cut a random preset to this many layers (faster audits)")
@@ -92,13 +93,26 @@ def _ints(text: str, flag: str) -> list[int]:
         raise BiEngineError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
+VERIFY_FLAGS = {"num_prompts": "--num-prompts", "batch_sizes": "--batch-sizes", "max_new_tokens": "--max-new-tokens",
+                "modes": "--modes", "mtp": "--strategies ar,mtp"}
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    from bi_core import build_engine
-    from bi_core.verify import audit, count, negative_control_config, probe, summary
+    from bi_core import build_engine, verify
 
     config = load_config(args)
+    max_num_seqs = config.scheduler.max_num_seqs
+    if args.batch_sizes is None:
+        batch_sizes = verify.default_batch_sizes(max_num_seqs)
+        print(f"batch sizes: {','.join(map(str, batch_sizes))} (the defaults up to scheduler.max_num_seqs="
+              f"{max_num_seqs})")
+    else:
+        batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    verify.check_plan(num_prompts=args.num_prompts, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens,
+                      modes=modes, max_num_seqs=max_num_seqs, names=VERIFY_FLAGS)
     if args.negative_control:
-        config = negative_control_config(config)
+        config = verify.negative_control_config(config)
         print(f"negative control: backend {config.backend}, batch_invariant=false (mismatches expected)")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if strategies not in (["ar"], ["ar", "mtp"]):
@@ -112,13 +126,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if "mtp" in strategies:
         n = config.strategy.num_speculative_tokens or 3
         mtp = build_engine(config.replace(strategy={"name": "mtp", "num_speculative_tokens": n}))
-    cases = audit(engine, num_prompts=args.num_prompts, batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
-                  max_new_tokens=args.max_new_tokens, modes=tuple(args.modes.split(",")), seed=args.seed,
-                  mtp_engine=mtp)
-    print(summary(cases))
-    found = count(cases)
+    cases = verify.audit(engine, num_prompts=args.num_prompts, batch_sizes=batch_sizes,
+                         max_new_tokens=args.max_new_tokens, modes=modes, seed=args.seed, mtp_engine=mtp)
+    print(verify.summary(cases))
+    verify.check_drafts(cases, VERIFY_FLAGS)
+    found = verify.count(cases)
     if found and tp == 1:  # the probes run the model on this process alone: not with tensor parallelism
-        print(probe(engine, cases, args.num_prompts, args.seed))
+        print(verify.probe(engine, cases, args.num_prompts, args.seed))
     if args.negative_control:
         print("negative control " + ("PASSED: the audit sees mismatches without invariance" if found else
                                      "FAILED: no mismatch found, so this audit cannot prove invariance here"))

@@ -8,14 +8,21 @@ sampling. A needle's tokens and logprobs must be bitwise equal to its run alone.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
 import attrs
 
 from bi_core.config import EngineConfig
+from bi_core.errors import BiEngineError
 from bi_core.runtime.engine import LLMEngine
-from bi_core.runtime.sequence import SamplingParams
+from bi_core.runtime.sequence import SamplingParams, Sequence
 
 DEFAULT_BATCH_SIZES = (1, 2, 3, 7, 8, 15, 16, 17, 32, 64, 128, 256)
+MODES = ("greedy", "sampled")
+# what the checks below call each argument (the CLI passes its flags instead)
+ARG_NAMES = {"num_prompts": "num_prompts", "batch_sizes": "batch_sizes", "max_new_tokens": "max_new_tokens",
+             "modes": "modes", "mtp": "mtp_engine"}
 
 
 @attrs.frozen
@@ -24,6 +31,44 @@ class Case:
     mode: str  # greedy | sampled
     num_needles: int
     mismatches: tuple[tuple[int, int, str], ...]  # (prompt index, first differing step, what differed)
+    num_draft_tokens: int = 0  # speculative runs: drafts the needles verified, and how many were accepted
+    num_accepted_draft_tokens: int = 0
+
+
+def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The default sizes an engine can run: those up to ``scheduler.max_num_seqs``."""
+    return tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_num_seqs)
+
+
+def check_plan(*, num_prompts: int, batch_sizes: Seq[int], max_new_tokens: int, modes: Seq[str],
+               max_num_seqs: int, names: Mapping[str, str] = ARG_NAMES) -> None:
+    """Refuse an audit that would compare nothing or less than it is asked to (a skipped batch
+    size, an unknown mode run as another): each problem is a BiEngineError naming the argument."""
+    if num_prompts < 1:
+        raise BiEngineError(f"{names['num_prompts']}: expected a positive number of prompts, got {num_prompts}")
+    if max_new_tokens < 1:
+        raise BiEngineError(f"{names['max_new_tokens']}: expected a positive int, got {max_new_tokens}")
+    if not batch_sizes:
+        raise BiEngineError(f"{names['batch_sizes']}: no batch size given")
+    if small := [b for b in batch_sizes if b < 1]:
+        raise BiEngineError(f"{names['batch_sizes']}: batch sizes must be positive, got {small[0]}")
+    if large := [b for b in batch_sizes if b > max_num_seqs]:
+        raise BiEngineError(f"{names['batch_sizes']}: the audit cannot run batch sizes above scheduler.max_num_seqs="
+                            f"{max_num_seqs} (got {', '.join(map(str, large))}); raise scheduler.max_num_seqs or drop "
+                            "those sizes")
+    if not modes or (unknown := [m for m in modes if m not in MODES]):
+        raise BiEngineError(f"{names['modes']}: expected greedy and/or sampled, got "
+                            f"{', '.join(map(repr, unknown)) if modes else 'none'}")
+
+
+def check_drafts(cases: list[Case], names: Mapping[str, str] = ARG_NAMES) -> None:
+    """With an MTP engine, the speculative runs must have verified and accepted drafts: else
+    they compared plain decoding, and the audit says nothing about speculative decoding."""
+    mtp = [c for c in cases if c.mode.endswith("+mtp")]
+    if mtp and not sum(c.num_accepted_draft_tokens for c in mtp):
+        drafted = sum(c.num_draft_tokens for c in mtp)
+        raise BiEngineError(f"{names['mtp']}: the MTP runs accepted none of their {drafted} draft tokens, so "
+                            f"speculative decoding was not checked; raise {names['max_new_tokens']}")
 
 
 def _prompts(n: int, vocab: int, rng: random.Random, lo: int = 1, hi: int = 600) -> list[list[int]]:
@@ -50,8 +95,7 @@ def _forced_drafts(engine: LLMEngine, truth: dict[int, list[int]], owner: dict[i
 
 
 def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[list[int]], mode: str,
-         max_new: int, rng: random.Random, truth: dict[int, list[int]] | None = None
-         ) -> dict[int, tuple[list[int], list[float]]]:
+         max_new: int, rng: random.Random, truth: dict[int, list[int]] | None = None) -> dict[int, Sequence]:
     owner: dict[int, int] = {}
     if truth is not None:
         engine.strategy.draft_hook = _forced_drafts(engine, truth, owner, rng)
@@ -71,7 +115,11 @@ def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[
             owner[seqs[index].request_id] = index
     while engine.scheduler.has_work():
         engine.step()
-    return {i: (s.output_ids, s.token_logprobs) for i, s in seqs.items()}
+    return seqs
+
+
+def _result(seq: Sequence) -> tuple[list[int], list[float]]:
+    return seq.output_ids, seq.token_logprobs
 
 
 def _diff(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> tuple[int, str] | None:
@@ -85,10 +133,18 @@ def _diff(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) ->
     return None
 
 
-def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH_SIZES, max_new_tokens: int = 32,
-          modes=("greedy", "sampled"), seed: int = 0, log=print, mtp_engine: LLMEngine | None = None) -> list[Case]:
-    """``mtp_engine``: also run every batch through speculative decoding (drafts forced from the
+def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes: Seq[int] | None = None,
+          max_new_tokens: int = 32, modes: Seq[str] = MODES, seed: int = 0, log=print,
+          mtp_engine: LLMEngine | None = None) -> list[Case]:
+    """``batch_sizes``: default, those of DEFAULT_BATCH_SIZES up to ``scheduler.max_num_seqs``;
+    a larger one, an unknown mode or no prompt is refused (``check_plan``), never skipped.
+    ``mtp_engine``: also run every batch through speculative decoding (drafts forced from the
     AR outputs up to random points) and compare with the AR runs alone (guarantee G3)."""
+    max_num_seqs = engine.config.scheduler.max_num_seqs
+    if batch_sizes is None:
+        batch_sizes = default_batch_sizes(max_num_seqs)
+    check_plan(num_prompts=num_prompts, batch_sizes=batch_sizes, max_new_tokens=max_new_tokens, modes=modes,
+               max_num_seqs=min(max_num_seqs, mtp_engine.config.scheduler.max_num_seqs) if mtp_engine else max_num_seqs)
     rng = random.Random(seed)
     vocab = engine.args.vocab_size
     longest = max(2, engine.max_model_len - 2 * max_new_tokens - 1)  # fillers may generate 2x max_new_tokens
@@ -97,12 +153,9 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
     for mode in modes:
         alone = {}
         for i, p in enumerate(prompts):
-            alone.update(_run(engine, [(i, p)], [], mode, max_new_tokens, rng))
+            alone[i] = _result(_run(engine, [(i, p)], [], mode, max_new_tokens, rng)[i])
         cursor = 0
         for b in batch_sizes:
-            if b > engine.config.scheduler.max_num_seqs:
-                log(f"skip batch size {b}: above scheduler.max_num_seqs")
-                continue
             k = min(b, 8, num_prompts)
             chosen = [(cursor + j) % num_prompts for j in range(k)]
             cursor += k
@@ -111,10 +164,13 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes=DEFAULT_BATCH
                                              if mtp_engine is not None else [])
             for strategy, eng, truth in runs:
                 got = _run(eng, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng, truth)
-                bad = tuple((i, *d) for i in chosen if (d := _diff(got[i], alone[i])) is not None)
+                bad = tuple((i, *d) for i in chosen if (d := _diff(_result(got[i]), alone[i])) is not None)
                 label = mode if strategy == "ar" else f"{mode}+mtp"
-                cases.append(Case(b, label, k, bad))
-                log(f"{label:<11} batch {b:>4}: {k} needles, {len(bad)} mismatched" +
+                case = Case(b, label, k, bad, sum(s.num_draft_tokens for s in got.values()),
+                            sum(s.num_accepted_draft_tokens for s in got.values()))
+                cases.append(case)
+                drafts = f", {case.num_accepted_draft_tokens}/{case.num_draft_tokens} drafts accepted" if truth else ""
+                log(f"{label:<11} batch {b:>4}: {k} needles{drafts}, {len(bad)} mismatched" +
                     ("" if not bad else f" (first: prompt {bad[0][0]} at step {bad[0][1]}: {bad[0][2]})"))
     return cases
 
@@ -141,10 +197,11 @@ def probe(engine: LLMEngine, cases: list[Case], num_prompts: int, seed: int) -> 
 
 
 def summary(cases: list[Case]) -> str:
-    lines = [f"{'mode':<11} {'batch':>5} {'needles':>7} {'mismatches':>10}  first"]
+    lines = [f"{'mode':<11} {'batch':>5} {'needles':>7} {'accepted/drafts':>15} {'mismatches':>10}  first"]
     for c in cases:
         first = f"prompt {c.mismatches[0][0]}, step {c.mismatches[0][1]}: {c.mismatches[0][2]}" if c.mismatches else ""
-        lines.append(f"{c.mode:<11} {c.batch_size:>5} {c.num_needles:>7} {len(c.mismatches):>10}  {first}")
+        drafts = f"{c.num_accepted_draft_tokens}/{c.num_draft_tokens}" if c.mode.endswith("+mtp") else ""
+        lines.append(f"{c.mode:<11} {c.batch_size:>5} {c.num_needles:>7} {drafts:>15} {len(c.mismatches):>10}  {first}")
     total = sum(len(c.mismatches) for c in cases)
     lines.append(f"total: {sum(c.num_needles for c in cases)} needle runs, {total} mismatched")
     return "\n".join(lines)

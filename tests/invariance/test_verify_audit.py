@@ -3,10 +3,12 @@ invariance promise) it must report mismatches; alone-vs-alone it must report non
 
 from __future__ import annotations
 
+import pytest
 from helpers import tiny_config
 
 from bi_core import EngineConfig, build_engine
-from bi_core.verify import audit, count
+from bi_core.errors import BiEngineError
+from bi_core.verify import Case, audit, check_drafts, count
 
 
 def test_audit_sees_mismatches_without_invariance():
@@ -30,6 +32,27 @@ def test_audit_checks_mtp_against_ar():
     assert labels == {"greedy", "greedy+mtp"}
     for c in cases:
         assert all("token" not in what for _, _, what in c.mismatches)
+    # not vacuous: every speculative run verified drafts, and accepted some, which were compared
+    speculative = [c for c in cases if c.mode == "greedy+mtp"]
+    assert len(speculative) == 2 and all(c.num_draft_tokens > 0 for c in speculative)
+    assert sum(c.num_accepted_draft_tokens for c in speculative) > 0
+    check_drafts(cases)
+    with pytest.raises(BiEngineError, match="the MTP runs accepted none of their 6 draft tokens"):
+        check_drafts([Case(1, "greedy", 1, ()), Case(1, "greedy+mtp", 1, (), num_draft_tokens=6)])
+
+
+def test_audit_refuses_what_it_cannot_run():
+    """A batch size above scheduler.max_num_seqs, an unknown mode or no prompts: an error, not a
+    skipped case (an audit that ran less than asked must not pass)."""
+    engine = build_engine(EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 4})))
+    quiet = {"max_new_tokens": 2, "log": lambda *_: None}
+    with pytest.raises(BiEngineError, match=r"batch_sizes: the audit cannot run batch sizes above "
+                                            r"scheduler.max_num_seqs=4 \(got 8\)"):
+        audit(engine, num_prompts=2, batch_sizes=(1, 8), **quiet)
+    with pytest.raises(BiEngineError, match="modes: expected greedy and/or sampled, got 'gredy'"):
+        audit(engine, num_prompts=2, batch_sizes=(1,), modes=("gredy",), **quiet)
+    with pytest.raises(BiEngineError, match="num_prompts: expected a positive number of prompts, got 0"):
+        audit(engine, num_prompts=0, batch_sizes=(1,), **quiet)
 
 
 def test_prefill_probe_names_the_first_divergent_op():

@@ -72,3 +72,24 @@ def test_verify_exit_codes_on_the_reference_backend():
     assert r.returncode == 1 and "FAIL: outputs depend on the batch" in r.stdout
     r = cli(*args, "--negative-control")
     assert r.returncode == 0 and "negative control PASSED" in r.stdout
+
+
+def test_verify_refuses_an_audit_that_would_run_less_than_asked(capsys):
+    """A batch size above scheduler.max_num_seqs, an unknown mode, no prompts, no tokens: exit 2
+    with the reason, before any engine is built (never a skip and a PASS)."""
+    from bi_core.cli import main
+
+    base = ["verify", "--config", CONFIG, "--num-prompts", "2", "--max-new-tokens", "2", "--modes", "greedy"]
+    cases = {
+        ("--batch-sizes", "1,64"): "--batch-sizes: the audit cannot run batch sizes above scheduler.max_num_seqs=16 "
+                                   "(got 64)",
+        ("--batch-sizes", "0"): "--batch-sizes: batch sizes must be positive, got 0",
+        ("--modes", "gredy"): "--modes: expected greedy and/or sampled, got 'gredy'",
+        ("--modes", "greedy,foo"): "--modes: expected greedy and/or sampled, got 'foo'",
+        ("--num-prompts", "0"): "--num-prompts: expected a positive number of prompts, got 0",
+        ("--max-new-tokens", "0"): "--max-new-tokens: expected a positive int, got 0",
+    }
+    for extra, message in cases.items():
+        assert main([*base, *extra]) == 2, extra
+        captured = capsys.readouterr()
+        assert f"bi-engine: error: {message}" in captured.err and "PASS" not in captured.out, extra
