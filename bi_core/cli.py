@@ -239,6 +239,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+        print(f"bi-engine: error: {argv[0]!r} is not a command; expected one of {', '.join(SUBCOMMANDS)} (or run's "
+              "options, e.g. bi-engine --config FILE)", file=sys.stderr)
+        return 2
     if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
         argv.insert(0, "run")
     args = _parser().parse_args(argv)

@@ -93,3 +93,12 @@ def test_verify_refuses_an_audit_that_would_run_less_than_asked(capsys):
         assert main([*base, *extra]) == 2, extra
         captured = capsys.readouterr()
         assert f"bi-engine: error: {message}" in captured.err and "PASS" not in captured.out, extra
+
+
+def test_unknown_subcommand_is_named(capsys):
+    from bi_core.cli import main
+
+    assert main(["foo"]) == 2
+    assert capsys.readouterr().err.strip() == ("bi-engine: error: 'foo' is not a command; expected one of run, "
+                                               "explain, plugins, verify, bench, serve (or run's options, e.g. "
+                                               "bi-engine --config FILE)")
