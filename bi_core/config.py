@@ -148,6 +148,47 @@ def _parse_section(cls: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{path}.{e.path}" if path and e.path else (e.path or path), e.reason) from None
 
 
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; every way reading it can fail is one line naming the file."""
+    if path.is_dir():
+        raise ConfigError("", f"config file {path} is a directory; pass a YAML file (e.g. configs/cpu_reference.yaml)")
+    if not path.exists():
+        raise ConfigError("", f"config file {path} does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError("", f"config file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"config file {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                              "pass a YAML file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path} is not valid YAML: {_yaml_problem(e, text)}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """YAML's multi-line message as one line: where (line, column; 1-based) and what."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    if isinstance(e, yaml.MarkedYAMLError) and (e.problem_mark or e.context_mark):
+        mark = e.problem_mark or e.context_mark
+        what = e.problem or e.context
+        if e.problem and e.context and e.context_mark:
+            what += f" ({e.context} at {at(e.context_mark)})"
+        return f"{at(mark)}: {what}"
+    position = getattr(e, "position", None)  # ReaderError: a character YAML does not allow
+    if isinstance(position, int):
+        line = text.count("\n", 0, position)
+        column = position - (text.rfind("\n", 0, position) + 1)
+        char = e.character if isinstance(e.character, int) else ord(e.character)
+        return f"line {line + 1}, column {column + 1}: {e.reason} (character #x{char:04x})"
+    return " ".join(str(e).split())
+
+
 # ---------------------------------------------------------------------------------- sections
 
 
@@ -302,13 +343,7 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, apply_env: bool = True) -> EngineConfig:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("", f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError("", f"{path} is not valid YAML: {e}") from None
+        data = _read_yaml(Path(path))
         return cls.from_dict(data if data is not None else {}, apply_env=apply_env)
 
     def with_env(self) -> EngineConfig:

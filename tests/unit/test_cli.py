@@ -102,3 +102,15 @@ def test_unknown_subcommand_is_named(capsys):
     assert capsys.readouterr().err.strip() == ("bi-engine: error: 'foo' is not a command; expected one of run, "
                                                "explain, plugins, verify, bench, serve (or run's options, e.g. "
                                                "bi-engine --config FILE)")
+
+
+def test_config_file_problems_are_one_line(tmp_path):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x89PNG\x00\xff\xfe")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  random: {preset: tiny-dense\nbackend: reference\n")
+    for path, message in ((binary, "is not UTF-8 text"), (tmp_path, "is a directory"),
+                          (bad, "is not valid YAML: line 3, column 8: ")):
+        r = cli("--config", str(path))
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert message in r.stderr

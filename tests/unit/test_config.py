@@ -89,3 +89,23 @@ def test_shipped_configs_parse():
     assert len(paths) >= 9
     for path in paths:
         EngineConfig.from_yaml(path)
+
+
+def test_config_file_errors_are_one_line_naming_the_file(tmp_path):
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x89PNG\x00\xff\xfe")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0x89 at offset 0\); pass a YAML file"):
+        EngineConfig.from_yaml(binary)
+    with pytest.raises(ConfigError, match="is a directory; pass a YAML file"):
+        EngineConfig.from_yaml(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  random: {preset: tiny-dense\nbackend: reference\n")
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_yaml(bad)
+    assert str(e.value) == (f"{bad} is not valid YAML: line 3, column 8: expected ',' or '}}', but got ':' "
+                            "(while parsing a flow mapping at line 2, column 11)")
+    bad.write_text("model: {random: {preset: tiny-dense}}\nbackend: \x01\n")
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_yaml(bad)
+    assert str(e.value) == f"{bad} is not valid YAML: line 2, column 10: special characters are not allowed " \
+                           "(character #x0001)"
