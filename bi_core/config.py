@@ -229,6 +229,11 @@ class ModelConfig:
                 raise ConfigError("path", f"no config.json in {self.path}")
             if not any(p.glob("*.safetensors")):
                 raise ConfigError("path", f"no *.safetensors files in {self.path}")
+        if self.tokenizer is not None:
+            from bi_core.models.tokenizer import tokenizer_dir_problem
+
+            if (problem := tokenizer_dir_problem(self.tokenizer)) is not None:
+                raise ConfigError("tokenizer", problem)
 
 
 @attrs.frozen(kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from bi_core.errors import CheckpointError
+from bi_core.errors import CheckpointError, ConfigError
 from bi_core.models.presets import BYTE_EOS
 
 
@@ -55,7 +55,7 @@ class HFTokenizer:
         try:
             self._tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:  # noqa: BLE001 - any failure means "this directory has no usable tokenizer"
-            raise CheckpointError(f"tokenizer in {path} cannot be loaded: {e}") from None
+            raise CheckpointError(f"tokenizer in {path} cannot be loaded: {' '.join(str(e).split())}") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -101,18 +101,38 @@ def _unicode_to_byte() -> dict[str, int]:
 _BYTE_TABLE: dict[str, int] | None = None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
 def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
     """The tokenizer in ``path`` if it has one, else None (prompts must then be token ids)."""
     if path is None:
         return None
     p = Path(path)
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
         return None
     return HFTokenizer(p)
 
 
+def tokenizer_dir_problem(path: str | Path) -> str | None:
+    """Why ``path`` (``model.tokenizer``) cannot hold a tokenizer, or None if it may."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"tokenizer directory {path} {'is not a directory' if p.exists() else 'does not exist'}"
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        return f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {path}"
+    return None
+
+
 def tokenizer_for(model) -> Tokenizer | None:
-    """The tokenizer an engine of this ``ModelConfig`` uses: ``model.tokenizer``, else the
-    checkpoint's own (None if it has none), else bytes (random presets have no tokenizer files)."""
-    path = model.tokenizer or model.path
-    return load_tokenizer(path) if path else ByteTokenizer()
+    """The tokenizer an engine of this ``ModelConfig`` uses: ``model.tokenizer`` (which must
+    load: it was asked for), else the checkpoint's own (None if it has none), else bytes (random
+    presets have no tokenizer files)."""
+    if model.tokenizer is None:
+        return load_tokenizer(model.path) if model.path else ByteTokenizer()
+    if (problem := tokenizer_dir_problem(model.tokenizer)) is not None:
+        raise ConfigError("model.tokenizer", problem)
+    try:
+        return HFTokenizer(model.tokenizer)
+    except CheckpointError as e:
+        raise ConfigError("model.tokenizer", str(e)) from None

@@ -109,3 +109,15 @@ def test_config_file_errors_are_one_line_naming_the_file(tmp_path):
         EngineConfig.from_yaml(bad)
     assert str(e.value) == f"{bad} is not valid YAML: line 2, column 10: special characters are not allowed " \
                            "(character #x0001)"
+
+
+def test_a_tokenizer_that_does_not_load_is_a_config_error(tmp_path):
+    from bi_core import build_engine
+
+    assert err(tiny_config(model={"tokenizer": str(tmp_path / "nonexistent")})) == \
+        f"model.tokenizer: tokenizer directory {tmp_path / 'nonexistent'} does not exist"
+    assert err(tiny_config(model={"tokenizer": str(tmp_path)})) == \
+        f"model.tokenizer: no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json) in {tmp_path}"
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=f"model.tokenizer: tokenizer in {tmp_path} cannot be loaded: "):
+        build_engine(EngineConfig.from_dict(tiny_config(model={"tokenizer": str(tmp_path)})))
