@@ -42,14 +42,19 @@ def check_config(config: EngineConfig, policy: Policy, registry: Registry, devic
             raise PolicyError("cache.kv_cache_dtype: a quantized KV cache is refused in batch-invariant mode "
                               "(scales computed over a batch would couple requests)")
         raise ConfigError("cache.kv_cache_dtype", "fp8 KV cache is not implemented yet; use auto")
+    # like the fp8 KV cache: refused for good in invariant mode, not implemented (so refused, never ignored) in default
+    if config.policy.expert_parallel_size > 1:
+        if policy.batch_invariant:
+            raise PolicyError("policy.expert_parallel_size: batch-invariant mode needs 1 (expert parallelism "
+                              "moves a token's experts between GPUs depending on the batch)")
+        raise ConfigError("policy.expert_parallel_size", "expert parallelism is not implemented yet; use 1")
+    if config.policy.eplb:
+        if policy.batch_invariant:
+            raise PolicyError("policy.eplb: batch-invariant mode refuses EPLB (expert placement would change "
+                              "with load, and with it the arithmetic of a row)")
+        raise ConfigError("policy.eplb", "expert-parallel load balancing (EPLB) is not implemented yet; use false")
     if not policy.batch_invariant:
         return
-    if config.policy.expert_parallel_size > 1:
-        raise PolicyError("policy.expert_parallel_size: batch-invariant mode needs 1 (expert parallelism "
-                          "moves a token's experts between GPUs depending on the batch)")
-    if config.policy.eplb:
-        raise PolicyError("policy.eplb: batch-invariant mode refuses EPLB (expert placement would change "
-                          "with load, and with it the arithmetic of a row)")
     named = {name for op in policy.preferences for name in policy.order(op)}
     for name in sorted(named):
         if name in registry.backends:

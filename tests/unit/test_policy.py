@@ -45,6 +45,19 @@ def test_invariance_refuses_ep_and_eplb(policy, message):
         build(policy=policy, backend="auto")
 
 
+@pytest.mark.parametrize("policy,message", [
+    ({"expert_parallel_size": 2}, "policy.expert_parallel_size: expert parallelism is not implemented yet; use 1"),
+    ({"eplb": True}, "policy.eplb: expert-parallel load balancing (EPLB) is not implemented yet; use false"),
+])
+def test_default_mode_refuses_ep_and_eplb_until_they_exist(policy, message):
+    from bi_core.runtime.engine import explain
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build(policy=policy)
+    with pytest.raises(ConfigError, match="not implemented yet"):
+        explain(EngineConfig.from_dict(tiny_config(policy=policy)))
+
+
 def test_invariance_refuses_quantized_kv():
     with pytest.raises(PolicyError, match="cache.kv_cache_dtype: a quantized KV cache is refused"):
         build(policy={"batch_invariant": True}, cache={"kv_cache_dtype": "fp8"})
