@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from bi_core.errors import CheckpointError
 from bi_core.models.args import ModelArgs
-from bi_core.models.weight_map import Placement, weight_map
+from bi_core.models.weight_map import ALL, Placement, WeightMap, weight_map
 
 log = logging.getLogger(__name__)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -149,8 +149,10 @@ class _Step:
     transposed: bool
 
 
-def _plan(source, wmap, args: ModelArgs) -> tuple[list[_Step], list[str], list[str]]:
-    """(steps, names the map does not know, shape/dtype problems) for every tensor of ``source``."""
+def _plan(source, wmap, args: ModelArgs, engine_dtype: torch.dtype | None = None
+          ) -> tuple[list[_Step], list[str], list[str]]:
+    """(steps, names the map does not know, shape/dtype problems) for every tensor of ``source``.
+    ``engine_dtype``: in-memory weights, held to the dtype rule of ``check_update``."""
     steps, unknown, problems = [], [], []
     for name in source.names():
         pl = wmap.placement(name)
@@ -162,6 +164,10 @@ def _plan(source, wmap, args: ModelArgs) -> tuple[list[_Step], list[str], list[s
         want = (pl.shape[0], pl.shape[2], pl.shape[1]) if transposed else pl.shape
         if not _fits(have, want):
             problems.append(f"tensor {name}: checkpoint shape {have}, model expects {want}")
+        elif engine_dtype is not None and source.dtype(name) not in (engine_dtype, torch.float32):
+            problems.append(f"tensor {name}: dtype {source.dtype(name)}, but the engine runs {engine_dtype} "
+                            f"(model.dtype) and takes in-memory weights in {_accepted(engine_dtype)}; cast it with "
+                            f".to({engine_dtype}) first")
         elif not source.dtype(name).is_floating_point or source.dtype(name).itemsize < 2:
             problems.append(f"tensor {name}: dtype {source.dtype(name)}, expected float32, bfloat16 or float16 "
                             "(quantized checkpoints are not supported)")
@@ -246,23 +252,60 @@ def update_weights(model: torch.nn.Module, source) -> int:
     """Copy the tensors of ``source`` (any subset of the checkpoint's names) into the model's
     existing parameters, in place. Every name, shape and dtype is checked before anything is
     copied, so a bad update changes nothing. Returns the number of tensors copied."""
-    steps = check_update(model, source)
+    return apply_update(model, source, check_update(model, source))
+
+
+def apply_update(model: torch.nn.Module, source, steps: list[_Step]) -> int:
+    """Copy the steps ``check_update`` returned for ``source``; returns how many tensors."""
     _copy(dict(model.named_parameters()), source, steps)
     return len(steps)
 
 
+@attrs.frozen
+class _UpdateMap:
+    """Hugging Face names (``weight_map``), then the engine's own parameter names
+    (``engine.model.state_dict()``), each of which fills its whole parameter."""
+
+    hf: WeightMap
+    own: dict[str, Placement]
+
+    def placement(self, name: str) -> Placement | None:
+        return self.hf.placement(name) or self.own.get(name)
+
+
+def _update_map(model: torch.nn.Module) -> _UpdateMap:
+    own = {}
+    for name, param in model.named_parameters():
+        shape = tuple(getattr(param, "full_shape", param.shape))  # tensor parallel: the whole tensor, not a shard
+        own[name] = Placement(name, shape, ((ALL, ALL),), ((name,),))
+    return _UpdateMap(weight_map(model.args, with_mtp=model.mtp is not None), own)
+
+
+def _accepted(engine_dtype: torch.dtype) -> str:
+    if engine_dtype == torch.float32:
+        return "torch.float32"
+    return f"{engine_dtype}, or torch.float32 (rounded to nearest {engine_dtype}, as .to() rounds)"
+
+
 def check_update(model: torch.nn.Module, source) -> list[_Step]:
-    """The copy steps of an update, after checking every name, shape and dtype (raises)."""
+    """The copy steps of an update, after checking every name, shape and dtype (raises).
+
+    Names: Hugging Face's or the engine's own parameter names. Dtypes: a checkpoint directory is
+    read as at load (float32, bfloat16 or float16, cast to the engine's dtype); an in-memory
+    tensor must be in the engine's dtype (``model.dtype``) or in float32, which is rounded to it
+    (a trainer's fp32 master weights): a narrower or other tensor is refused, since casting it up
+    would run the engine on weights of less precision than it was configured for."""
     args = model.args
-    wmap = weight_map(args, with_mtp=model.mtp is not None)
-    steps, unknown, problems = _plan(source, wmap, args)
+    engine_dtype = model.embed_tokens.dtype if isinstance(source, TensorDict) else None  # the engine's dtype
+    steps, unknown, problems = _plan(source, _update_map(model), args, engine_dtype)
     # names the model has no place for but that a full state_dict carries: a tied head, an MTP head
     # this engine does not run
     unknown = [n for n in unknown if not ((args.tie_word_embeddings and n == "lm_head.weight") or
                                           (model.mtp is None and n.startswith("mtp.")))]
     if unknown:
         problems.insert(0, f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''} (expected "
-                           "Hugging Face Qwen3.5 names, e.g. model.layers.0.mlp.experts.gate_up_proj)")
+                           "Hugging Face Qwen3.5 names, e.g. model.layers.0.mlp.experts.gate_up_proj, or the "
+                           "engine's own, as in engine.model.state_dict(), e.g. layers.0.mlp.w13)")
     if problems:
         raise CheckpointError("update_weights: " + "; ".join(problems[:5]) +
                               (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + "; nothing was updated")

@@ -17,6 +17,7 @@ from bi_core.models.args import ModelArgs
 from bi_core.models.loader import (
     CheckpointIndex,
     TensorDict,
+    apply_update,
     check_update,
     load_weights,
     read_config,
@@ -444,28 +445,30 @@ class LLMEngine:
         """Copy new weights into the model's parameters in place (CUDA graphs stay valid).
 
         ``weights``: a checkpoint directory, a ``{name: tensor}`` mapping (e.g. a trainer's
-        ``state_dict``) or ``(name, tensor)`` pairs, with Hugging Face names; any subset of the
-        model's tensors, on any device, in float32/bfloat16/float16 (cast to the engine's dtype).
-        Every name, shape and dtype is checked before anything is copied. Call it between steps
-        with no request unfinished (results would mix two models), or ``abort_unfinished=True`` to
-        abort them. Cached prefixes are dropped. Returns the number of tensors copied."""
-        if self.requests:
-            if not abort_unfinished:
-                raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
-                                   "mix two models. Finish them, or pass abort_unfinished=True")
-            for rid in list(self.requests):
-                self.abort(rid)
-        if isinstance(weights, (str, Path)):
-            source = CheckpointIndex(weights)
-        else:
-            source = TensorDict(weights)
-        if self._driver is not None:  # tensor parallel: check here first, then every rank takes its shard
-            steps = check_update(self.model, source)
-            if isinstance(weights, (str, Path)):
+        ``state_dict``, or ``engine.model.state_dict()``) or ``(name, tensor)`` pairs, named as
+        Hugging Face names them or as the engine's own parameters; any subset of the model's
+        tensors, on any device. Dtypes: a tensor must be in the engine's dtype (``model.dtype``)
+        or in float32, which is rounded to it as ``.to()`` rounds (fp32 master weights into a
+        bfloat16 engine); any other dtype (bfloat16 into a float32 engine, float16) is refused.
+        A checkpoint directory is read as at load (float32/bfloat16/float16, cast). Every name,
+        shape and dtype is checked before anything changes: a refused update copies nothing and
+        aborts nothing. Call it between steps with no request unfinished (results would mix two
+        models), or ``abort_unfinished=True`` to abort them. Cached prefixes are dropped. Returns
+        the number of tensors copied."""
+        if self.requests and not abort_unfinished:
+            raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
+                               "mix two models. Finish them, or pass abort_unfinished=True")
+        is_path = isinstance(weights, (str, Path))
+        source = CheckpointIndex(weights) if is_path else TensorDict(weights)
+        steps = check_update(self.model, source)  # raises before any request is aborted or any rank is sent to
+        for rid in list(self.requests):
+            self.abort(rid)
+        if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
+            if is_path:
                 self._driver.send_now("update_weights", (str(weights),), {})  # each rank reads its shard
             else:
                 self._driver.send_weights(source, [st.name for st in steps], self.device)
-        count = update_weights(self.model, source)
+        count = apply_update(self.model, source, steps)
         self._after_update()
         return count
 

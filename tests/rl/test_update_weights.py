@@ -12,8 +12,8 @@ from bi_core.errors import CheckpointError, RequestError
 PROMPTS = [[5, 17, 200, 3, 9], list(range(40, 110)), [7]]
 
 
-def engine_for(path):
-    cfg = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "backend": "reference",
+def engine_for(path, dtype="float32"):
+    cfg = {"model": {"path": str(path), "dtype": dtype, "device": "cpu"}, "backend": "reference",
            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}, "cache": {"block_size": 16, "num_blocks": 64}}
     return build_engine(EngineConfig.from_dict(cfg))
 
@@ -98,3 +98,52 @@ def test_unfinished_requests_refuse_or_abort(models):
         engine.update_weights(b.state_dict())
     engine.update_weights(b.state_dict(), abort_unfinished=True)
     assert seq.finish_reason == "abort" and engine.scheduler.num_pages_used == 0
+
+
+def test_refused_update_aborts_nothing(models):
+    """abort_unfinished=True aborts only once the update is known to be valid."""
+    a, path_a, b, _ = models
+    engine = engine_for(path_a)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    want = engine.generate([[1, 2, 3]], params)[0].token_ids
+    seq = engine.add_request([1, 2, 3], params)
+    engine.step()
+    with pytest.raises(CheckpointError, match="nothing was updated"):
+        engine.update_weights({"model.norm.weight": torch.ones(65)}, abort_unfinished=True)
+    assert seq.finish_reason is None and seq.request_id in engine.requests
+    while engine.scheduler.has_work():
+        engine.step()
+    assert seq.output_ids == want and engine.weight_version == 0
+
+
+def test_the_engines_own_names_are_accepted(models):
+    """engine.model.state_dict() of one engine updates another: the engine's own parameter names."""
+    a, path_a, b, path_b = models
+    engine, other = engine_for(path_a), engine_for(path_b)
+    assert engine.update_weights(other.model.state_dict()) == len(other.model.state_dict())
+    assert run(engine) == run(other)
+    w13 = engine.model.layers[0].mlp.w13
+    with pytest.raises(CheckpointError, match=r"tensor layers.0.mlp.w13: checkpoint shape \(3, 4\), model expects"):
+        engine.update_weights({"layers.0.mlp.w13": torch.ones(3, 4)})
+    with pytest.raises(CheckpointError, match="or the engine's own, as in engine.model.state_dict"):
+        engine.update_weights({"layers.0.mlp.nonsense": w13})
+
+
+def test_dtype_rule_engine_dtype_or_float32(models):
+    """An in-memory tensor is in the engine's dtype or float32 (rounded as .to() rounds); a
+    narrower or other dtype is refused, naming the tensor, its dtype and the engine's."""
+    a, path_a, b, _ = models
+    name, norm = "model.norm.weight", b.state_dict()["model.norm.weight"]
+    engine = engine_for(path_a)  # float32
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(CheckpointError) as e:
+            engine.update_weights({name: norm.to(dtype)})
+        assert (f"tensor {name}: dtype {dtype}, but the engine runs torch.float32 (model.dtype)" in str(e.value)
+                and "nothing was updated" in str(e.value))
+    engine = engine_for(path_a, dtype="bfloat16")
+    assert engine.update_weights({name: norm}) == 1  # fp32 master weights into a bf16 engine
+    assert torch.equal(engine.model.norm.weight, norm.to(torch.bfloat16))
+    with pytest.raises(CheckpointError, match=f"tensor {name}: dtype torch.float16, but the engine runs torch.bfloat16"):
+        engine.update_weights({name: norm.to(torch.float16)})
+    engine.update_weights({name: (norm + 1).to(torch.bfloat16)})
+    assert torch.equal(engine.model.norm.weight, (norm + 1).to(torch.bfloat16))
