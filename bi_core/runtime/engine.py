@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -198,15 +200,17 @@ class LLMEngine:
                                            ids_from=ids_from))
 
     def _token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
+        """A prompt's ids as Python ints: text is tokenized; ids may be Python, numpy or torch
+        integers (a list of them, or a 1-D array or tensor)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{what} is text but this checkpoint has no tokenizer; pass a list of token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)
+            ids = _as_ints(prompt, what)
         if not ids:
             raise RequestError(f"{what} is empty")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.args.vocab_size)]
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
         if bad:
             raise RequestError(f"{what} has token ids outside the vocabulary [0, {self.args.vocab_size}): {bad[:5]}")
         return ids
@@ -490,10 +494,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ batch API
 
-    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, progress: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; results come back in prompt order. A request that cannot be
-        served (too long, bad ids) gets ``finish_reason='error'`` while the others go on."""
+        """Run prompts to completion; results come back in prompt order, one per prompt. A prompt
+        is a str or a sequence of token ids (Python, numpy or torch integers). ``prompts`` is a
+        list of prompts (``["a", "b"]``, ``[[1, 2], [3]]``, a 2-D array), or one prompt alone: a
+        str, or a flat sequence of ids (``[1, 2, 3]``, a 1-D array), which gives a list of one
+        result. A request that cannot be served (too long, bad ids) gets ``finish_reason='error'``
+        while the others go on."""
+        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = params or SamplingParams()
         per_request = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_request) != len(prompts):
@@ -503,8 +512,7 @@ class LLMEngine:
             try:
                 seqs.append(self.add_request(prompt, p))
             except RequestError as e:
-                ids = list(prompt) if not isinstance(prompt, str) else []
-                seqs.append((ids, str(e)))
+                seqs.append((_ids_or_empty(prompt), str(e)))
         self._run_all(sum(len(s.group) for s in seqs if isinstance(s, Sequence)), "generate", progress)
         return [self.output_of(s) for s in seqs]
 
@@ -592,6 +600,50 @@ class StepOutput:
     hidden: torch.Tensor
     logits: torch.Tensor
     samples: torch.Tensor | None = None  # [R, 2] float64 (token, logprob)
+
+
+def _is_token_id(t) -> bool:
+    """An integer of Python, numpy or torch (a 0-d tensor); not a bool."""
+    if isinstance(t, bool) or str(getattr(t, "dtype", "")) in ("bool", "torch.bool"):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
+def _as_ints(prompt, what: str) -> list[int]:
+    """Token ids as Python ints; RequestError names what is not one."""
+    ndim = getattr(prompt, "ndim", None)
+    if ndim is not None:  # a numpy array or torch tensor: converted in one call
+        if ndim != 1:
+            raise RequestError(f"{what} must be a 1-D array of token ids, got {ndim} dimensions")
+        ids = prompt.tolist()
+    elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+        raise RequestError(f"{what} must be a str or a sequence of token ids, got {type(prompt).__name__}")
+    else:
+        ids = list(prompt)
+    bad = [t for t in ids if not _is_token_id(t)]
+    if bad:
+        raise RequestError(f"{what} has token ids that are not integers: {bad[:5]!r}")
+    return [operator.index(t) for t in ids]
+
+
+def _is_one_prompt(prompts) -> bool:
+    """A lone str, or a flat sequence of token ids (whose first element is an integer); anything
+    that is no sequence of prompts is one (bad) prompt, which its result names."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", 2) < 2 or not isinstance(prompts, Iterable):
+        return True
+    return isinstance(prompts, Seq) and len(prompts) > 0 and _is_token_id(prompts[0])
+
+
+def _ids_or_empty(prompt) -> list[int]:
+    """A refused prompt's ids for its error result, where it has valid ones."""
+    try:
+        return [] if isinstance(prompt, str) else _as_ints(prompt, "prompt")
+    except RequestError:
+        return []
 
 
 def _prefix_caching(config: EngineConfig, strategy_cls) -> bool:

@@ -94,3 +94,25 @@ def test_mtp_tensors_without_their_config_field_are_named(tmp_path):
                                                 strategy={"name": "mtp", "num_speculative_tokens": 1}))
     with pytest.raises(ConfigError, match="mtp_num_hidden_layers"):
         build_engine(config)
+
+
+def test_generate_takes_one_prompt_alone_and_numpy_or_torch_ids():
+    """A lone str or a flat list of ids is one prompt (a list of one result); numpy and torch
+    integers are token ids like Python ints; lists of prompts work as before."""
+    import numpy as np
+
+    eng = engine()
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    one = eng.generate("Hello", params)
+    assert len(one) == 1 and one[0].token_ids == eng.generate(["Hello"], params)[0].token_ids
+    want = eng.generate([[1, 2, 3]], params)[0].token_ids
+    for prompt in ([1, 2, 3], np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), torch.tensor(2), 3]):
+        out = eng.generate(prompt, params)
+        assert len(out) == 1 and out[0].error is None and out[0].token_ids == want, prompt
+        assert out[0].prompt_token_ids == [1, 2, 3] and all(type(t) is int for t in out[0].prompt_token_ids)
+    assert [o.token_ids for o in eng.generate(np.array([[1, 2, 3], [1, 2, 3]]), params)] == [want, want]
+    assert len(eng.generate(["a", "b"], params)) == 2 and len(eng.generate([[1, 2], [3]], params)) == 2
+    bad = eng.generate([[1.0, 2], [True], None], params)
+    assert [o.error for o in bad] == ["prompt has token ids that are not integers: [1.0]",
+                                      "prompt has token ids that are not integers: [True]",
+                                      "prompt must be a str or a sequence of token ids, got NoneType"]
