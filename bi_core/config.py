@@ -248,15 +248,13 @@ class PolicyConfig:
 class SchedulerConfig:
     max_num_seqs: int = _field(_int(1), 64)
     max_num_batched_tokens: int = _field(_int(1), 8192)
-    prefill_chunk_size: int | None = _field(_optional(_int(1)), None, doc="default: max_num_batched_tokens")
+    prefill_chunk_size: int | None = _field(_optional(_int(1)), None, doc="default: half of what the decode "
+                                            "rows of max_num_seqs sequences leave of max_num_batched_tokens, in "
+                                            "whole KV pages (bi_core.runtime.scheduler.resolve_chunk_size)")
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_chunk_size is not None and self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ConfigError("prefill_chunk_size", "must not exceed scheduler.max_num_batched_tokens")
-
-    @property
-    def chunk_size(self) -> int:
-        return self.prefill_chunk_size or self.max_num_batched_tokens
 
 
 @attrs.frozen(kw_only=True)

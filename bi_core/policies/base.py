@@ -30,7 +30,9 @@ class Policy:
     name: str
     batch_invariant: bool
     preferences: Mapping[str, tuple[str, ...]]
-    forbid_preemption: bool  # recompute after preemption would re-run decode tokens as prefill
+    # a preempted sequence recomputes its generated tokens in decode arithmetic (not as prompt
+    # chunks), so it resumes with the bits it had
+    exact_preemption: bool
 
     def order(self, op: str) -> tuple[str, ...]:
         return self.preferences[op]
@@ -56,5 +58,5 @@ def make_policy(
         name="batch_invariant" if batch_invariant else "default",
         batch_invariant=batch_invariant,
         preferences=preferences,
-        forbid_preemption=batch_invariant,
+        exact_preemption=batch_invariant,
     )

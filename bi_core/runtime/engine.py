@@ -41,7 +41,7 @@ from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.prefix_cache import PrefixCache
-from bi_core.runtime.scheduler import Scheduled, Scheduler
+from bi_core.runtime.scheduler import Scheduled, Scheduler, resolve_chunk_size
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
 from bi_core.runtime.warmup import warm_up
 from bi_core.selector import OpFactory
@@ -109,13 +109,14 @@ class LLMEngine:
         self.model.eval()
         strategy_cls = self.registry.strategies[config.strategy.name]
         lookahead = strategy_cls.lookahead_for(config)
-        prefix_caching = _prefix_caching(config, strategy_cls)
+        chunk_size = resolve_chunk_size(config.scheduler, strategy_cls.decode_tokens_for(config), config.cache.block_size)
+        prefix_caching = _prefix_caching(config, strategy_cls, chunk_size)
         self.cache = CacheManager(local_args(args, self.tp.world), config.cache, num_slots=config.scheduler.max_num_seqs,
                                   max_model_len=self.max_model_len + lookahead, dtype=self.dtype,
                                   device=self.device, with_mtp=with_mtp, state_ring=strategy_cls.state_ring_for(config),
                                   num_snapshots=config.cache.prefix_snapshots if prefix_caching else 0)
         if prefix_caching:
-            self.cache.prefix = PrefixCache(self.cache, grid=config.scheduler.chunk_size,
+            self.cache.prefix = PrefixCache(self.cache, grid=chunk_size,
                                             snapshot_slots=self.cache.snapshot_slots)
         capacity = self.cache.num_blocks * self.cache.block_size
         if capacity < self.max_model_len + lookahead:
@@ -131,7 +132,8 @@ class LLMEngine:
         self.runner = self.factory.build("graph_runner", self.runner_spec)
         limits = [m.attn.decode_query_len for m in self.model.modules()
                   if getattr(getattr(m, "attn", None), "decode_query_len", None)]
-        self.scheduler = Scheduler(config.scheduler, self.cache, reserve_full=self.policy.forbid_preemption,
+        self.scheduler = Scheduler(config.scheduler, self.cache, chunk_size=chunk_size,
+                                   exact_rebuild=self.policy.exact_preemption,
                                    lookahead=lookahead, decode_tokens=strategy_cls.decode_tokens_for(config),
                                    exact_step_tokens=min(limits, default=None))
         strategy_cls.check(self)
@@ -241,7 +243,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        self._check_group(params.n, len(ids), max_total)
+        self._check_group(params.n)
         seq = self._enqueue(ids, params, max_total, score_top=params.prompt_logprobs or 0)
         seq.group = [seq]
         for i in range(1, params.n):  # the other samples wait attached to the leader until it forks them
@@ -255,20 +257,12 @@ class LLMEngine:
         self._mirror("add_request", prompt, params, text=text)
         return seq
 
-    def _check_group(self, n: int, prompt_len: int, max_total: int) -> None:
-        """n samples are admitted together: they must fit in the slots and (if every page is
-        reserved up front) in the KV cache at once."""
+    def _check_group(self, n: int) -> None:
+        """n samples are admitted together: they must fit in the slots at once."""
         limit = self.config.scheduler.max_num_seqs
         if n > limit:
             raise RequestError(f"n={n} samples exceed scheduler.max_num_seqs={limit} (the samples of a prompt run "
                                "together); lower n or raise scheduler.max_num_seqs")
-        if n > 1 and self.scheduler.reserve_full:
-            shared = self.scheduler.shared_pages(prompt_len)
-            pages = shared + n * (self.cache.blocks_for(max_total + self.scheduler.lookahead) - shared)
-            if pages > self.cache.num_blocks:
-                raise RequestError(f"n={n} samples of this prompt need {pages} KV pages reserved at once (invariant "
-                                   f"mode), the cache has {self.cache.num_blocks}; lower n or max_new_tokens, or "
-                                   "raise cache.num_blocks")
 
     def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
                           logprobs: int = 0) -> Sequence:
@@ -646,7 +640,7 @@ def _ids_or_empty(prompt) -> list[int]:
         return []
 
 
-def _prefix_caching(config: EngineConfig, strategy_cls) -> bool:
+def _prefix_caching(config: EngineConfig, strategy_cls, chunk: int) -> bool:
     """Whether prefix caching is on; raises when it was asked for where it cannot be exact."""
     wanted = config.cache.prefix_caching
     if strategy_cls.is_speculative:
@@ -657,7 +651,7 @@ def _prefix_caching(config: EngineConfig, strategy_cls) -> bool:
         return False
     if wanted is False:
         return False
-    chunk, block = config.scheduler.chunk_size, config.cache.block_size
+    block = config.cache.block_size
     if chunk % block:
         if wanted is True:
             raise ConfigError("cache.prefix_caching", f"needs scheduler.prefill_chunk_size ({chunk}) to be a "

@@ -1,9 +1,18 @@
 """Continuous batching: admit, prefill in fixed chunks, decode, finish; preempt when pages run out.
 
-Chunk boundaries of a prompt depend only on its own length and ``prefill_chunk_size`` (a chunk
-never shrinks to fit leftover budget; it waits), so the arithmetic a request sees does not
-depend on what else is queued. In invariant mode a request reserves its worst-case pages on
-admission, so it is never preempted (recompute would re-run its decode tokens as a prefill).
+Chunk boundaries of a prompt depend only on its own length and the chunk size (a chunk never
+shrinks to fit leftover budget; it waits), so the arithmetic a request sees does not depend on
+what else is queued. A step runs every decoding sequence's row first, then prompt chunks, the
+oldest request first; a chunk that does not fit in what is left waits while shorter ones behind
+it run. The chunk size leaves room for all ``max_num_seqs`` decode rows plus a whole chunk
+(``resolve_chunk_size``), so the oldest prompt runs in every step: no request starves, and no
+decode row waits for a prompt.
+
+Preemption (pages run out): the sequence's cache is dropped and it is queued again, first. In
+default mode it recomputes prompt and generated tokens as prompt chunks. In invariant mode
+(``exact_rebuild``) its prompt runs in its own chunks and its generated tokens in decode
+arithmetic (``Sequence.rebuild``, the exact-scoring path), so it resumes with the caches it had:
+the same bits as the request run alone.
 """
 
 from __future__ import annotations
@@ -15,11 +24,36 @@ from collections import deque
 import attrs
 
 from bi_core.config import SchedulerConfig
+from bi_core.errors import ConfigError
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 PREEMPTION_LOG_INTERVAL_S = 10.0  # preemptions are reported as counts at most this often
+
+
+def resolve_chunk_size(config: SchedulerConfig, decode_tokens: int, block_size: int) -> int:
+    """The prefill chunk size: ``prefill_chunk_size`` if set, else half of what the decode rows of
+    ``max_num_seqs`` sequences (``decode_tokens`` each) leave of ``max_num_batched_tokens``, in
+    whole KV pages (so two prompts progress side by side and the chunk grid is the prefix cache's).
+    Raises when a step could not hold every decode row and one whole chunk: a prompt would then
+    wait until the decoding streams drain."""
+    decode = config.max_num_seqs * decode_tokens
+    room = config.max_num_batched_tokens - decode
+    if room < 1:
+        raise ConfigError("scheduler.max_num_batched_tokens", f"{config.max_num_batched_tokens} leaves no room for a "
+                          f"prompt chunk beside the decode rows of scheduler.max_num_seqs={config.max_num_seqs} "
+                          f"sequences ({decode_tokens} token(s) each); raise it above {decode} or lower max_num_seqs")
+    if config.prefill_chunk_size is not None:
+        if config.prefill_chunk_size > room:
+            raise ConfigError("scheduler.prefill_chunk_size", f"{config.prefill_chunk_size} does not fit beside the "
+                              f"decode rows of scheduler.max_num_seqs={config.max_num_seqs} sequences ({decode} "
+                              f"tokens of max_num_batched_tokens={config.max_num_batched_tokens}): prompts would "
+                              f"wait until decoding streams finish; use at most {room}, or raise "
+                              "max_num_batched_tokens")
+        return config.prefill_chunk_size
+    half = room // 2
+    return half - half % block_size if half >= block_size else max(1, half)
 
 
 @attrs.frozen
@@ -35,18 +69,20 @@ class Scheduled:
     @property
     def recurrent(self) -> bool:
         """Whether GDN runs these tokens in the recurrent (decode) form: single tokens after the
-        first (decode steps, a prompt's one-token last chunk), and an exact scoring request's
-        continuation; otherwise the chunked form. Depends on the request alone."""
+        first (decode steps, a prompt's one-token last chunk), and the tokens past a sequence's
+        ``decode_from`` (an exact scoring request's continuation, a rebuilt sequence's generated
+        tokens); otherwise the chunked form. Depends on the request alone."""
         seq = self.seq
         return seq.num_computed > 0 and (self.num_tokens == 1 or seq.in_exact_continuation)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, *, reserve_full: bool,
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, *, chunk_size: int, exact_rebuild: bool = False,
                  lookahead: int = 0, decode_tokens: int = 1, exact_step_tokens: int | None = None) -> None:
         self.config = config
         self.cache = cache
-        self.reserve_full = reserve_full
+        self.chunk_size = chunk_size  # from resolve_chunk_size
+        self.exact_rebuild = exact_rebuild  # invariant mode: preempted sequences rebuild in decode arithmetic
         self.lookahead = lookahead  # extra KV slots a step may write past the known tokens (drafts)
         self.decode_tokens = decode_tokens  # tokens a decoding sequence's step runs (1 + drafts verified)
         # continuation tokens per step of an exact scoring request: as many as the attention op
@@ -64,19 +100,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
-        if self.reserve_full:
-            return self.cache.blocks_for(seq.max_total_len + self.lookahead) - len(seq.blocks)
         return max(0, self.cache.blocks_for(num_tokens + self.lookahead) - len(seq.blocks))
 
     def _chunk(self, seq: Sequence) -> int:
         """Tokens of the sequence the next step runs: chunks on a fixed grid (multiples of the
-        chunk size from position 0) up to its end; an exact scoring request's prompt ends a chunk,
-        as it did when the continuation was generated, and the continuation follows in steps of at
-        most ``exact_step_tokens`` (decode arithmetic), or chunks."""
-        end, size = seq.compute_end, self.config.chunk_size
-        if seq.exact and seq.score_from is not None and seq.num_computed < seq.score_from:
-            end = seq.score_from
-        elif seq.in_exact_continuation and self.exact_step_tokens:
+        chunk size from position 0) up to its end; a prompt that continues in decode arithmetic
+        (``Sequence.decode_from``: exact scoring, a rebuild) ends a chunk there, as it did when
+        those tokens were generated, and what follows runs in steps of at most
+        ``exact_step_tokens`` (decode arithmetic), or chunks."""
+        end, size, start = seq.compute_end, self.chunk_size, seq.decode_from
+        if start is not None and seq.num_computed < start:
+            end = start
+        elif start is not None and self.exact_step_tokens:
             size = min(size, self.exact_step_tokens)
         return min(size, end - seq.num_computed)
 
@@ -85,42 +120,64 @@ class Scheduler:
         return self.decode_tokens if seq.is_decoding else n
 
     def schedule(self) -> list[Scheduled]:
+        """The next step: every decoding sequence's row, then prompt chunks (``_prefill``)."""
         budget = self.config.max_num_batched_tokens
         out: list[Scheduled] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.fork_pending:
-                continue
-            n = self._chunk(seq)
-            cost = self._cost(seq, n)
-            if cost > budget or not self._ensure_pages(seq, seq.num_computed + n, out):
-                continue
-            out.append(Scheduled(seq, n))
-            budget -= cost
-        while self.waiting:
-            seq = self.waiting[0]
-            group = [seq, *seq.followers]
-            if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self.cache.slots.num_free:
-                break
-            hit = self._match(seq)
-            n = self._chunk(seq)
-            cost = self._cost(seq, n)
-            needs = [self._pages_needed(seq, seq.num_computed + n), *map(self._follower_pages, seq.followers)]
-            if cost > budget or not self.cache.reclaim(sum(needs)):
-                if hit is not None:
-                    self._unmatch(seq)
-                break
-            self.waiting.popleft()
-            for member, need in zip(group, needs):
-                member.state_slot, member.status = self.cache.slots.allocate(), Status.RUNNING
-                member.blocks += self.cache.blocks.allocate(need)
-                self.running.append(member)
-            if self.cache.prefix is not None:
-                self.cache.prefix.record(hit)
-            if hit is not None:  # the GDN state at the hit, into the sequence's slot
-                self.cache.copy_states([hit.snapshot], [self.cache.state_at(seq.state_slot, seq.num_computed)])
-            out.append(Scheduled(seq, n))
-            budget -= cost
+            if seq.status is Status.RUNNING and not seq.fork_pending and seq.is_decoding:
+                if self._ensure_pages(seq, seq.num_computed + self._chunk(seq), out):
+                    out.append(Scheduled(seq, self._chunk(seq)))
+                    budget -= self.decode_tokens
+        self._prefill(out, budget)
         return out
+
+    def _prefill(self, out: list[Scheduled], budget: int) -> None:
+        """Prompt chunks (and scoring continuations, rebuilds) in the budget the decode rows left:
+        running and waiting requests in arrival order (request id; a preempted request keeps its
+        own), each its next chunk if that fits in what is left, else it waits and the ones behind
+        it go on. A waiting request that cannot get its pages or a slot stops admissions for this
+        step (first come, first served under memory pressure); running ones still go on."""
+        partial = [s for s in self.running if s.status is Status.RUNNING and not s.fork_pending and not s.is_decoding]
+        waiting = {id(s) for s in self.waiting}
+        admitting = True
+        for seq in sorted([*partial, *self.waiting], key=lambda s: s.request_id):
+            if id(seq) not in waiting:
+                n = self._chunk(seq)
+                if seq.status is Status.RUNNING and n <= budget and self._ensure_pages(seq, seq.num_computed + n, out):
+                    out.append(Scheduled(seq, n))
+                    budget -= n
+            elif admitting:
+                n = self._admit(seq, budget)
+                if n is None:
+                    admitting = False
+                elif n:
+                    out.append(Scheduled(seq, n))
+                    budget -= n
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Admit a waiting request (with its n-sample group) if its first chunk fits in ``budget``:
+        the chunk's tokens; 0 if it must wait for budget; None if it must wait for a slot or pages."""
+        group = [seq, *seq.followers]
+        if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self.cache.slots.num_free:
+            return None
+        hit = self._match(seq)
+        n = self._chunk(seq)
+        needs = [self._pages_needed(seq, seq.num_computed + n), *map(self._follower_pages, seq.followers)]
+        fits = n <= budget
+        if not fits or not self.cache.reclaim(sum(needs)):
+            if hit is not None:
+                self._unmatch(seq)
+            return 0 if not fits else None
+        self.waiting.remove(seq)
+        for member, need in zip(group, needs):
+            member.state_slot, member.status = self.cache.slots.allocate(), Status.RUNNING
+            member.blocks += self.cache.blocks.allocate(need)
+            self.running.append(member)
+        if self.cache.prefix is not None:
+            self.cache.prefix.record(hit)
+        if hit is not None:  # the GDN state at the hit, into the sequence's slot
+            self.cache.copy_states([hit.snapshot], [self.cache.state_at(seq.state_slot, seq.num_computed)])
+        return n
 
     def plan_decode(self, continuing: list[Sequence], ending: list[Sequence]) -> list[Scheduled] | None:
         """The next step's schedule, made while the current decode step runs (its tokens not yet
@@ -154,6 +211,8 @@ class Scheduler:
         limit = seq.compute_end - 1  # at least one token is computed (its logits are wanted)
         if seq.scored is not None:  # rows from the first scored position's predecessor on are wanted
             limit = min(limit, seq.scored[0] - 1)
+        if seq.decode_from is not None:  # past it the cache holds chunked-form states, not decode-form ones
+            limit = min(limit, seq.decode_from)
         hit = prefix.match(seq, limit)
         if hit is None:
             return None
@@ -174,14 +233,12 @@ class Scheduler:
         return (prompt_len - 1) // self.cache.block_size
 
     def _follower_pages(self, f: Sequence) -> int:
-        """Private pages a sample holds from admission: all it will need past the shared ones in
-        invariant mode, else those up to its prompt's end."""
-        tokens = f.max_total_len if self.reserve_full else len(f.prompt_ids)
-        return self.cache.blocks_for(tokens + self.lookahead) - self.shared_pages(len(f.prompt_ids))
+        """Private pages a sample holds from admission: those up to its prompt's end past the shared ones."""
+        return self.cache.blocks_for(len(f.prompt_ids) + self.lookahead) - self.shared_pages(len(f.prompt_ids))
 
     def _ensure_pages(self, seq: Sequence, num_tokens: int, scheduled: list[Scheduled]) -> bool:
         need = self._pages_needed(seq, num_tokens)
-        if need <= 0:  # most decode rows: the pages are there (in invariant mode, since admission)
+        if need <= 0:  # most decode rows: the pages are there
             return True
         while not self.cache.reclaim(need):
             victim = next((s for s in reversed(self.running) if s is not seq and not s.fork_pending and
@@ -193,8 +250,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption (default mode only): drop its cache, re-queue it first."""
-        assert not self.reserve_full
+        """Drop its cache and queue it again, first; it recomputes what it had (see the module doc)."""
         self.num_preemptions += 1
         seq.num_preemptions += 1
         now = time.monotonic()
@@ -205,6 +261,7 @@ class Scheduler:
             self._logged_preemptions, self._logged_at = self.num_preemptions, now
         self._release(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
+        seq.rebuild = seq.rebuild or (self.exact_rebuild and bool(seq.output_ids))
         _forget_prefix(seq)
         for f in seq.followers:  # samples not yet forked wait with their leader
             self._release(f)

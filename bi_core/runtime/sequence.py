@@ -120,6 +120,9 @@ class Sequence:
     score_from: int | None = None
     exact: bool = False
     score_top: int = 0  # top-N logprobs per scored token
+    # invariant mode: a sequence preempted after it generated tokens recomputes them in decode
+    # arithmetic (as exact scoring does), so it resumes with the caches it had
+    rebuild: bool = False
     scored_logprobs: list[float] = attrs.field(factory=list)  # per scored position, in order
     scored_top: list[dict[int, float]] = attrs.field(factory=list)
     # n samples: the first (the leader) prefills; the others wait attached to it (``leader`` set,
@@ -172,9 +175,19 @@ class Sequence:
         return self.num_tokens - 1 if self.score_from is not None else self.num_tokens
 
     @property
+    def decode_from(self) -> int | None:
+        """The position from which its known tokens run in decode arithmetic (recurrent GDN,
+        decode-form attention) rather than as prompt chunks: an exact scoring request's
+        continuation, a rebuilt sequence's generated tokens; None for any other."""
+        if self.exact and self.score_from is not None:
+            return self.score_from
+        return len(self.prompt_ids) if self.rebuild else None
+
+    @property
     def in_exact_continuation(self) -> bool:
-        """An exact scoring request past its prompt: its steps run in the decode (recurrent) form."""
-        return self.exact and self.score_from is not None and self.num_computed >= self.score_from
+        """Past ``decode_from``: its steps run in the decode (recurrent) form."""
+        start = self.decode_from
+        return start is not None and self.num_computed >= start
 
     @property
     def is_decoding(self) -> bool:

@@ -54,7 +54,7 @@ def warm_up(engine) -> WarmupReport:
     t1 = time.perf_counter()
     sched = engine.config.scheduler
     g = torch.Generator().manual_seed(0)
-    waves = warmup_prompt_lengths(sched.chunk_size, sched.max_num_seqs, engine.max_model_len - 4)
+    waves = warmup_prompt_lengths(engine.scheduler.chunk_size, sched.max_num_seqs, engine.max_model_len - 4)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for lengths in waves:
         engine.generate([torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in lengths],

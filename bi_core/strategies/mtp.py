@@ -95,9 +95,6 @@ class MTPStrategy(Strategy):
                               f"mode: its attention gives verify rows the bits of one-token decode steps only up to "
                               f"{limit} tokens per sequence (AttentionImpl.decode_query_len), and a verify step "
                               f"runs {verify}")
-        if engine.config.scheduler.max_num_batched_tokens < verify:
-            raise ConfigError("scheduler.max_num_batched_tokens", f"must be at least {verify} with mtp "
-                              "(one verify step runs 1 + strategy.num_speculative_tokens tokens)")
 
     def __init__(self, engine) -> None:
         super().__init__(engine)

@@ -122,6 +122,29 @@ def test_overlap_bitwise_equal_invariant():
         assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs and a.logprobs == b.logprobs
 
 
+def test_invariant_preemption_is_bitwise_and_a_chunked_recompute_is_not():
+    """Pages run out: preempted sequences are rebuilt (prompt in its own chunks, generated tokens in
+    decode arithmetic) and continue with the bits of a roomy run, sampled and greedy, graphs and
+    overlap on. Negative control: recomputing the generated tokens as prompt chunks (the default
+    mode's preemption) changes some logprob."""
+    params = [SamplingParams(max_new_tokens=64, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+              for i in range(8)]
+    ps = prompts(8, seed=12, vocab=248320)
+    cfg = gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True)
+    cfg = cfg.replace(model={"max_model_len": 512})
+    roomy = build_engine(cfg).generate(ps, params)
+    results = {}
+    for exact in (True, False):
+        eng = build_engine(cfg.replace(cache={"num_blocks": 48}))  # 768 tokens for 8 sequences of up to 263
+        eng.scheduler.exact_rebuild = exact
+        results[exact] = eng.generate(ps, params)
+        assert eng.scheduler.num_preemptions > 0 and sum(o.num_preemptions > 0 for o in results[exact]) >= 2
+        del eng
+    for a, b in zip(roomy, results[True]):
+        assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs
+    assert any(a.token_logprobs != b.token_logprobs for a, b in zip(roomy, results[False]))
+
+
 def mtp_config(backend, graphs, invariant, strategy="mtp"):
     strat = {"name": "mtp", "num_speculative_tokens": 3} if strategy == "mtp" else {"name": "ar"}
     return gpu_config(backend, "qwen3.5-35b-a3b", layers=4, graphs=graphs, invariant=invariant, strategy=strat)

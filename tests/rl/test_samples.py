@@ -45,12 +45,10 @@ def assert_same(got, want):
 
 @pytest.mark.parametrize("strategy", [{"name": "ar"}, {"name": "mtp", "num_speculative_tokens": 2}],
                          ids=["ar", "mtp"])
-@pytest.mark.parametrize("invariant_pages", [False, True], ids=["default", "reserve-all"])
-def test_each_sample_equals_the_request_sent_alone(strategy, invariant_pages):
+def test_each_sample_equals_the_request_sent_alone(strategy):
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11, n=4, ignore_eos=True, logprobs=1,
                             prompt_logprobs=0)
     eng = engine(strategy=strategy)
-    eng.scheduler.reserve_full = invariant_pages
     counts = prompt_tokens_run(eng)
     other = eng.add_request([9, 8, 7], SamplingParams(max_new_tokens=20, ignore_eos=True))  # something beside it
     out = eng.generate([PROMPT], params)[0]
@@ -97,16 +95,14 @@ def test_abort_before_the_fork_and_errors():
         eng.add_request(PROMPT, SamplingParams(n=9))
     with pytest.raises(RequestError, match="n must be a positive int"):
         SamplingParams(n=0)
-    small = engine(cache={"block_size": 16, "num_blocks": 64})
-    small.scheduler.reserve_full = True  # invariant mode: every sample's pages reserved at once
-    with pytest.raises(RequestError, match=r"n=4 samples of this prompt need 106 KV pages .* the cache has 64"):
-        small.add_request(PROMPT, SamplingParams(n=4, max_new_tokens=400))
 
 
-def test_samples_survive_preemption_in_default_mode():
+@pytest.mark.parametrize("exact_rebuild", [False, True], ids=["default", "invariant-rebuild"])
+def test_samples_survive_preemption(exact_rebuild):
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, n=3, ignore_eos=True)
     want = engine().generate([PROMPT], params)[0]
     small = engine(128, cache={"block_size": 16, "num_blocks": 11})  # 6 + 4 + 4 + 4 pages wanted: preemptions
+    small.scheduler.exact_rebuild = exact_rebuild
     out = small.generate([PROMPT, PROMPT[:20]], [params, SamplingParams(max_new_tokens=40, ignore_eos=True)])
     assert small.scheduler.num_preemptions > 0
     for got, exp in zip(out[0].outputs, want.outputs):

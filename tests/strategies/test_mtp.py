@@ -143,21 +143,36 @@ def test_mtp_from_a_checkpoint_matches_ar(tmp_path):
 
 
 def test_verify_tokens_count_against_the_step_budget():
-    """A verify step runs 1+N tokens per sequence: the scheduler budgets them so, not as 1."""
-    budget = 2 * (1 + N_SPEC)
-    cfg = config("tiny-dense", "mtp").replace(scheduler={"max_num_batched_tokens": budget, "prefill_chunk_size": 8})
+    """A verify step runs 1+N tokens per sequence: the scheduler budgets them so, not as 1. Three
+    sequences verify (3 x 4 tokens) while four 8-token prompts wait: three chunks fit beside them
+    (36 of 36 tokens); counting verify rows as 1 would admit all four (44 tokens)."""
+    budget = 7 * (1 + N_SPEC) + 8
+    cfg = config("tiny-dense", "mtp").replace(scheduler={"max_num_seqs": 7, "max_num_batched_tokens": budget,
+                                                         "prefill_chunk_size": 8})
     eng = build_engine(cfg)
     sizes = []
     run = eng.run_model
     eng.run_model = lambda ids, ctx: (sizes.append(ctx.num_tokens), run(ids, ctx))[1]
-    ps = [p[:2] for p in prompts()]  # all four prefill in one step, then decode together
-    out = eng.generate(ps, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    assert max(sizes) <= budget and budget in sizes
-    ar = build_engine(config("tiny-dense", "ar")).generate(ps, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 2, 2, 8, 8, 8, 8)]
+    seqs = [eng.add_request(p, params) for p in ps[:3]]
+    eng.step()  # the three short prompts prefill together; they decode from now on
+    seqs += [eng.add_request(p, params) for p in ps[3:]]
+    while eng.scheduler.has_work():
+        eng.step()
+    assert max(sizes) <= budget and 3 * (1 + N_SPEC) + 3 * 8 in sizes
+    ar = build_engine(config("tiny-dense", "ar")).generate(ps, params)
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in ar]
 
 
-def test_mtp_budget_below_one_verify_step_is_an_error():
-    cfg = config("tiny-dense", "mtp").replace(scheduler={"max_num_batched_tokens": N_SPEC, "prefill_chunk_size": 2})
-    with pytest.raises(ConfigError, match=f"scheduler.max_num_batched_tokens: must be at least {1 + N_SPEC}"):
+def test_mtp_budget_without_room_for_verify_rows_and_a_chunk_is_an_error():
+    """Every step must hold each sequence's verify row (1 + N tokens) and one prompt chunk."""
+    seqs = 4
+    budget = seqs * (1 + N_SPEC)
+    cfg = config("tiny-dense", "mtp").replace(scheduler={"max_num_seqs": seqs, "max_num_batched_tokens": budget,
+                                                         "prefill_chunk_size": 2})
+    with pytest.raises(ConfigError, match=f"scheduler.max_num_batched_tokens: {budget} leaves no room for a prompt "
+                       f"chunk beside the decode rows of scheduler.max_num_seqs={seqs} sequences \\({1 + N_SPEC} "):
         build_engine(cfg)
+    build_engine(cfg.replace(scheduler={"max_num_batched_tokens": budget + 2}))  # one 2-token chunk fits

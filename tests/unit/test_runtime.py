@@ -1,4 +1,5 @@
-"""Scheduler and engine behaviour: too-long prompts, preemption without loss, reservation mode."""
+"""Engine behaviour: too-long prompts, bad requests, stop tokens, preemption without loss, long prompts
+beside decoding streams, the invariant rebuild after preemption (the scheduler alone: tests/runtime)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,6 @@ import torch
 from helpers import tiny_config
 
 from bi_core import EngineConfig, PromptTooLongError, RequestError, SamplingParams, build_engine
-from bi_core.config import CacheConfig, SchedulerConfig
-from bi_core.models.presets import preset_args
-from bi_core.runtime.cache import CacheManager
-from bi_core.runtime.scheduler import Scheduler
-from bi_core.runtime.sequence import Sequence
 
 
 def engine(**overrides):
@@ -69,36 +65,47 @@ def test_preemption_loses_no_request_and_keeps_greedy_tokens():
     assert all(o.finish_reason == "length" for o in out)
 
 
-def _scheduler(reserve_full, num_blocks, chunk=None, budget=64):
-    args = preset_args("tiny-dense")
-    cache = CacheManager(args, CacheConfig(block_size=16, num_blocks=num_blocks), num_slots=4, max_model_len=512,
-                         dtype=torch.float32, device=torch.device("cpu"), with_mtp=False)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
-    return Scheduler(cfg, cache, reserve_full=reserve_full)
+def test_a_long_prompt_gets_its_first_token_while_streams_decode():
+    """The issue's reproduction: tiny-moe, max_num_batched_tokens 64, four requests decoding 120
+    tokens, then a 200-token prompt. Its first token came after 121 steps (when the four had
+    finished); now after one chunk per step, the four decoding all along."""
+    e = engine(model={"random": {"preset": "tiny-moe", "seed": 0}}, scheduler={"max_num_batched_tokens": 64})
+    streams = [e.add_request(p, SamplingParams(max_new_tokens=120, ignore_eos=True)) for p in prompts(4, [10])]
+    while not all(s.output_ids for s in streams):
+        e.step()
+    long = e.add_request(prompts(1, [200], seed=1)[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    steps = 0
+    while not long.output_ids:
+        e.step()
+        steps += 1
+    assert e.scheduler.chunk_size == 16 and steps == -(-200 // 16)
+    assert all(len(s.output_ids) == 1 + steps for s in streams)
 
 
-def _seq(rid, n, max_new=8):
-    return Sequence(request_id=rid, prompt_ids=list(range(n)), params=SamplingParams(max_new_tokens=max_new),
-                    seed=0, max_total_len=n + max_new)
-
-
-def test_reservation_mode_reserves_worst_case_and_never_preempts():
-    s = _scheduler(reserve_full=True, num_blocks=4)
-    a, b = _seq(0, 20, max_new=30), _seq(1, 10)  # a needs ceil(50/16) = 4 pages up front
-    s.add(a)
-    s.add(b)
-    out = s.schedule()
-    assert [x.seq for x in out] == [a] and len(a.blocks) == 4  # b waits: no pages left
-    assert s.waiting[0] is b and s.num_preemptions == 0
-
-
-def test_prefill_chunks_are_fixed_not_cut_to_fit_the_budget():
-    s = _scheduler(reserve_full=False, num_blocks=64, chunk=32, budget=40)
-    a, b = _seq(0, 70), _seq(1, 50)
-    s.add(a)
-    s.add(b)
-    assert [(x.seq.request_id, x.num_tokens) for x in s.schedule()] == [(0, 32)]  # b's 32 does not fit in 8
-    a.num_computed += 32
-    assert [(x.seq.request_id, x.num_tokens) for x in s.schedule()] == [(0, 32)]
-    a.num_computed += 32
-    assert [(x.seq.request_id, x.num_tokens) for x in s.schedule()] == [(0, 6), (1, 32)]
+def test_invariant_preemption_resumes_with_what_it_had():
+    """``exact_rebuild`` (what invariant mode turns on): a preempted sequence recomputes its
+    generated tokens in decode arithmetic, so its tokens and logprobs continue as if it had never
+    been preempted (bitwise on the invariant GPU backend, tests/gpu; here the reference backend's
+    CPU GEMMs are not row-invariant, so logprobs to tolerance); the rebuild runs recurrent steps."""
+    ps = prompts(6, [100, 120, 90])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    roomy = engine().generate(ps, params)
+    tight = engine(cache={"num_blocks": 33})
+    tight.scheduler.exact_rebuild = True
+    shapes = []
+    make_batch = tight.make_batch
+    tight.make_batch = lambda ids, seqs, rec, *a, **k: (shapes.extend(
+        (s.request_id, len(t), r) for t, s, r in zip(ids, seqs, rec)), make_batch(ids, seqs, rec, *a, **k))[1]
+    out = tight.generate(ps, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in out] == [o.token_ids for o in roomy]
+    for o, r in zip(out, roomy):
+        torch.testing.assert_close(torch.tensor(o.token_logprobs), torch.tensor(r.token_logprobs), atol=2e-5, rtol=0)
+    rebuilt = [o.request_id for o in out if o.num_preemptions]
+    assert rebuilt and all(tight.requests.get(r) is None for r in rebuilt)
+    # past a rebuilt sequence's prompt, every step it ran was recurrent (decode arithmetic)
+    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in out}
+    for rid in rebuilt:
+        runs = [(n, rec) for r, n, rec in shapes if r == rid]
+        assert any(n > 1 and rec for n, rec in runs)  # generated tokens recomputed several per step
+        assert sum(n for n, rec in runs if not rec) % prompt_len[rid] == 0  # only prompts ran as chunks

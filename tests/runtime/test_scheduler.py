@@ -1,0 +1,212 @@
+"""The scheduler on hand-built sequences, no model: fixed chunks, room for every decode row and a
+chunk, no starvation (a long prompt among decoding streams, many long prompts, a steady arrival of
+short ones, n samples), preemption and the invariant rebuild's step shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bi_core.config import CacheConfig, SchedulerConfig
+from bi_core.errors import ConfigError
+from bi_core.models.presets import preset_args
+from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.scheduler import Scheduler, resolve_chunk_size
+from bi_core.runtime.sequence import SamplingParams, Sequence, Status
+
+BLOCK = 16
+
+
+def scheduler(*, seqs=8, budget=64, chunk=None, blocks=256, decode_tokens=1, exact_rebuild=False,
+              exact_step_tokens=None) -> Scheduler:
+    cache = CacheManager(preset_args("tiny-dense"), CacheConfig(block_size=BLOCK, num_blocks=blocks), num_slots=seqs,
+                         max_model_len=4096, dtype=torch.float32, device=torch.device("cpu"), with_mtp=False)
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
+    return Scheduler(cfg, cache, chunk_size=resolve_chunk_size(cfg, decode_tokens, BLOCK), decode_tokens=decode_tokens,
+                     exact_rebuild=exact_rebuild, exact_step_tokens=exact_step_tokens)
+
+
+class Sim:
+    """Drives a scheduler as the engine does: each scheduled sequence computes its tokens, one that
+    reached its last known token samples one more (token 7), finished ones leave."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s, self.steps, self.next_id = s, 0, 0
+        self.first_token_step: dict[int, int] = {}
+        self.finish_step: dict[int, int] = {}
+        self.log: list[list[tuple[int, int, int, bool]]] = []  # per step: (request id, from, tokens, recurrent)
+
+    def add(self, prompt_len: int, max_new: int = 4, n: int = 1) -> Sequence:
+        params = SamplingParams(max_new_tokens=max_new, n=n)
+        seq = self._seq(prompt_len, params)
+        seq.group = [seq]
+        for _ in range(1, n):
+            f = self._seq(prompt_len, params)
+            f.leader = seq
+            seq.followers.append(f)
+            seq.group.append(f)
+        self.s.add(seq)
+        return seq
+
+    def _seq(self, prompt_len: int, params: SamplingParams) -> Sequence:
+        seq = Sequence(request_id=self.next_id, prompt_ids=list(range(prompt_len)), params=params, seed=0,
+                       max_total_len=prompt_len + params.max_new_tokens)
+        self.next_id += 1
+        return seq
+
+    def step(self) -> list:
+        out = self.s.schedule()
+        self.steps += 1
+        self.log.append([(x.seq.request_id, x.seq.num_computed, x.num_tokens, x.recurrent) for x in out])
+        assert sum(self.s.decode_tokens if x.seq.is_decoding else x.num_tokens for x in out) \
+            <= self.s.config.max_num_batched_tokens
+        for x in out:
+            seq, samples = x.seq, x.samples
+            seq.num_computed += x.num_tokens
+            if samples:
+                self.first_token_step.setdefault(seq.request_id, self.steps)
+                seq.append(7, 0.0, None, ())
+                for f in seq.followers:  # the engine's fork: samples take the prompt and their first token
+                    f.leader, f.num_computed = None, seq.num_computed - 1
+                    f.append(7, 0.0, None, ())
+                    self.first_token_step.setdefault(f.request_id, self.steps)
+                seq.followers = []
+        for seq in list(self.s.running):
+            if seq.status is Status.FINISHED:
+                self.finish_step[seq.request_id] = self.steps
+                self.s.finish(seq)
+        return out
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.s.has_work():
+            self.step()
+            assert self.steps < max_steps, "the scheduler stopped making progress"
+
+
+def decoding(sim: Sim, count: int, max_new: int) -> list[Sequence]:
+    """``count`` short requests that have prefilled and are decoding."""
+    seqs = [sim.add(8, max_new=max_new) for _ in range(count)]
+    while not all(s.is_decoding for s in seqs):
+        sim.step()
+    return seqs
+
+
+def test_default_chunk_leaves_room_for_every_decode_row_and_two_chunks():
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    assert resolve_chunk_size(cfg, 1, BLOCK) == 16  # (64 - 4) / 2 = 30, in whole pages
+    assert resolve_chunk_size(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), 1, BLOCK) == 3968
+    assert resolve_chunk_size(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), 4, BLOCK) == 3584  # mtp
+    assert resolve_chunk_size(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10), 1, BLOCK) == 3
+    assert resolve_chunk_size(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=60),
+                              1, BLOCK) == 60
+
+
+@pytest.mark.parametrize(("cfg", "decode_tokens", "message"), [
+    (SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=61), 1,
+     "scheduler.prefill_chunk_size: 61 does not fit beside the decode rows of scheduler.max_num_seqs=4 sequences "
+     r"\(4 tokens of max_num_batched_tokens=64\): .* use at most 60"),
+    (SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64), 1,
+     "scheduler.max_num_batched_tokens: 64 leaves no room for a prompt chunk beside the decode rows of "
+     r"scheduler.max_num_seqs=64 sequences \(1 token\(s\) each\); raise it above 64 or lower max_num_seqs"),
+    (SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64), 4, "raise it above 64"),
+])
+def test_a_config_without_room_for_decode_rows_and_a_chunk_is_an_error(cfg, decode_tokens, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_chunk_size(cfg, decode_tokens, BLOCK)
+
+
+def test_prefill_chunks_are_fixed_not_cut_to_fit_the_budget():
+    sim = Sim(scheduler(seqs=4, budget=40, chunk=32))
+    sim.add(70)
+    sim.add(50)
+    for _ in range(3):
+        sim.step()
+    # a's chunks 32, 32, 6 and b's 32 waits until it fits (8 tokens are left while a runs whole chunks)
+    assert [[(r, n) for r, _, n, _ in step] for step in sim.log] == [[(0, 32)], [(0, 32)], [(0, 6), (1, 32)]]
+
+
+def test_a_long_prompt_runs_while_streams_decode():
+    """The issue's reproduction (tiny-moe, budget 64): four requests decoding 120 tokens, then a
+    200-token prompt. Before, its chunk (the whole budget) never fitted beside the decode rows: its
+    first token came after 121 steps, when all four had finished."""
+    sim = Sim(scheduler(budget=64))
+    streams = decoding(sim, 4, max_new=120)
+    long = sim.add(200)
+    start = sim.steps
+    while long.request_id not in sim.first_token_step:
+        sim.step()
+    chunks = -(-200 // sim.s.chunk_size)
+    assert sim.first_token_step[long.request_id] - start == chunks  # one chunk a step, every step
+    assert all(s.status is Status.RUNNING for s in streams)  # the streams decoded all along
+    assert all(len(s.output_ids) == 1 + chunks for s in streams)
+
+
+def test_many_long_prompts_progress_side_by_side():
+    sim = Sim(scheduler(budget=64))  # chunk 16: three fit beside four decode rows
+    decoding(sim, 4, max_new=200)
+    longs = [sim.add(160) for _ in range(3)]
+    start = sim.steps
+    sim.run()
+    ttft = [sim.first_token_step[s.request_id] - start for s in longs]
+    assert ttft == [10, 10, 10]  # 160 / 16 chunks each, all three in every step
+
+
+def test_a_long_prompt_among_a_steady_arrival_of_short_ones():
+    """A short request arrives every step. The long prompt, oldest, runs a chunk every step (they
+    never starve it); the short ones run in the rest of each step (it never blocks them)."""
+    sim = Sim(scheduler(seqs=16, budget=128))  # chunk 48
+    decoding(sim, 4, max_new=300)
+    long = sim.add(1000)
+    start, shorts = sim.steps, []
+    for _ in range(40):
+        shorts.append((sim.add(12, max_new=5), sim.steps))
+        sim.step()
+    assert sim.first_token_step[long.request_id] - start == -(-1000 // sim.s.chunk_size)
+    waits = [sim.first_token_step[s.request_id] - t for s, t in shorts if s.request_id in sim.first_token_step]
+    assert len(waits) == 40 and max(waits) == 1  # each one's single chunk runs in the step it arrives
+
+
+def test_a_long_prompt_behind_a_full_batch_waits_only_for_a_slot():
+    sim = Sim(scheduler(seqs=4, budget=64))
+    streams = decoding(sim, 4, max_new=10)
+    long = sim.add(100)
+    sim.run()
+    freed = max(sim.finish_step[s.request_id] for s in streams)  # no slot until then (max_num_seqs=4)
+    assert sim.first_token_step[long.request_id] == freed + 7  # then 100 / 16 chunks, one a step
+
+
+def test_n_samples_of_a_long_prompt_start_together_beside_decoding_streams():
+    sim = Sim(scheduler(budget=64))
+    decoding(sim, 2, max_new=100)
+    group = sim.add(96, n=4).group
+    start = sim.steps
+    sim.run()
+    assert {sim.first_token_step[s.request_id] - start for s in group} == {96 // 16}
+
+
+def test_mtp_verify_rows_and_a_chunk_share_every_step():
+    sim = Sim(scheduler(budget=64, decode_tokens=4))  # 8 rows x 4 tokens leave 32: chunk 16
+    decoding(sim, 6, max_new=80)
+    long = sim.add(160)
+    start = sim.steps
+    sim.run()
+    assert sim.s.chunk_size == 16 and sim.first_token_step[long.request_id] - start == 10
+
+
+def test_invariant_preemption_rebuilds_generated_tokens_in_decode_arithmetic():
+    """Pages run out: the youngest running sequence is preempted. With ``exact_rebuild`` (invariant
+    mode) it recomputes its prompt in its own chunks and its generated tokens recurrent, at most
+    ``exact_step_tokens`` a step; without (the negative control), as prompt chunks."""
+    for exact in (True, False):
+        sim = Sim(scheduler(seqs=4, budget=64, blocks=9, exact_rebuild=exact, exact_step_tokens=4))
+        a, b = sim.add(40, max_new=60), sim.add(40, max_new=60)  # 100 tokens, 7 pages each: 9 do not hold both
+        sim.run()
+        assert sim.s.num_preemptions >= 1 and a.finish_reason == b.finish_reason == "length"
+        victim = b if b.num_preemptions else a
+        starts = [i for i, step in enumerate(sim.log) for r, start, _, _ in step if r == victim.request_id and start == 0]
+        ran = [(n, rec) for step in sim.log[starts[-1]:] for r, _, n, rec in step if r == victim.request_id]
+        if exact:  # the prompt's chunks (16, 16, 8), then the generated tokens 4 at a time, recurrent
+            assert ran[:3] == [(16, False), (16, False), (8, False)] and (4, True) in ran
+            assert all(rec for _, rec in ran[3:])
+        else:  # generated tokens recomputed as chunks
+            assert ran[:3] == [(16, False), (16, False), (16, False)]
