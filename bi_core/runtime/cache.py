@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -93,9 +94,10 @@ class CacheManager:
                               state_dtype.itemsize)
         self.state_slot_bytes = per_slot
         state_bytes = per_slot * (num_slots * state_ring + 1 + num_snapshots)
-        self._check_state_memory(state_bytes, num_slots, state_ring, config, device)
+        memory = _device_memory(device) if device.type == "cuda" else None  # (free, total) bytes
+        self._check_state_memory(state_bytes, num_slots, state_ring, config, memory)
         if config.num_blocks == "auto":
-            self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, device, state_bytes)
+            self.num_blocks = self._auto_blocks(page_bytes, num_slots, max_model_len, config, memory, state_bytes)
         else:
             self.num_blocks = config.num_blocks
         # One extra page and one extra state slot are reserved for padding rows (CUDA-graph buckets).
@@ -134,10 +136,10 @@ class CacheManager:
 
     @staticmethod
     def _check_state_memory(state_bytes: int, num_slots: int, ring: int, config: CacheConfig,
-                            device: torch.device) -> None:
-        if device.type != "cuda":
+                            memory: tuple[int, int] | None) -> None:
+        if memory is None:
             return
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = memory
         budget = int(total * config.gpu_memory_utilization) - (total - free)
         if state_bytes > budget:
             raise ConfigError("scheduler.max_num_seqs", f"the GDN states of {num_slots} sequences (x{ring} slots "
@@ -146,10 +148,10 @@ class CacheManager:
                               "or use cache.ssm_state_dtype: bfloat16")
 
     def _auto_blocks(self, page_bytes: int, num_slots: int, max_model_len: int, config: CacheConfig,
-                     device: torch.device, state_bytes: int) -> int:
+                     memory: tuple[int, int] | None, state_bytes: int) -> int:
         wanted = num_slots * math.ceil(max_model_len / self.block_size)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
+        if memory is not None:
+            free, total = memory
             used = total - free
             budget = int(total * config.gpu_memory_utilization) - used - state_bytes
         else:
@@ -187,3 +189,14 @@ class CacheManager:
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) device bytes, counting what this process no longer uses as free: engines
+    dropped earlier (collected now, their reference cycles included) and the caching allocator's
+    idle blocks (handed back to the driver first). A second engine in one process (tests, an
+    evaluation loop) sizes its caches from what is really left."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
