@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from bi_core.bench import _prompts
+from bi_core.bench import _prompts, check_decode_rows, main_model_batches
 from bi_core.config import EngineConfig
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
@@ -50,12 +50,14 @@ def anatomy(engine: LLMEngine, batch: int, context_len: int, steps: int) -> dict
         engine.step()
     for _ in range(3):
         engine.step()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync()
-    wall = (time.perf_counter() - t0) / steps
+    with main_model_batches(engine) as batches:
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = (time.perf_counter() - t0) / steps
+    check_decode_rows(batches, seqs, steps)  # a figure only for steps of all the rows
     acc: dict = defaultdict(float)
     sched, runner = engine.scheduler, engine.runner
     _timed(sched, "schedule", acc)

@@ -1,35 +1,65 @@
-"""Benchmarks: decode step latency at fixed batch sizes, offline throughput, prefill throughput,
-peak memory, and the memory-bandwidth floor of a decode step (bytes that must be read or written
-per step over the copy bandwidth measured on this device)."""
+"""Benchmarks: decode step latency at fixed batch sizes, offline throughput, prefill throughput
+and time to first token, peak memory, and the floors every figure is checked against: the bytes a
+decode step must move over the fastest streaming rate measured on this device, the FLOPs a
+prefill must do over the matrix rate measured on it. A figure below its floor, a decode step that
+did not run every row at the stated context, or a prefill the prefix cache served, is an error
+(``BenchError``), never a result."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import attrs
 import torch
 
+from bi_core.errors import BiEngineError
+from bi_core.models.qwen3_5 import local_args
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
 
 
-def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
+class BenchError(BiEngineError):
+    """A measurement that cannot be right (below its floor) or did not measure what it states."""
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def _median_s(fn, repeats: int = 10) -> float:
+    """Median seconds of ``fn`` on the current device (events around each call, after 3 warm-ups)."""
     for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize(device)
+        fn()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(10):
+    for _ in range(repeats):
         start.record()
-        b.copy_(a)
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times)
+    return statistics.median(times)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """The fastest streaming rate of device memory in bytes/s: the larger of a device-to-device
+    copy (bytes read plus bytes written) and a read-only reduction (a decode step mostly reads,
+    and reading alone streams a little faster than copying)."""
+    a = torch.randn(nbytes // 4, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    copy = 2 * a.numel() * a.element_size() / _median_s(lambda: b.copy_(a))
+    read = a.numel() * a.element_size() / _median_s(lambda: a.sum(dtype=torch.float32))
+    return max(copy, read)
+
+
+def measure_matmul_flops(device: torch.device, n: int = 8192) -> float:
+    """bf16 matrix-product rate in FLOP/s (an n x n x n product through torch, i.e. cuBLAS)."""
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    return 2 * n**3 / _median_s(lambda: a @ b)
 
 
 def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
@@ -37,8 +67,6 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     read once (routed experts: the expected number hit by batch*k draws), KV read, GDN state
     read and written, logits rows written. Tensor parallel: one rank's bytes (its shard of the
     weights, its heads' KV and states), which every rank moves at once."""
-    from bi_core.models.qwen3_5 import local_args
-
     a, isz = engine.args, engine.dtype.itemsize
     heads = local_args(a, engine.tp.world)
     total = 0
@@ -83,6 +111,39 @@ def _prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[list[int
     return torch.randint(0, engine.args.vocab_size, (n, length), generator=g).tolist()
 
 
+@contextlib.contextmanager
+def main_model_batches(engine: LLMEngine):
+    """Yields a list that collects, for every main-model batch the engine packs meanwhile, each
+    sequence's (request id, tokens before the step): what a timed step really ran."""
+    seen: list[list[tuple[int, int]]] = []
+    make_batch = engine.make_batch
+
+    def spy(token_ids, seqs, is_recurrent, logits_rows, *, past_lens=None, runner=None, **kw):
+        if runner is None:
+            past = past_lens or [s.num_computed for s in seqs]
+            seen.append([(s.request_id, p) for s, p in zip(seqs, past)])
+        return make_batch(token_ids, seqs, is_recurrent, logits_rows, past_lens=past_lens, runner=runner, **kw)
+
+    engine.make_batch = spy
+    try:
+        yield seen
+    finally:
+        del engine.make_batch
+
+
+def check_decode_rows(batches: list[list[tuple[int, int]]], seqs: list, steps: int) -> None:
+    """Raise ``BenchError`` unless ``steps`` main-model batches ran, each exactly the rows of
+    ``seqs``, each past its prompt, and every one of them is still running."""
+    ids = {s.request_id: len(s.prompt_ids) for s in seqs}
+    bad = [b for b in batches if sorted(r for r, _ in b) != sorted(ids) or any(p < ids[r] for r, p in b)]
+    if len(batches) != steps or bad or any(s.status is not Status.RUNNING for s in seqs):
+        sizes = sorted({len(b) for b in batches})
+        raise BenchError(f"the {steps} timed steps did not all decode the {len(seqs)} rows: {len(batches)} model "
+                         f"batches of {sizes} rows, {len(bad)} with other rows or rows short of their prompt; "
+                         "the figure would not be what it says (scheduler.max_num_seqs, "
+                         "max_num_batched_tokens or the KV cache too small for this batch?)")
+
+
 def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, count_kernels: bool = False
                       ) -> tuple[float, int | None]:
     """Mean ms of ``steps`` full engine steps (schedule + forward + sample) run back to back once
@@ -90,28 +151,35 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
     ``count_kernels``, also the device kernels of one such step (``kernels_per_decode_step``).
     Back to back, not one step at a time with the device synchronized: with ``graph.overlap``
     a step launches the next one before returning, and a wait after each step would put the
-    host's planning back in series with the device."""
-    # Long enough that the first requests admitted are still decoding once the last has prefilled
-    # (one prefill chunk of the budget per step, plus one admission per step at worst).
-    budget = engine.config.scheduler.max_num_batched_tokens
-    fill = -(-sum(len(p) for p in prompts) // budget) + len(prompts)
+    host's planning back in series with the device. Raises ``BenchError`` unless every timed step
+    ran all the prompts' rows, each past its prompt, and nothing else."""
     room = engine.max_model_len - max(len(p) for p in prompts) - 1
-    params = SamplingParams(max_new_tokens=max(1, min(steps + 8 + fill, room)), ignore_eos=True)
+    # every row must still decode in the last timed step: steps, warm-ups, and the steps in which
+    # the last prompts prefill while the first ones decode (one chunk each per step at worst)
+    chunk = engine.scheduler.chunk_size
+    fill = sum(-(-len(p) // chunk) for p in prompts) + len(prompts)
+    wanted = steps + 4 + fill
+    if wanted * engine.scheduler.decode_tokens > room:
+        raise BenchError(f"{len(prompts)} prompts of {max(len(p) for p in prompts)} tokens leave {room} tokens of "
+                         f"model.max_model_len={engine.max_model_len}; {steps} timed decode steps need "
+                         f"{wanted * engine.scheduler.decode_tokens}: raise max_model_len or lower the context")
+    params = SamplingParams(max_new_tokens=wanted * engine.scheduler.decode_tokens, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()
     for _ in range(3):
         engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / steps * 1e3
-    running = [s for s in seqs if s.status is Status.RUNNING]  # early-admitted ones may have finished
-    kernels = kernels_per_decode_step(engine, running) if count_kernels and running else None
-    while engine.scheduler.has_work():
-        engine.step()
+    with main_model_batches(engine) as batches:
+        _sync(engine)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(engine)
+        ms = (time.perf_counter() - t0) / steps * 1e3
+    check_decode_rows(batches, seqs, steps)
+    kernels = kernels_per_decode_step(engine, seqs) if count_kernels else None
+    for s in seqs:
+        engine.abort(s.request_id)
     return ms, kernels
 
 
@@ -146,19 +214,26 @@ def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, ba
     count_kernels = count_kernels and engine.tp.world == 1  # the count runs a forward on this rank alone
     ms, kernels = time_decode_steps(engine, _prompts(engine, batch, context_len, seed), steps, count_kernels)
     floor = decode_bytes(engine, batch, context_len + 4) / bandwidth * 1e3
+    if ms < floor:
+        raise BenchError(f"decode B={batch} at {context_len} tokens measured {ms:.3f} ms, below its memory floor "
+                         f"{floor:.3f} ms: a measurement bug, not a result")
     return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor, kernels)
 
 
 def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, output_len: int, seed: int = 1) -> dict:
     prompts = _prompts(engine, num_requests, input_len, seed)
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[: min(4, num_requests)], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-    torch.cuda.synchronize()
+    warm = _prompts(engine, min(4, num_requests), input_len, seed + 1000)  # other tokens: no prefix-cache hit
+    engine.generate(warm, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    _sync(engine)
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
-    torch.cuda.synchronize()
+    _sync(engine)
     dt = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in out)
+    if generated != num_requests * output_len or any(o.num_cached_tokens for o in out):
+        raise BenchError(f"throughput: {generated} of {num_requests * output_len} tokens generated, "
+                         f"{sum(o.num_cached_tokens for o in out)} prompt tokens from the prefix cache")
     drafted = sum(o.num_draft_tokens for o in out)
     accepted = sum(o.num_accepted_draft_tokens for o in out)
     steps = sum(o.num_verify_steps for o in out)
@@ -169,13 +244,49 @@ def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, outpu
             "requests_per_s": num_requests / dt}
 
 
-def bench_prefill(engine: LLMEngine, batch: int, length: int, seed: int = 2) -> dict:
-    prompts = _prompts(engine, batch, length, seed)
+def prefill_flops(engine: LLMEngine, lengths: list[int]) -> float:
+    """Fewest FLOPs a prefill of prompts of ``lengths`` must do: every token through every
+    projection it uses (routed experts: its k, the shared expert), the causal attention scores
+    and values of the full-attention layers, and one logits row per prompt. GDN's own
+    arithmetic is left out, so this is a lower bound. Tensor parallel: one rank's share."""
+    a = engine.args
+    per_token = 0
+    for name, p in engine.model.named_parameters():
+        if name.startswith(("mtp.", "lm_head")) or name == "embed_tokens" or p.dim() < 2:
+            continue
+        if name.endswith(("mlp.w13", "mlp.w2")):  # routed experts: k of them, the shared expert (last) always
+            per_token += p[0].numel() * (a.num_experts_per_tok + p.shape[0] - a.num_experts)
+        else:
+            per_token += p.numel()
+    heads = local_args(a, engine.tp.world).num_attention_heads
+    attn = sum(2 * n * n * heads * a.head_dim for n in lengths) * len(a.full_attention_layers)  # QK^T, PV causal
+    head = len(lengths) * a.vocab_size * a.hidden_size // engine.tp.world
+    return 2 * per_token * sum(lengths) + attn + 2 * head
+
+
+def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: float, seed: int = 2) -> dict:
+    """Prefill tokens/s of ``batch`` fresh prompts of ``length`` tokens (and, for one prompt, its
+    time to first token), after a warm-up with other prompts of the same shape; never a prompt
+    the prefix cache holds (checked). Raises ``BenchError`` below the FLOP floor."""
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    engine.generate(prompts[:1], params)
-    torch.cuda.synchronize()
+    engine.generate(_prompts(engine, batch, length, seed + 1000), params)  # same shapes, other tokens
+    prompts = _prompts(engine, batch, length, seed)
+    _sync(engine)
     t0 = time.perf_counter()
-    engine.generate(prompts, params)
-    torch.cuda.synchronize()
+    out = engine.generate(prompts, params)
+    _sync(engine)
     dt = time.perf_counter() - t0
-    return {"batch": batch, "length": length, "seconds": dt, "prefill_tokens_per_s": batch * length / dt}
+    cached = sum(o.num_cached_tokens for o in out)
+    if cached or any(o.finish_reason != "length" for o in out):
+        raise BenchError(f"prefill {batch} x {length}: {cached} prompt tokens came from the prefix cache or a "
+                         "request failed; the figure would not be a prefill")
+    floor = prefill_flops(engine, [length] * batch) / matmul_flops
+    if dt < floor:
+        raise BenchError(f"prefill {batch} x {length} measured {dt * 1e3:.1f} ms, below its FLOP floor "
+                         f"{floor * 1e3:.1f} ms: a measurement bug, not a result")
+    result = {"batch": batch, "length": length, "seconds": dt, "prefill_tokens_per_s": batch * length / dt,
+              "floor_s": floor, "over_floor": dt / floor, "prefix_cache": engine.cache.prefix is not None,
+              "cached_tokens": 0}
+    if batch == 1:
+        result["ttft_ms"] = dt * 1e3
+    return result

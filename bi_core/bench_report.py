@@ -10,7 +10,13 @@ import time
 
 import torch
 
-from bi_core.bench import bench_decode, bench_prefill, bench_throughput, measure_bandwidth
+from bi_core.bench import (
+    bench_decode,
+    bench_prefill,
+    bench_throughput,
+    measure_bandwidth,
+    measure_matmul_flops,
+)
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
 
@@ -44,7 +50,7 @@ def _free() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
+def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float) -> dict:
     from bi_core import build_engine
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -74,8 +80,11 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float) -> dict:
               (f", draft acceptance {out['throughput']['draft_acceptance']:.2f}"
                if "draft_acceptance" in out["throughput"] else ""), flush=True)
     if pre:
-        out["prefill"] = bench_prefill(engine, *pre)
-        print(f"  prefill {pre[0]} x {pre[1]}: {out['prefill']['prefill_tokens_per_s']:.0f} tok/s", flush=True)
+        out["prefill"] = r = bench_prefill(engine, *pre, matmul_flops)
+        ttft = f", time to first token {r['ttft_ms']:.1f} ms" if "ttft_ms" in r else ""
+        cache = "prefix cache on, 0 tokens cached" if r["prefix_cache"] else "prefix cache off"
+        print(f"  prefill {pre[0]} x {pre[1]}: {r['prefill_tokens_per_s']:.0f} tok/s{ttft}  floor "
+              f"{r['floor_s'] * 1e3:.1f} ms  x{r['over_floor']:.2f}  (fresh prompts, {cache})", flush=True)
     out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     out["tensor_parallel_size"] = cfg.parallel.tensor_parallel_size
     engine.close()  # tensor parallel: stop the other ranks before the next config starts its own
@@ -130,13 +139,14 @@ def run_bench(args, configs: list[EngineConfig]) -> int:
     if not torch.cuda.is_available():
         raise BiEngineError("bench needs a CUDA GPU (it measures against the device's memory bandwidth)")
     device = torch.device("cuda")
-    bandwidth = measure_bandwidth(device)
+    bandwidth, matmul_flops = measure_bandwidth(device), measure_matmul_flops(device)
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(device),
-              "copy_bandwidth_tb_s": bandwidth / 1e12, "configs": []}
-    print(f"{report['gpu']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+              "bandwidth_tb_s": bandwidth / 1e12, "matmul_tflops": matmul_flops / 1e12, "configs": []}
+    print(f"{report['gpu']}, memory {bandwidth / 1e12:.2f} TB/s (the faster of copy and read), bf16 matmul "
+          f"{matmul_flops / 1e12:.0f} TFLOP/s: the floors below")
     for cfg in configs:
         print(f"== {_label(cfg)}", flush=True)
-        report["configs"].append(bench_engine(cfg, args, bandwidth))
+        report["configs"].append(bench_engine(cfg, args, bandwidth, matmul_flops))
     if args.transformers:
         print("== transformers baseline", flush=True)
         report["transformers"] = bench_transformers(configs[0])

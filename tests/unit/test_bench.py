@@ -1,0 +1,45 @@
+"""The bench's own checks, on the CPU reference engine: a decode figure only when every timed step
+ran all B rows past their prompts; a prefill figure only for fresh prompts, above its FLOP floor."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import tiny_config
+
+from bi_core import EngineConfig, build_engine
+from bi_core.bench import BenchError, _prompts, bench_prefill, prefill_flops, time_decode_steps
+
+
+def engine(**scheduler):
+    return build_engine(EngineConfig.from_dict(tiny_config(scheduler=scheduler)))
+
+
+def test_decode_timing_checks_every_row_ran_in_every_step():
+    eng = engine(max_num_seqs=8)
+    ms, _ = time_decode_steps(eng, _prompts(eng, 6, 40, 0), steps=5)
+    assert ms > 0 and not eng.scheduler.has_work()  # the rows are aborted after timing
+
+
+def test_decode_timing_refuses_a_batch_that_did_not_all_decode():
+    """Negative control: with room for 4 sequences, 6 prompts never decode together; before, this
+    printed a figure for "B=6" that timed steps of the last 2 rows (the first 4 had finished)."""
+    eng = engine(max_num_seqs=4)
+    with pytest.raises(BenchError, match=r"did not all decode the 6 rows: 5 model batches of \[2\] rows"):
+        time_decode_steps(eng, _prompts(eng, 6, 40, 0), steps=5)
+
+
+def test_decode_timing_refuses_a_context_without_room_for_the_steps():
+    eng = engine()
+    with pytest.raises(BenchError, match="raise max_model_len or lower the context"):
+        time_decode_steps(eng, _prompts(eng, 1, 500, 0), steps=20)
+
+
+def test_prefill_is_timed_on_fresh_prompts_and_checked_against_its_floor():
+    eng = engine()
+    r = bench_prefill(eng, 2, 64, matmul_flops=1e15)  # a far faster "device": the floor is tiny
+    assert r["cached_tokens"] == 0 and r["prefix_cache"] and eng.cache.prefix.stats()["hit_tokens"] == 0
+    assert r["over_floor"] > 1
+    with pytest.raises(BenchError, match="below its FLOP floor"):
+        bench_prefill(eng, 2, 64, matmul_flops=1.0)  # one FLOP a second: no real run beats that floor
+    assert prefill_flops(eng, [64]) > 2 * 64 * sum(p.numel() for n, p in eng.model.named_parameters()
+                                                   if n.startswith("layers.") and p.dim() == 2)
