@@ -8,6 +8,8 @@ import collections
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 
 @attrs.define
 class Counts:
@@ -65,6 +67,8 @@ class Metrics:
         self.preemptions = Gauge("bi_preemptions", "requests preempted and recomputed so far (default mode)",
                                  registry=r)
         self.finished = Counter("bi_requests_finished", "finished requests by reason", ["reason"], registry=r)
+        for reason in FINISH_REASONS:  # exported from the start, at 0
+            self.finished.labels(reason)
         self.step_seconds = Histogram("bi_step_seconds", "engine step time", registry=r,
                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
 

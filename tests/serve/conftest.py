@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,30 @@ serve: {model_name: tiny, shutdown_timeout_s: 20}
 """
 
 
+def metric(server, name: str) -> float:
+    """A metric's value from /metrics; one the server does not export fails the test (a renamed
+    gauge must not read as 0)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert match is not None, f"/metrics has no {name}"
+    return float(match.group(1))
+
+
+def aborted(server) -> float:
+    return metric(server, 'bi_requests_finished_total{reason="abort"}')
+
+
+def eventually(check, within_s: float, every_s: float = 0.1) -> bool:
+    """Whether ``check()`` holds within ``within_s`` seconds (polled)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if check():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every_s)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,13 +64,14 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.log = (tmp / "server.log").open("w")
+        self.log_path = tmp / "server.log"
+        self.log = self.log_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "bi_core.cli", "serve", "--config", str(cfg), "--port",
                                       str(self.port), *extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {(tmp / 'server.log').read_text()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_path.read_text()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -65,8 +91,9 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
+    """One server for every test that needs no server of its own (requests never overlap)."""
     s = ServerProcess(tmp_path_factory.mktemp("serve"), "--api-key", API_KEY)
     yield s
     s.stop()

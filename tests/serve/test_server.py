@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY, CONFIG, ServerProcess, httpx
+from conftest import API_KEY, CONFIG, ServerProcess, httpx, metric
 
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -22,12 +21,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_models_health_and_mode_header(server):
@@ -124,6 +117,12 @@ def test_completion_errors(server, body, status, param):
     err = r.json()["error"]
     assert r.status_code == status and err["param"] == param and err["message"] and err["type"]
     assert r.headers["x-batch-invariant"] == "false"
+
+
+def test_metric_fails_on_a_metric_the_server_does_not_export(server):
+    assert metric(server, "bi_requests_running") == 0
+    with pytest.raises(AssertionError, match="no bi_requests_runing"):
+        metric(server, "bi_requests_runing")
 
 
 def test_chat_malformed_json_and_auth_errors(server):
