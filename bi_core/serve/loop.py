@@ -135,7 +135,7 @@ class EngineLoop:
         generated = sum(len(t.seq.output_ids) for t in self.tracked.values()) - before
         for rid, t in list(self.tracked.items()):
             self._emit(rid, t)
-        self.counter.step(self.engine, dt, generated)
+        self.counter.step(dt, generated)
 
     def _emit(self, rid: int, t: _Tracked) -> None:
         seq, new = t.seq, len(t.seq.output_ids)
@@ -154,8 +154,8 @@ class EngineLoop:
             self.counter.finished(seq.finish_reason or "unknown")
 
     def _flush(self) -> None:
-        """This iteration's deltas and counts in one message."""
-        counts = self.counter.take()
+        """This iteration's deltas and counts (and the engine's state, if it changed) in one message."""
+        counts = self.counter.take(self.engine)
         if self._out or counts:
             out, self._out = self._out, []
             self.channel.send(("out", out, counts, self.failure))

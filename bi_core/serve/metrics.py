@@ -31,22 +31,26 @@ class StepCounter:
     def __init__(self) -> None:
         self.counts = Counts()
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self._state: dict[str, float] = {}  # as last handed over
 
-    def step(self, engine, seconds: float, generated: int) -> None:
-        c, sched = self.counts, engine.scheduler
-        c.step_seconds.append(seconds)
-        c.generated += generated
+    def step(self, seconds: float, generated: int) -> None:
+        self.counts.step_seconds.append(seconds)
+        self.counts.generated += generated
         self._recent.append((seconds, generated))
-        total_s = sum(dt for dt, _ in self._recent)
-        c.state = {"running": len(sched.running), "waiting": len(sched.waiting),
-                   "pages_used": sched.num_pages_used, "pages_total": engine.cache.num_blocks,
-                   "preemptions": sched.num_preemptions,
-                   "tokens_per_s": sum(n for _, n in self._recent) / total_s if total_s else 0.0}
 
     def finished(self, reason: str) -> None:
         self.counts.finished[reason] = self.counts.finished.get(reason, 0) + 1
 
-    def take(self) -> Counts:
+    def take(self, engine) -> Counts:
+        """The counts since the last call, with the engine's state when it changed: read at every
+        hand-over, not only after steps, since an abort or an add changes it between steps."""
+        sched, total_s = engine.scheduler, sum(dt for dt, _ in self._recent)
+        state = {"running": len(sched.running), "waiting": len(sched.waiting),
+                 "pages_used": sched.num_pages_used, "pages_total": engine.cache.num_blocks,
+                 "preemptions": sched.num_preemptions,
+                 "tokens_per_s": sum(n for _, n in self._recent) / total_s if total_s else 0.0}
+        if state != self._state:
+            self.counts.state = self._state = state
         counts, self.counts = self.counts, Counts()
         return counts
 

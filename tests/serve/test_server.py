@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY, CONFIG, ServerProcess, httpx, metric
+from conftest import API_KEY, CONFIG, ServerProcess, aborted, eventually, httpx, metric
 
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -184,6 +184,23 @@ def test_client_disconnect_aborts_and_frees_pages(server):
     assert 'bi_requests_finished_total{reason="abort"}' in httpx.get(f"{server.url}/metrics").text
     alone = client(server).completions.create(model="tiny", prompt="steady", max_tokens=40, temperature=0)
     assert others["out"] == alone.choices[0].text
+
+
+def idle(server) -> bool:
+    return metric(server, "bi_requests_running") == 0 and metric(server, "bi_kv_pages_used") == 0
+
+
+def test_gauges_follow_an_abort_on_an_idle_server(server):
+    """An abort with nothing else running updates the gauges (no step has to follow it)."""
+    before = aborted(server)
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": "tiny", "prompt": "alone", "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(4))
+        assert metric(server, "bi_requests_running") == 1
+    assert eventually(lambda: aborted(server) == before + 1, 10)
+    assert eventually(lambda: idle(server), 2), (metric(server, "bi_requests_running"),
+                                                 metric(server, "bi_kv_pages_used"))
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
