@@ -28,6 +28,7 @@ from bi_core.serve.metrics import Metrics
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 INVARIANT_HEADER = "X-Batch-Invariant"
+_GONE = (-1, None)  # what a request's queue gets when its client disconnects
 
 
 class ApiError(Exception):
@@ -54,7 +55,9 @@ class Server:
                  metrics: Metrics) -> None:
         self.core, self.config, self.model_name = core, config, model_name
         self.tokenizer, self.metrics = tokenizer, metrics
-        self.max_model_len, self.invariant = core.info.max_model_len, core.info.batch_invariant
+        info = core.info
+        self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
+        self.max_num_seqs = info.max_num_seqs
         self.shutting_down = False
         self.created = int(time.time())
 
@@ -63,43 +66,61 @@ class Server:
             raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
                            param="model", code="model_not_found")
 
+    def check_size(self, num_prompts: int, n: int, prompt_param: str) -> None:
+        """A request's sequences (prompts x n) must fit in one batch: they are added together, and
+        no request queues behind itself."""
+        num = num_prompts * n
+        if num > self.max_num_seqs:
+            raise ApiError(400, f"this request asks for {num} sequences ({num_prompts} prompt(s) x n={n}); a request "
+                                f"may ask for at most scheduler.max_num_seqs={self.max_num_seqs} (prompts x n), so that "
+                                "all of them fit in one batch", param="n" if n > self.max_num_seqs else prompt_param)
+
     async def start(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[asyncio.Queue, list[_Choice]]:
-        """Submit every (prompt ids, params) job, one per prompt (its ``params.n`` samples share one
-        prefill); the deltas of all samples arrive on one queue as (choice index, delta)."""
+        """Submit all (prompt ids, params) jobs in one message: the engine adds them together before
+        its next step. Job j's sample i is choice ``j * n + i``; every choice's deltas arrive on one
+        queue as (choice index, delta)."""
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
-        choices: list[_Choice] = []
-        for ids, params in jobs:
-            def emit(sample: int, delta: Delta, base: int = len(choices)) -> None:  # on the event loop
-                queue.put_nowait((base + sample, delta))
-            try:
-                rids = await asyncio.wrap_future(self.core.submit(ids, params, emit, aloop.call_soon_threadsafe))
-            except BiEngineError as e:
-                self.abort(choices)
-                if isinstance(e, Unavailable):
-                    raise ApiError(503, str(e), "service_unavailable") from None
-                raise ApiError(400, str(e), param="prompt" if isinstance(e, PromptTooLongError) else None) from None
-            choices += [_Choice(len(choices) + i, len(ids), rid) for i, rid in enumerate(rids)]
-        return queue, choices
+
+        def emit(choice: int, delta: Delta) -> None:  # on the event loop
+            queue.put_nowait((choice, delta))
+        try:
+            rids = await asyncio.wrap_future(self.core.submit(jobs, emit, aloop.call_soon_threadsafe))
+        except BiEngineError as e:
+            if isinstance(e, Unavailable):
+                raise ApiError(503, str(e), "service_unavailable") from None
+            raise ApiError(400, str(e), param="prompt" if isinstance(e, PromptTooLongError) else None) from None
+        n = jobs[0][1].n
+        return queue, [_Choice(i, len(jobs[i // n][0]), rid) for i, rid in enumerate(rids)]
 
     def abort(self, choices: list[_Choice]) -> None:
-        for c in choices:
-            if c.output is None:
-                self.core.abort(c.request_id)
+        self.core.abort([c.request_id for c in choices if c.output is None])
 
     async def wait(self, queue: asyncio.Queue, choices: list[_Choice], request: Request) -> None:
-        """Until every choice has finished; a client that goes away aborts its requests."""
-        while any(c.output is None for c in choices):
-            try:
-                index, delta = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
+        """Until every choice has finished; a client that goes away aborts them all at once."""
+        watcher = asyncio.create_task(_watch_disconnect(request, queue))
+        try:
+            while any(c.output is None for c in choices):
+                index, delta = await queue.get()
+                if delta is None:
                     self.abort(choices)
-                    return
-                continue
-            if delta.finished:
-                choices[index].output = delta.output
+                    raise ApiError(499, "the client closed the connection")  # an answer to no one
+                if delta.finished:
+                    choices[index].output = delta.output
+        finally:
+            watcher.cancel()
         _raise_errors(choices)
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Put ``_GONE`` on the queue when the client disconnects. The body has been read, so the
+    next ASGI message is the disconnect, delivered as soon as the server sees the socket close."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except OSError:
+        pass
+    queue.put_nowait(_GONE)
 
 
 def _raise_errors(choices: list[_Choice]) -> None:
@@ -143,9 +164,11 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
     server.check_model(req.model)
     tokenizer = server.tokenizer
     try:
-        prompts = [_encode(tokenizer, p) for p in req.prompts()]
+        texts = req.prompts()
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt") from None
+    server.check_size(len(texts), req.n, "prompt")
+    prompts = [_encode(tokenizer, p) for p in texts]
     jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens"), req.logprobs))
             for ids in prompts]
 
@@ -164,6 +187,7 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     tokenizer = server.tokenizer
     if tokenizer is None:
         raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
+    server.check_size(1, req.n, "messages")
     try:
         ids, turn_end = tokenizer.chat(req.conversation())
         num_logprobs = req.num_logprobs()

@@ -1,5 +1,5 @@
 """The HTTP process's handle on the engine process (``loop.py``): starts it, sends it adds and
-aborts, and hands each step's deltas to the streams that asked for them.
+aborts, and hands each step's deltas to the requests that asked for them.
 
 Two threads of this process touch the pipe: a sender (so a handler never blocks on a full pipe
 while the engine is inside a step) and a receiver (which turns one "out" message into one
@@ -46,9 +46,9 @@ class Unavailable(BiEngineError):
 
 @attrs.define(eq=False)
 class _Stream:
-    emit: Callable[[int, Delta], None]  # (sample index, delta)
+    emit: Callable[[int, Delta], None]  # (choice index, delta)
     post: Callable | None  # runs ``fn(items)`` on the consumer's thread; None: on the receiver thread
-    unfinished: set[int] = attrs.Factory(set)  # sample indices (known once the engine accepted the request)
+    unfinished: set[int] = attrs.Factory(set)  # choice indices (known once the engine accepted the request)
 
 
 def _deliver(items: list[tuple[Callable, int, Delta]]) -> None:
@@ -101,23 +101,28 @@ class EngineClient:
     def accepting(self) -> bool:
         return not self.stopping and self.failure is None
 
-    def submit(self, prompt, params, emit: Callable[[int, Delta], None], post: Callable | None = None) -> Future:
-        """Queue a request; the future resolves to the request ids of its ``params.n`` samples, or
-        to an error (RequestError / PromptTooLongError: a bad request; Unavailable: try later) so
-        the caller can answer before streaming anything. ``emit(sample_index, delta)`` reports each
-        sample's progress: on the receiver thread, or through ``post`` (e.g. an asyncio loop's
-        ``call_soon_threadsafe``) on the consumer's, one hand-over per consumer per engine step."""
+    def submit(self, jobs: list[tuple], emit: Callable[[int, Delta], None], post: Callable | None = None) -> Future:
+        """Queue a request of one or more ``(prompt, params)`` jobs, all in one message (the engine
+        adds them before its next step, all or none). Its choices are the jobs' samples in order
+        (job j's sample i is choice ``j * params.n + i``). The future resolves to the choices'
+        request ids, or to an error (RequestError / PromptTooLongError: a bad request;
+        Unavailable: try later) so the caller can answer before streaming anything.
+        ``emit(choice, delta)`` reports each choice's progress: on the receiver thread, or through
+        ``post`` (e.g. an asyncio loop's ``call_soon_threadsafe``) on the consumer's, one hand-over
+        per consumer per engine step."""
         fut: Future = Future()
         if not self.accepting:
             fut.set_exception(Unavailable(self.failure or "the server is shutting down"))
             return fut
         key = next(self._keys)
         self._futures[key], self._streams[key] = fut, _Stream(emit, post)
-        self._outbox.put(("add", key, prompt, params))
+        self._outbox.put(("add", key, jobs))
         return fut
 
-    def abort(self, request_id: int) -> None:
-        self._outbox.put(("abort", request_id))
+    def abort(self, request_ids: list[int]) -> None:
+        """Abort these requests, all before the engine's next step."""
+        if request_ids:
+            self._outbox.put(("abort", request_ids))
 
     def stop(self, timeout_s: float) -> None:
         """Refuse new requests, let the running ones finish within ``timeout_s``, abort the rest,
@@ -170,17 +175,17 @@ class EngineClient:
 
     def _hand_over(self, deltas: list[tuple]) -> None:
         batches: dict[Callable | None, list] = {}
-        for key, sample, *fields in deltas:
+        for key, choice, *fields in deltas:
             stream = self._streams.get(key)
             if stream is None:  # cannot happen unless the engine emits after a stream's last delta
                 log.error("engine output for an unknown stream %d dropped", key)
                 continue
             delta = Delta(*fields)
             if delta.finished:
-                stream.unfinished.discard(sample)
+                stream.unfinished.discard(choice)
                 if not stream.unfinished:
                     del self._streams[key]
-            batches.setdefault(stream.post, []).append((stream.emit, sample, delta))
+            batches.setdefault(stream.post, []).append((stream.emit, choice, delta))
         for post, items in batches.items():
             _deliver(items) if post is None else post(_deliver, items)
 

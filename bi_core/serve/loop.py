@@ -9,14 +9,15 @@ nothing but the loop, on the main thread that built the engine (torch's CPU thre
 to it). The pipe carries token ids, logprobs and the engine's incremental text: one message per
 step with every stream's delta, polled between steps (no thread in this process).
 
-Messages, HTTP -> engine: ``("add", key, prompt, params)``, ``("abort", request_id)``,
-``("stop", timeout_s)``. Engine -> HTTP: ``("ready", EngineInfo)`` or ``("error", message)`` once
-at start; ``("added", key, request_ids)`` or ``("refused", key, reason, message)`` per add;
-``("out", deltas, counts, failure)`` once per loop iteration that produced anything, a delta being
-``(key, sample_index, token_ids, logprobs, top_logprobs, text, output or None)``; ``("stopped",)``.
+Messages, HTTP -> engine: ``("add", key, [(prompt, params), ...])`` (one HTTP request's prompts),
+``("abort", [request_id, ...])``, ``("stop", timeout_s)``. Engine -> HTTP: ``("ready", EngineInfo)``
+or ``("error", message)`` once at start; ``("added", key, request_ids)`` (one per choice: each
+prompt's ``n`` samples in order) or ``("refused", key, reason, message)`` per add; ``("out", deltas,
+counts, failure)`` once per loop iteration that produced anything, a delta being ``(key, choice,
+token_ids, logprobs, top_logprobs, text, output or None)``; ``("stopped",)``.
 
-Requests join the running batch at the next step (continuous batching as in ``generate``); an abort
-frees the request's KV pages and state slot before the next step."""
+A request's prompts join the running batch together at the next step (continuous batching as in
+``generate``); an abort frees the requests' KV pages and state slots before the next step."""
 
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ class EngineInfo:
 
     max_model_len: int
     batch_invariant: bool
+    max_num_seqs: int
 
 
 @attrs.define(eq=False)
 class _Tracked:
     seq: Sequence
     key: int  # the HTTP side's id of the submission
+    choice: int  # which of the submission's choices (its prompts' samples, in order)
     tokens_sent: int = 0
     text_sent: int = 0
 
@@ -90,25 +93,35 @@ class EngineLoop:
         if kind == "add":
             self._add(*args)
         elif kind == "abort":
-            self._abort(args[0])
+            for rid in args[0]:
+                self._abort(rid)
         elif kind == "stop":
             self.stopping, self.deadline = True, time.monotonic() + args[0]
 
-    def _add(self, key: int, prompt, params) -> None:
+    def _add(self, key: int, jobs: list[tuple]) -> None:
+        """All of a request's prompts, or none of them."""
         if self.stopping or self.failure is not None:
             return self.channel.send(("refused", key, "unavailable", self.failure or "the server is shutting down"))
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             return self.channel.send(("refused", key, "unavailable",
                                       f"too many waiting requests ({self.max_waiting}); retry later"))
+        seqs: list[Sequence] = []
         try:
-            seq = self.engine.add_request(prompt, params, text=True)
+            for prompt, params in jobs:
+                seqs.append(self.engine.add_request(prompt, params, text=True))
         except BiEngineError as e:
+            for seq in seqs:  # not one step has run: the request leaves no trace
+                self.engine.abort(seq.request_id)
             reason = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid"
-            return self.channel.send(("refused", key, reason, str(e)))
-        for member in seq.group:  # the prompt's n samples, each its own stream
-            self.tracked[member.request_id] = _Tracked(member, key)
-        self.counter.counts.prompt_tokens += len(seq.prompt_ids)
-        self.channel.send(("added", key, [member.request_id for member in seq.group]))
+            where = f"prompt {len(seqs)}: " if len(jobs) > 1 else ""
+            return self.channel.send(("refused", key, reason, f"{where}{e}"))
+        ids = []
+        for seq in seqs:
+            for member in seq.group:  # the prompt's n samples, each its own choice
+                self.tracked[member.request_id] = _Tracked(member, key, len(ids))
+                ids.append(member.request_id)
+            self.counter.counts.prompt_tokens += len(seq.prompt_ids)
+        self.channel.send(("added", key, ids))
 
     def _abort(self, request_id: int) -> None:
         t = self.tracked.pop(request_id, None)
@@ -117,7 +130,7 @@ class EngineLoop:
         # a sample not yet forked was aborted with its leader: it still gets its last delta
         if self.engine.abort(request_id) or t.seq.finish_reason == "abort":
             self.counter.finished("abort")
-            self._out.append((t.key, t.seq.sample_index, [], [], [], "", self.engine.output_of(t.seq)))
+            self._out.append((t.key, t.choice, [], [], [], "", self.engine.output_of(t.seq)))
 
     def _step(self) -> None:
         before = sum(len(t.seq.output_ids) for t in self.tracked.values())
@@ -144,7 +157,7 @@ class EngineLoop:
             return
         text = seq.text.text if seq.text is not None else ""
         upto = len(text) if done or seq.text is None else seq.text.settled  # a stop string may still cut the rest
-        self._out.append((t.key, seq.sample_index, seq.output_ids[t.tokens_sent:new],
+        self._out.append((t.key, t.choice, seq.output_ids[t.tokens_sent:new],
                           seq.token_logprobs[t.tokens_sent:new],
                           seq.top_logprobs[t.tokens_sent:new] if seq.params.logprobs is not None else [],
                           text[t.text_sent:upto], self.engine.output_of(seq) if done else None))
@@ -179,7 +192,8 @@ def engine_main(config, channel) -> None:
         channel.send(("error", f"building the engine failed: {type(e).__name__}: {e}"))
         return
     try:
-        channel.send(("ready", EngineInfo(engine.max_model_len, engine.policy.batch_invariant)))
+        channel.send(("ready", EngineInfo(engine.max_model_len, engine.policy.batch_invariant,
+                                          config.scheduler.max_num_seqs)))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests).run()
     finally:
         engine.close()

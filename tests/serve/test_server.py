@@ -190,6 +190,19 @@ def idle(server) -> bool:
     return metric(server, "bi_requests_running") == 0 and metric(server, "bi_kv_pages_used") == 0
 
 
+@pytest.mark.parametrize("num_prompts,n", [(1, 16), (8, 2)])
+def test_non_streaming_client_disconnect_aborts_all_its_prompts(server, num_prompts, n):
+    """A client that stops waiting for a (non-streaming) response aborts every sequence of its
+    request at once, although the engine sends deltas at every step."""
+    before = aborted(server)
+    body = {"model": "tiny", "prompt": [[1 + i, 2, 3] for i in range(num_prompts)], "n": n, "max_tokens": 480,
+            "temperature": 0.8, "ignore_eos": True}  # 16 sequences x 480 tokens: seconds on any CPU
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1))
+    assert eventually(lambda: aborted(server) == before + 16, 5), aborted(server) - before
+    assert eventually(lambda: idle(server), 5)
+
+
 def test_gauges_follow_an_abort_on_an_idle_server(server):
     """An abort with nothing else running updates the gauges (no step has to follow it)."""
     before = aborted(server)
@@ -201,6 +214,24 @@ def test_gauges_follow_an_abort_on_an_idle_server(server):
     assert eventually(lambda: aborted(server) == before + 1, 10)
     assert eventually(lambda: idle(server), 2), (metric(server, "bi_requests_running"),
                                                  metric(server, "bi_kv_pages_used"))
+
+
+def test_a_requests_prompts_join_the_batch_in_one_step(server):
+    steps = metric(server, "bi_step_seconds_count")
+    r = client(server).completions.create(model="tiny", prompt=[[i, i + 1] for i in range(40)], max_tokens=1,
+                                          temperature=0)
+    assert sorted(c.index for c in r.choices) == list(range(40)) and r.usage.prompt_tokens == 80
+    assert metric(server, "bi_step_seconds_count") - steps <= 2  # one prefill step for all 40 (was one per prompt)
+
+
+def test_a_request_may_ask_for_at_most_max_num_seqs_sequences(server):
+    body = {"model": "tiny", "prompt": [[1, 2]] * 33, "n": 2, "max_tokens": 1}  # 66 sequences > 64
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt", r.text
+    assert "66 sequences" in err["message"] and "scheduler.max_num_seqs=64" in err["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [[1, 2]] * 32}, headers=AUTH)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 64
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
