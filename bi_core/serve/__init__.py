@@ -14,6 +14,11 @@ from pathlib import Path
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
 
+# uvicorn's own limit on a graceful exit, beyond serve.shutdown_timeout_s: by then the engine has
+# aborted what was left and every handler has answered, so uvicorn never cancels one (a cancelled
+# handler answers a plain-text 500, or cuts its stream, and logs a traceback)
+SHUTDOWN_GRACE_S = 10
+
 
 def model_name_for(config: EngineConfig) -> str:
     """The id clients send as ``model``: serve.model_name, else the checkpoint directory's or the
@@ -27,8 +32,8 @@ def model_name_for(config: EngineConfig) -> str:
 
 def run_server(config: EngineConfig) -> int:
     """Start the engine process, serve until SIGTERM/SIGINT, then stop accepting, let in-flight
-    requests finish within serve.shutdown_timeout_s (uvicorn's graceful exit), abort what is
-    left, stop the engine process and return 0."""
+    requests finish within serve.shutdown_timeout_s, abort what is left (each answers an
+    OpenAI-shaped error), stop the engine process and return 0."""
     try:
         import uvicorn
 
@@ -49,10 +54,12 @@ def run_server(config: EngineConfig) -> int:
         class Uvicorn(uvicorn.Server):
             @contextlib.contextmanager
             def capture_signals(self):
-                """SIGTERM/SIGINT: refuse new work, then uvicorn's graceful exit; unlike uvicorn's own,
-                the signal is not raised again afterwards (we exit 0 once everything stopped)."""
+                """SIGTERM/SIGINT: refuse new work, start the engine's shutdown deadline, then uvicorn's
+                graceful exit; unlike uvicorn's own, the signal is not raised again afterwards (we exit
+                0 once everything stopped)."""
                 def on_signal(sig, frame) -> None:
                     server.shutting_down = True
+                    core.drain(s.shutdown_timeout_s)
                     self.handle_exit(sig, frame)
 
                 previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -63,7 +70,7 @@ def run_server(config: EngineConfig) -> int:
                         signal.signal(sig, handler)
 
         uv = Uvicorn(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
-                                    timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s))))
+                                    timeout_graceful_shutdown=int(s.shutdown_timeout_s) + SHUTDOWN_GRACE_S))
         uv.run()
     finally:  # uvicorn ended (shut down, or never started: port taken): end the engine process too
         core.stop(0.0)

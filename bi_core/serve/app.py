@@ -109,7 +109,9 @@ class Server:
                     choices[index].output = delta.output
         finally:
             watcher.cancel()
-        _raise_errors(choices)
+        for c in choices:
+            if (failure := _failure(c.output)) is not None:
+                raise failure
 
 
 async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
@@ -123,10 +125,13 @@ async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
     queue.put_nowait(_GONE)
 
 
-def _raise_errors(choices: list[_Choice]) -> None:
-    failed = next((c.output for c in choices if c.output is not None and c.output.finish_reason == "error"), None)
-    if failed is not None:
-        raise ApiError(500, failed.error or "the engine failed", "server_error")
+def _failure(o: RequestOutput) -> ApiError | None:
+    """The error a choice ended with: the engine failed, or the server shut down before it finished."""
+    if o.finish_reason == "error":
+        return ApiError(500, o.error or "the engine failed", "server_error")
+    if o.finish_reason == "abort":
+        return ApiError(503, o.error or "the request was aborted", "service_unavailable")
+    return None
 
 
 def _max_new_tokens(server: Server, ids: list[int], requested: int | None, param: str) -> int:
@@ -248,8 +253,8 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, r
                 c = choices[index]
                 if delta.finished:
                     c.output = delta.output
-                    if c.output.finish_reason == "error":
-                        yield _sse(formats.error_body(c.output.error or "the engine failed", "server_error"))
+                    if (failure := _failure(c.output)) is not None:  # an error event, then [DONE]
+                        yield _sse(failure.body)
                         break
                 if delta.text or delta.finished or (delta.token_ids and req.logprobs):
                     yield _sse(chunk(c.index, delta, delta.text, c.output.finish_reason if c.output else None,

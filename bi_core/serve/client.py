@@ -124,13 +124,19 @@ class EngineClient:
         if request_ids:
             self._outbox.put(("abort", request_ids))
 
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; the engine aborts those still unfinished ``timeout_s`` from now
+        (their last delta carries the reason) and then ends. Safe in a signal handler."""
+        self.stopping = True
+        self._outbox.put(("stop", timeout_s))
+
     def stop(self, timeout_s: float) -> None:
         """Refuse new requests, let the running ones finish within ``timeout_s``, abort the rest,
         and wait for the engine process to end."""
-        self.stopping = True
         if self.proc.is_alive():
-            self._outbox.put(("stop", timeout_s))
+            self.drain(timeout_s)
             self._stopped.wait(timeout_s + 120)
+        self.stopping = True
         self._outbox.put(None)
         self.proc.join(60)
         if self.proc.is_alive():
@@ -169,7 +175,10 @@ class EngineClient:
                 self._streams.pop(key, None)
                 error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError}.get(reason, Unavailable)
                 self._futures.pop(key).set_exception(error(message))
-            elif kind == "stopped":
+            elif kind == "stopped":  # an add sent after the engine's loop ended gets no answer: refuse it here
+                for key in list(self._futures):
+                    self._streams.pop(key, None)
+                    self._futures.pop(key).set_exception(Unavailable("the server is shutting down"))
                 self._stopped.set()
                 return
 

@@ -17,7 +17,8 @@ counts, failure)`` once per loop iteration that produced anything, a delta being
 token_ids, logprobs, top_logprobs, text, output or None)``; ``("stopped",)``.
 
 A request's prompts join the running batch together at the next step (continuous batching as in
-``generate``); an abort frees the requests' KV pages and state slots before the next step."""
+``generate``); an abort frees the requests' KV pages and state slots before the next step. After
+"stop", what is still unfinished at the deadline is aborted, each with a last delta saying why."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class EngineLoop:
         self.counter = StepCounter()
         self.stopping = False
         self.deadline = 0.0
+        self.shutdown_timeout_s = 0.0
         self.failure: str | None = None  # set when a step raised: the engine may be unusable
         self._out: list[tuple] = []
 
@@ -72,8 +74,7 @@ class EngineLoop:
             busy = self.engine.scheduler.has_work() and self.failure is None
             self._drain(0.0 if busy else IDLE_WAIT_S)
             if self.stopping and (not self.tracked or time.monotonic() >= self.deadline):
-                for rid in list(self.tracked):
-                    self._abort(rid)
+                self._abort_at_shutdown()
                 self._flush()
                 return
             if self.engine.scheduler.has_work() and self.failure is None:
@@ -96,7 +97,10 @@ class EngineLoop:
             for rid in args[0]:
                 self._abort(rid)
         elif kind == "stop":
-            self.stopping, self.deadline = True, time.monotonic() + args[0]
+            deadline = time.monotonic() + args[0]
+            if not self.stopping or deadline < self.deadline:
+                self.deadline, self.shutdown_timeout_s = deadline, args[0]
+            self.stopping = True
 
     def _add(self, key: int, jobs: list[tuple]) -> None:
         """All of a request's prompts, or none of them."""
@@ -123,14 +127,24 @@ class EngineLoop:
             self.counter.counts.prompt_tokens += len(seq.prompt_ids)
         self.channel.send(("added", key, ids))
 
-    def _abort(self, request_id: int) -> None:
+    def _abort(self, request_id: int, error: str | None = None) -> None:
         t = self.tracked.pop(request_id, None)
         if t is None:
             return
         # a sample not yet forked was aborted with its leader: it still gets its last delta
         if self.engine.abort(request_id) or t.seq.finish_reason == "abort":
             self.counter.finished("abort")
-            self._out.append((t.key, t.choice, [], [], [], "", self.engine.output_of(t.seq)))
+            out = self.engine.output_of(t.seq)
+            self._out.append((t.key, t.choice, [], [], [], "", attrs.evolve(out, error=error) if error else out))
+
+    def _abort_at_shutdown(self) -> None:
+        if not self.tracked:
+            return
+        why = f"the server shut down before this request finished (serve.shutdown_timeout_s={self.shutdown_timeout_s:g})"
+        log.warning("shutting down: %d unfinished request(s) aborted after serve.shutdown_timeout_s=%g s",
+                    len(self.tracked), self.shutdown_timeout_s)
+        for rid in list(self.tracked):
+            self._abort(rid, why)
 
     def _step(self) -> None:
         before = sum(len(t.seq.output_ids) for t in self.tracked.values())
