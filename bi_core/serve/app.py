@@ -13,29 +13,22 @@ from contextlib import asynccontextmanager
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bi_core.config import ServeConfig
-from bi_core.errors import BiEngineError, CheckpointError, PromptTooLongError, RequestError
+from bi_core.errors import CheckpointError, PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import formats
-from bi_core.serve.client import Delta, EngineClient, Unavailable
+from bi_core.serve.client import Delta, EngineClient, Overloaded, Unavailable
+from bi_core.serve.errors import ApiError, error_response, install_error_handlers
 from bi_core.serve.metrics import Metrics
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 INVARIANT_HEADER = "X-Batch-Invariant"
+RETRY_AFTER_S = 1  # overloaded: the engine admits waiting requests at every step
 _GONE = (-1, None)  # what a request's queue gets when its client disconnects
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, formats.error_body(message, type_, param, code)
 
 
 @attrs.define(eq=False)
@@ -57,7 +50,7 @@ class Server:
         self.tokenizer, self.metrics = tokenizer, metrics
         info = core.info
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
-        self.max_num_seqs = info.max_num_seqs
+        self.vocab_size, self.max_num_seqs = info.vocab_size, info.max_num_seqs
         self.shutting_down = False
         self.created = int(time.time())
 
@@ -75,7 +68,8 @@ class Server:
                                 f"may ask for at most scheduler.max_num_seqs={self.max_num_seqs} (prompts x n), so that "
                                 "all of them fit in one batch", param="n" if n > self.max_num_seqs else prompt_param)
 
-    async def start(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[asyncio.Queue, list[_Choice]]:
+    async def start(self, jobs: list[tuple[list[int], SamplingParams]],
+                    prompt_param: str) -> tuple[asyncio.Queue, list[_Choice]]:
         """Submit all (prompt ids, params) jobs in one message: the engine adds them together before
         its next step. Job j's sample i is choice ``j * n + i``; every choice's deltas arrive on one
         queue as (choice index, delta)."""
@@ -86,10 +80,14 @@ class Server:
             queue.put_nowait((choice, delta))
         try:
             rids = await asyncio.wrap_future(self.core.submit(jobs, emit, aloop.call_soon_threadsafe))
-        except BiEngineError as e:
-            if isinstance(e, Unavailable):
-                raise ApiError(503, str(e), "service_unavailable") from None
-            raise ApiError(400, str(e), param="prompt" if isinstance(e, PromptTooLongError) else None) from None
+        except Overloaded as e:
+            raise ApiError(503, str(e), "service_unavailable", retry_after_s=RETRY_AFTER_S) from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+        except PromptTooLongError as e:
+            raise ApiError(400, str(e), param=prompt_param) from None
+        except RequestError as e:  # all the HTTP side leaves to the engine: whether n samples fit at once
+            raise ApiError(400, str(e), param="n" if jobs[0][1].n > 1 else prompt_param) from None
         n = jobs[0][1].n
         return queue, [_Choice(i, len(jobs[i // n][0]), rid) for i, rid in enumerate(rids)]
 
@@ -134,23 +132,29 @@ def _failure(o: RequestOutput) -> ApiError | None:
     return None
 
 
-def _max_new_tokens(server: Server, ids: list[int], requested: int | None, param: str) -> int:
+def _max_new_tokens(server: Server, ids: list[int], requested: int | None, param: str, prompt_param: str) -> int:
     room = server.max_model_len - len(ids)
     if room < 1:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                            f"{server.max_model_len} tokens including at least one generated token", param="prompt")
+                            f"{server.max_model_len} tokens including at least one generated token",
+                       param=prompt_param)
     if requested is not None and requested > room:
         raise ApiError(400, f"this model's maximum context length is {server.max_model_len} tokens; the prompt has "
                             f"{len(ids)} and {param} is {requested}", param=param)
     return requested if requested is not None else room
 
 
-def _encode(tokenizer: Tokenizer | None, prompt: str | list[int]) -> list[int]:
+def _encode(server: Server, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
-        return prompt
-    if tokenizer is None:
+        bad = [t for t in prompt if not 0 <= t < server.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt has token ids outside the vocabulary [0, {server.vocab_size}): {bad[:5]}",
+                           param="prompt")
+        ids = prompt
+    elif server.tokenizer is None:
         raise ApiError(400, "text prompts need a tokenizer; this checkpoint has none: send token ids", param="prompt")
-    ids = tokenizer.encode(prompt)
+    else:
+        ids = server.tokenizer.encode(prompt)
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt")
     return ids
@@ -173,9 +177,12 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt") from None
     server.check_size(len(texts), req.n, "prompt")
-    prompts = [_encode(tokenizer, p) for p in texts]
-    jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens"), req.logprobs))
-            for ids in prompts]
+    if req.stop and tokenizer is None:
+        raise ApiError(400, "stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)",
+                       param="stop")
+    prompts = [_encode(server, p) for p in texts]
+    jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens", "prompt"),
+                                      req.logprobs)) for ids in prompts]
 
     def choice(c: _Choice) -> dict:
         o = c.output
@@ -192,15 +199,18 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     tokenizer = server.tokenizer
     if tokenizer is None:
         raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
+    try:
+        num_logprobs = req.num_logprobs()
+    except ValueError as e:
+        raise ApiError(400, str(e), param="top_logprobs") from None
     server.check_size(1, req.n, "messages")
     try:
         ids, turn_end = tokenizer.chat(req.conversation())
-        num_logprobs = req.num_logprobs()
     except (ValueError, CheckpointError) as e:
         raise ApiError(400, str(e), param="messages") from None
     limit = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    new_tokens = _max_new_tokens(server, ids, limit, param)
+    new_tokens = _max_new_tokens(server, ids, limit, param, "messages")
     params = req.sampling_params(new_tokens, num_logprobs)
     jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end))]
 
@@ -216,7 +226,7 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
 
 async def _respond(server: Server, req, request: Request, jobs: list, choice, *, chat: bool):
     """Run the jobs; a stream of chunks, or one response whose choices ``choice`` formats."""
-    queue, choices = await server.start(jobs)
+    queue, choices = await server.start(jobs, "messages" if chat else "prompt")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         return _stream(server, queue, choices, req, rid, chat=chat)
@@ -284,7 +294,7 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     app = FastAPI(title="bi-engine", lifespan=lifespan)
     app.state.server = server
     _install_middleware(app, server)
-    _install_error_handlers(app)
+    install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
 
     @app.get("/health")
     async def health():
@@ -319,43 +329,13 @@ def _install_middleware(app: FastAPI, server: Server) -> None:
         if request.url.path.startswith("/v1/"):
             key = server.config.api_key
             if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-                response = _error(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                           "authentication_error", code="invalid_api_key"))
+                response = error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                                   "authentication_error", code="invalid_api_key"))
             elif server.shutting_down and request.method == "POST":
-                response = _error(ApiError(503, "the server is shutting down", "service_unavailable"))
+                response = error_response(ApiError(503, "the server is shutting down", "service_unavailable"))
             else:
                 response = await call_next(request)
         else:
             response = await call_next(request)
         response.headers[INVARIANT_HEADER] = "true" if server.invariant else "false"
         return response
-
-
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body, status_code=e.status)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError):
-        return _error(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        if err.get("type") == "json_invalid":
-            return _error(ApiError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'parse error')}"))
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if not loc:  # the body as a whole: not an object (or not sent as JSON)
-            return _error(ApiError(400, "the request body must be a JSON object (Content-Type: application/json); "
-                                        f"{err.get('msg', 'invalid body')}"))
-        param = loc[0]
-        return _error(ApiError(400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}", param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        return _error(ApiError(e.status_code, str(e.detail), "invalid_request_error"))
-
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, e: RequestError):
-        return _error(ApiError(400, str(e)))

@@ -41,7 +41,11 @@ class Delta:
 
 
 class Unavailable(BiEngineError):
-    """The engine takes no new requests (shutting down, failed, or too many waiting)."""
+    """The engine takes no new requests (shutting down, or failed)."""
+
+
+class Overloaded(Unavailable):
+    """Too many requests wait for admission: worth retrying soon."""
 
 
 @attrs.define(eq=False)
@@ -106,7 +110,7 @@ class EngineClient:
         adds them before its next step, all or none). Its choices are the jobs' samples in order
         (job j's sample i is choice ``j * params.n + i``). The future resolves to the choices'
         request ids, or to an error (RequestError / PromptTooLongError: a bad request;
-        Unavailable: try later) so the caller can answer before streaming anything.
+        Overloaded / Unavailable: try later) so the caller can answer before streaming anything.
         ``emit(choice, delta)`` reports each choice's progress: on the receiver thread, or through
         ``post`` (e.g. an asyncio loop's ``call_soon_threadsafe``) on the consumer's, one hand-over
         per consumer per engine step."""
@@ -173,7 +177,8 @@ class EngineClient:
             elif kind == "refused":
                 _, key, reason, message = msg
                 self._streams.pop(key, None)
-                error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError}.get(reason, Unavailable)
+                error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError,
+                         "overloaded": Overloaded}.get(reason, Unavailable)
                 self._futures.pop(key).set_exception(error(message))
             elif kind == "stopped":  # an add sent after the engine's loop ended gets no answer: refuse it here
                 for key in list(self._futures):

@@ -43,6 +43,7 @@ class EngineInfo:
 
     max_model_len: int
     batch_invariant: bool
+    vocab_size: int
     max_num_seqs: int
 
 
@@ -107,7 +108,7 @@ class EngineLoop:
         if self.stopping or self.failure is not None:
             return self.channel.send(("refused", key, "unavailable", self.failure or "the server is shutting down"))
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
-            return self.channel.send(("refused", key, "unavailable",
+            return self.channel.send(("refused", key, "overloaded",
                                       f"too many waiting requests ({self.max_waiting}); retry later"))
         seqs: list[Sequence] = []
         try:
@@ -206,7 +207,7 @@ def engine_main(config, channel) -> None:
         channel.send(("error", f"building the engine failed: {type(e).__name__}: {e}"))
         return
     try:
-        channel.send(("ready", EngineInfo(engine.max_model_len, engine.policy.batch_invariant,
+        channel.send(("ready", EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
                                           config.scheduler.max_num_seqs)))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests).run()
     finally:

@@ -1,6 +1,7 @@
 """OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos) and the
 mapping to SamplingParams. Validation errors name the field; unknown fields are refused, so a
-misspelled parameter never silently does nothing."""
+misspelled parameter never silently does nothing; types are strict as OpenAI's are
+(``"max_tokens": "8"`` and ``"stream": "yes"`` are refused; an int is a float)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from bi_core.runtime.sequence import SamplingParams
 
 MAX_N = 128
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Parameters both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -95,19 +97,21 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = ""
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        if isinstance(v, list) and any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
+            raise ValueError("only text content parts are supported ([{\"type\": \"text\", \"text\": ...}])")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-                parts.append(part["text"])
-            return "".join(parts)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -122,6 +126,7 @@ class ChatCompletionRequest(_Common):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
     def num_logprobs(self) -> int | None:
+        """Raises ValueError (about ``top_logprobs``) when top_logprobs comes without logprobs."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,4 +1,4 @@
-"""A server's edges: SIGTERM past serve.shutdown_timeout_s."""
+"""A server's edges: overload, and SIGTERM past serve.shutdown_timeout_s."""
 
 from __future__ import annotations
 
@@ -9,6 +9,23 @@ import threading
 from conftest import CONFIG, ServerProcess, eventually, httpx, metric
 
 LONG = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+def test_overload_is_503_with_retry_after(tmp_path):
+    """One running request, one waiting (serve.max_waiting_requests 1): the next one is refused
+    with a Retry-After, as a busy server should."""
+    s = ServerProcess(tmp_path, config=CONFIG.replace("max_num_seqs: 64", "max_num_seqs: 1").replace(
+        "shutdown_timeout_s: 20", "shutdown_timeout_s: 20, max_waiting_requests: 1"))
+    try:
+        url = f"{s.url}/v1/completions"
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as running:
+            with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as waiting:
+                assert running.status_code == waiting.status_code == 200
+                r = httpx.post(url, json=LONG, timeout=60)
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.headers)
+        assert r.json()["error"]["type"] == "service_unavailable" and "waiting" in r.json()["error"]["message"]
+    finally:
+        assert s.stop() == 0
 
 
 def test_sigterm_past_the_shutdown_timeout_answers_every_request(tmp_path):

@@ -103,20 +103,54 @@ def test_stop_strings_and_token_id_prompts(server):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "temperature": 2.5}, 400, "temperature"),  # OpenAI's range is 0..2
     ({"model": "other", "prompt": "x"}, 404, "model"),
     ({"model": "tiny", "prompt": "x" * 600}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": [999]}, 400, None),
+    ({"model": "tiny", "prompt": [999]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [[1, 2], []]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1.5]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "temprature": 0.5}, 400, "temprature"),
     ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
     ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 65}, 400, "n"),  # more samples than scheduler.max_num_seqs
     ({"model": "tiny", "prompt": []}, 400, "prompt"),
+    # strict types, as OpenAI's: no strings for numbers or booleans, no booleans for numbers
+    ({"model": "tiny", "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [1, "2"]}, 400, "stop_token_ids[1]"),
+    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
 ])
 def test_completion_errors(server, body, status, param):
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH)
     err = r.json()["error"]
-    assert r.status_code == status and err["param"] == param and err["message"] and err["type"]
+    assert r.status_code == status and err["param"] == param and err["message"] and err["type"], r.text
     assert r.headers["x-batch-invariant"] == "false"
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}]}, "messages[1].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),  # longer than max_model_len
+    ({"n": 65}, "n"),
+    ({"max_completion_tokens": "8"}, "max_completion_tokens"),
+])
+def test_chat_errors_name_the_parameter(server, fields, param):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], **fields}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_ints_are_floats_and_temperature_2_is_allowed(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 2, "top_p": 1, "seed": 3})
+    assert r.status_code == 200, r.text
 
 
 def test_metric_fails_on_a_metric_the_server_does_not_export(server):

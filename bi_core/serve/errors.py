@@ -1,0 +1,98 @@
+"""OpenAI-shaped errors: ``ApiError``, the ``param`` a validation error names (OpenAI's
+``messages[0].content`` form), and the app's exception handlers."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from bi_core.errors import RequestError
+from bi_core.serve import formats
+
+
+class ApiError(Exception):
+    """An error answer: status, OpenAI's error object, and a ``Retry-After`` when retrying helps."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, formats.error_body(message, type_, param, code)
+        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The request model a field holds: itself, optional, or in a list; None for anything else."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if not args:
+        return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return _model_in(args[0]) if len(args) == 1 else None
+
+
+def param_of(model: type[BaseModel] | None, loc: Sequence[str | int]) -> tuple[str | None, str | None]:
+    """OpenAI's ``param`` for a pydantic error at ``loc`` (without "body"), and the union member
+    it is about when the field takes several forms (pydantic puts the member's name in ``loc``,
+    e.g. ``("prompt", "list[int]", 0)``; the param is then the field, ``prompt``)."""
+    if model is None:
+        return str(loc[0]), None
+    param, current = "", model
+    for x in loc:
+        if isinstance(x, int):
+            param += f"[{x}]"
+        elif current is None:  # below a field that is no model: the name of a union member
+            return param or None, x
+        else:
+            param += f".{x}" if param else x
+            field = current.model_fields.get(x)
+            if field is None:  # a field the model does not have (refused as extra)
+                break
+            current = _model_in(field.annotation)
+    return param or None, None
+
+
+def validation_error(model: type[BaseModel] | None, errors: list[dict]) -> ApiError:
+    err = errors[0] if errors else {}
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'parse error')}")
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    if not loc:  # the body as a whole: not an object (or not sent as JSON)
+        return ApiError(400, "the request body must be a JSON object (Content-Type: application/json); "
+                             f"{err.get('msg', 'invalid body')}")
+    param, member = param_of(model, loc)
+    if member is None:
+        return ApiError(400, f"{param}: {err.get('msg', 'invalid value')}", param=param)
+    forms = []  # every member's error names the member: list them all
+    for e in errors:
+        p, m = param_of(model, [x for x in e.get("loc", ()) if x != "body"])
+        if p == param and m is not None and m not in forms:
+            forms.append(m)
+    return ApiError(400, f"{param}: invalid value; expected one of: {', '.join(forms)}", param=param)
+
+
+def install_error_handlers(app: FastAPI, models: dict[str, type[BaseModel]]) -> None:
+    """``models``: the request model of each route path (to name a validation error's param)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        return error_response(validation_error(models.get(request.url.path), list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return error_response(ApiError(e.status_code, str(e.detail), "invalid_request_error"))
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError):
+        return error_response(ApiError(400, str(e)))
