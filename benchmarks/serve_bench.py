@@ -7,7 +7,7 @@
       config), side by side. One engine at a time, so a 35B model fits one GPU.
   python3 benchmarks/serve_bench.py invariance CONFIG [--others 255]
       One request alone, then among 255 concurrent others (random lengths, arriving together),
-      through HTTP: tokens and logprobs must be bitwise equal (exit 1 if not).
+      through HTTP: token ids and logprobs must be bitwise equal (exit 1 if not).
 
 Random token-id prompts (random-weight presets have no tokenizer)."""
 
@@ -156,6 +156,25 @@ def cmd_load(args) -> int:
     return 0
 
 
+def needle_body(model: str, request: dict) -> dict:
+    """A needle's completion request: logprobs of the sampled tokens, which are named by id."""
+    return {"model": model, "max_tokens": 32, "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True,
+            **request}
+
+
+def outcome(response: dict) -> tuple[list[int], list[float]]:
+    """A needle's token ids and logprobs: ids, since different tokens may read the same (partial
+    UTF-8 bytes all read "\ufffd")."""
+    lp = response["choices"][0]["logprobs"]
+    ids = []
+    for name in lp["tokens"]:
+        prefix, _, number = name.partition(":")
+        if prefix != "token_id" or not number.isdigit():
+            raise SystemExit(f"the server named a token {name!r}, not 'token_id:<id>'")
+        ids.append(int(number))
+    return ids, lp["token_logprobs"]
+
+
 def cmd_invariance(args) -> int:
     from bi_core import EngineConfig
     from bi_core.runtime.engine import resolve_model
@@ -164,14 +183,11 @@ def cmd_invariance(args) -> int:
     rng = random.Random(1)
     needles = [dict(prompt=p, temperature=t, seed=7) for p in _prompts(4, 300, vocab, 5) for t in (0.0, 0.8)]
     with Served(args.config) as s:
-        def body(r):
-            return {"model": s.model, "max_tokens": 32, "logprobs": 1, "ignore_eos": True, **r}
-
         async def run(batch):
             async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(batch) + 8)) as c:
-                outs = await asyncio.gather(*(c.post(f"{s.url}/v1/completions", json=body(r)) for r in batch))
-            return [(o.json()["choices"][0]["logprobs"]["tokens"], o.json()["choices"][0]["logprobs"]["token_logprobs"],
-                     o.headers["x-batch-invariant"]) for o in outs]
+                outs = await asyncio.gather(*(c.post(f"{s.url}/v1/completions", json=needle_body(s.model, r))
+                                              for r in batch))
+            return [(*outcome(o.json()), o.headers["x-batch-invariant"]) for o in outs]
 
         bad = 0
         for i, needle in enumerate(needles):

@@ -186,8 +186,8 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
 
     def choice(c: _Choice) -> dict:
         o = c.output
-        lp = (formats.completion_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [], 0)
-              if req.logprobs is not None else None)
+        lp = (formats.completion_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [], 0,
+                                          req.return_tokens_as_token_ids) if req.logprobs is not None else None)
         return {"index": c.index, "text": o.text or "", "logprobs": lp, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason}
 
@@ -217,7 +217,7 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     def choice(c: _Choice) -> dict:
         o = c.output
         lp = (formats.chat_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
-                                    req.top_logprobs or 0) if req.logprobs else None)
+                                    req.top_logprobs or 0, req.return_tokens_as_token_ids) if req.logprobs else None)
         return {"index": c.index, "message": {"role": "assistant", "content": o.text or ""}, "logprobs": lp,
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
@@ -237,16 +237,16 @@ async def _respond(server: Server, req, request: Request, jobs: list, choice, *,
 
 def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, rid: str, chat: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
-    tok = server.tokenizer
+    tok, as_ids = server.tokenizer, req.return_tokens_as_token_ids
 
     def chunk(index: int, delta: Delta | None, text: str, finish: str | None, offset: int) -> dict:
         if chat:
-            lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0)
-                  if req.logprobs and delta is not None and delta.token_ids else None)
+            lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0,
+                                        as_ids) if req.logprobs and delta is not None and delta.token_ids else None)
             body = {"index": index, "delta": {"content": text} if text or delta is None else {}, "logprobs": lp,
                     "finish_reason": finish}
         else:
-            lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
+            lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, offset, as_ids)
                   if req.logprobs is not None and delta is not None and delta.token_ids else None)
             body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         return formats.envelope(kind, rid, server.model_name, [body])

@@ -25,25 +25,30 @@ def token_text(tokenizer: Tokenizer | None, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
 
+def token_name(tokenizer: Tokenizer | None, token: int, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or with ``as_ids`` (vLLM's return_tokens_as_token_ids)
+    ``token_id:<id>``, which tells apart tokens of the same text (e.g. partial UTF-8 bytes)."""
+    return f"token_id:{token}" if as_ids else token_text(tokenizer, token)
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]],
-                        offset: int) -> dict:
+                        offset: int, as_ids: bool = False) -> dict:
     """The legacy completions format; ``offset``: characters of text before these tokens."""
-    tokens = [token_text(tokenizer, t) for t in token_ids]
     offsets = []
-    for t in tokens:
+    for t in token_ids:
         offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{token_text(tokenizer, i): lp for i, lp in top.items()} for top in tops] if tops else None,
-            "text_offset": offsets}
+        offset += len(token_text(tokenizer, t))
+    return {"tokens": [token_name(tokenizer, t, as_ids) for t in token_ids], "token_logprobs": list(logprobs),
+            "top_logprobs": [{token_name(tokenizer, i, as_ids): lp for i, lp in top.items()} for top in tops]
+            if tops else None, "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]],
-                  num_top: int) -> dict:
+                  num_top: int, as_ids: bool = False) -> dict:
     def entry(token: int, lp: float) -> dict:
         text = token_text(tokenizer, token)
         raw = tokenizer.token_bytes(token) if tokenizer is not None else text.encode("utf-8")
-        return {"token": text, "logprob": lp, "bytes": list(raw)}
+        return {"token": token_name(tokenizer, token, as_ids), "logprob": lp, "bytes": list(raw)}
 
     content = []
     for i, (token, lp) in enumerate(zip(token_ids, logprobs)):

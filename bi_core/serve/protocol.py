@@ -1,7 +1,7 @@
-"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos) and the
-mapping to SamplingParams. Validation errors name the field; unknown fields are refused, so a
-misspelled parameter never silently does nothing; types are strict as OpenAI's are
-(``"max_tokens": "8"`` and ``"stream": "yes"`` are refused; an int is a float)."""
+"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos,
+return_tokens_as_token_ids) and the mapping to SamplingParams. Validation errors name the field;
+unknown fields are refused, so a misspelled parameter never silently does nothing; types are strict
+as OpenAI's are (``"max_tokens": "8"`` and ``"stream": "yes"`` are refused; an int is a float)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens 'token_id:<id>' (vLLM)")
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

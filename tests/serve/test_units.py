@@ -1,11 +1,25 @@
-"""The server's pieces that need no server: the param an error names."""
+"""The server's pieces: error params, and serve_bench's invariance check (with one live request
+for the token-id names it relies on)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
+from conftest import API_KEY, httpx
 
 from bi_core.serve.errors import param_of
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_bench():
+    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "benchmarks" / "serve_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("model,loc,expected", [
@@ -20,3 +34,26 @@ from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 def test_param_of_names_the_field_as_openai_does(model, loc, expected):
     assert param_of(model, loc) == expected
 
+
+def test_serve_bench_invariance_compares_token_ids():
+    bench = _serve_bench()
+
+    def response(names: list[str]) -> dict:
+        return {"choices": [{"logprobs": {"tokens": names, "token_logprobs": [-1.0] * len(names)}}]}
+
+    # two different byte tokens that both read "\ufffd": same text, different ids
+    assert bench.outcome(response(["token_id:200", "token_id:7"])) == ([200, 7], [-1.0, -1.0])
+    assert bench.outcome(response(["token_id:200"])) != bench.outcome(response(["token_id:201"]))
+    with pytest.raises(SystemExit, match="not 'token_id"):
+        bench.outcome(response(["\ufffd"]))  # a server that names tokens by text cannot pass
+
+
+def test_serve_bench_needles_get_token_ids_from_the_server(server):
+    bench = _serve_bench()
+    body = bench.needle_body("tiny", {"prompt": [1, 2, 3], "temperature": 0.8, "seed": 7})
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    ids, logprobs = bench.outcome(r.json())
+    assert len(ids) == len(logprobs) == 32 and all(0 <= t < 256 for t in ids)
+    top = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(f"token_id:{t}" in entry for t, entry in zip(ids, top))  # the sampled token is among them
