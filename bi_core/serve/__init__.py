@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 from pathlib import Path
 
 from bi_core.config import EngineConfig
@@ -30,6 +31,25 @@ def model_name_for(config: EngineConfig) -> str:
     return config.model.random.preset
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail early, before the engine is built, when the address cannot be bound. Binds as uvicorn's
+    server will (asyncio's create_server: every address of the host, SO_REUSEADDR so only a
+    listening socket is in the way, IPv6 sockets IPv6-only), then lets go."""
+    if port == 0:
+        return
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as e:
+        raise BiEngineError(f"cannot serve on {host}:{port}: {e.strerror or e} (serve.host / serve.port, "
+                            "--host / --port)") from None
+
+
 def run_server(config: EngineConfig) -> int:
     """Start the engine process, serve until SIGTERM/SIGINT, then stop accepting, let in-flight
     requests finish within serve.shutdown_timeout_s, abort what is left (each answers an
@@ -44,9 +64,10 @@ def run_server(config: EngineConfig) -> int:
     from bi_core.serve.client import EngineClient
     from bi_core.serve.metrics import Metrics
 
+    s = config.serve
+    check_port(s.host, s.port)
     metrics = Metrics()
     core = EngineClient(config, metrics)  # returns once the engine is built and warmed up
-    s = config.serve
     try:
         app = create_app(core, s, model_name_for(config), tokenizer_for(config.model), metrics)
         server = app.state.server
@@ -71,7 +92,11 @@ def run_server(config: EngineConfig) -> int:
 
         uv = Uvicorn(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
                                     timeout_graceful_shutdown=int(s.shutdown_timeout_s) + SHUTDOWN_GRACE_S))
-        uv.run()
+        try:
+            uv.run()
+        except SystemExit:  # uvicorn's exit when it cannot start (the port was taken since check_port)
+            if uv.started:
+                raise
     finally:  # uvicorn ended (shut down, or never started: port taken): end the engine process too
         core.stop(0.0)
     if not uv.started:

@@ -1,14 +1,31 @@
-"""A server's edges: overload, and SIGTERM past serve.shutdown_timeout_s."""
+"""A server's edges: a port already taken, overload, and SIGTERM past serve.shutdown_timeout_s."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
+import sys
 import threading
 
 from conftest import CONFIG, ServerProcess, eventually, httpx, metric
 
 LONG = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_port_in_use_is_one_error_line_before_the_engine_is_built(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(CONFIG)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "bi_core.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("bi-engine: error:") and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0]
 
 
 def test_overload_is_503_with_retry_after(tmp_path):
