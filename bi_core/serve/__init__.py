@@ -63,9 +63,11 @@ def run_server(config: EngineConfig) -> int:
     from bi_core.models.tokenizer import tokenizer_for
     from bi_core.serve.client import EngineClient
     from bi_core.serve.metrics import Metrics
+    from bi_core.serve.threads import size_http_threads
 
     s = config.serve
     check_port(s.host, s.port)
+    size_http_threads()
     metrics = Metrics()
     core = EngineClient(config, metrics)  # returns once the engine is built and warmed up
     try:

@@ -32,6 +32,7 @@ from bi_core.errors import BiEngineError, PromptTooLongError
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.serve.metrics import StepCounter
+from bi_core.serve.threads import size_engine_threads
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
@@ -195,9 +196,12 @@ def engine_main(config, channel) -> None:
     # too: the HTTP process decides how to stop (finish in-flight requests first) and tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s:  [engine] %(message)s")
+    logging.getLogger("bi_core.serve").setLevel(logging.INFO)
     from bi_core import build_engine
 
     try:
+        size_engine_threads(config)
         engine = build_engine(config)
     except BiEngineError as e:
         channel.send(("error", str(e)))

@@ -1,9 +1,11 @@
-"""The server's pieces: error params, and serve_bench's invariance check (with one live request
-for the token-id names it relies on)."""
+"""The server's pieces: thread sizing, error params, and serve_bench's invariance check (with one
+live request for the token-id names it relies on)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from conftest import API_KEY, httpx
 
 from bi_core.serve.errors import param_of
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bi_core.serve.threads import available_cores, engine_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +23,23 @@ def _serve_bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_engine_threads_leave_a_core_and_respect_omp_num_threads():
+    assert engine_threads(16, 1, {}) == 15
+    assert engine_threads(16, 2, {}) == 7  # each tensor-parallel rank
+    assert engine_threads(2, 1, {}) == 1 and engine_threads(1, 1, {}) == 1
+    assert engine_threads(16, 1, {"OMP_NUM_THREADS": "4"}) is None  # the user's choice stands
+
+
+def test_the_engine_process_logs_its_thread_count(server):
+    log = server.log_path.read_text()
+    line = next((x for x in log.splitlines() if "CPU threads:" in x), None)
+    assert line is not None, log
+    if os.environ.get("OMP_NUM_THREADS"):
+        assert f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} kept" in line
+    else:
+        assert re.search(rf"\b{max(1, available_cores() - 1)} per engine process\b", line), line
 
 
 @pytest.mark.parametrize("model,loc,expected", [
