@@ -2,12 +2,14 @@
 or the GPU: a test plugin registers them without their SM90 check (GDN decode rows run the fused
 decode kernel, prefill rows the reference chunked form: fla's chunk kernel does not run in the
 interpreter) and the graph runner in its rerun mode. Decode steps, MTP verify steps and MTP head steps go through padded graph buckets; the
-output must match the reference backend's, and MTP must emit AR's tokens."""
+output must match the reference backend's, and MTP must emit AR's tokens. A needle prompt gives
+the same tokens and logprobs alone and inside a batch (G1, bitwise)."""
 
 from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 import torch
 from helpers import tiny_config
@@ -93,3 +95,48 @@ def test_triton_engine_with_padded_graph_steps(device, preset):
     for a, m in zip(ar, mtp):
         assert m.token_ids == a.token_ids
         torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=1e-5)
+
+
+def needle_config(device, chunk: int):
+    """tiny-moe cut to 2 layers (a GDN layer and an attention layer, MoE in both), float32."""
+    return EngineConfig.from_dict(tiny_config(
+        model={"random": {"preset": "tiny-moe", "seed": 5, "num_hidden_layers": 2}, "device": device.type,
+               "max_model_len": 128},
+        backend="triton_anywhere", graph={"enabled": True}, strategy={"name": "ar"},
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": chunk}))
+
+
+@pytest.mark.usefixtures("ordered_dot")
+def test_needle_alone_and_in_a_batch_bitwise(device):
+    """G1 on the Triton backend: a needle prompt (20 tokens, seeded sampling at temperature 0.8)
+    alone, and at a random place among greedy prompts of 9, 41 and 4 tokens (the needle's prefill
+    shares a step with another prompt's second chunk and two decode rows; its decode steps run
+    beside 2 and 1 other rows, padded to graph buckets): the same tokens and the same logprobs
+    (float equality, top-1 logprobs too).
+
+    Negative control: the needle prefilled in 16-token chunks instead of one 20-token piece, the
+    arrangement it would get if its chunks followed the batch (a chunk shrunk to a step's leftover
+    token budget; the scheduling row of the invariance guide): GDN's chunked form then carries the
+    state across a chunk boundary, and the needle's first logprob must differ. A perturbed run
+    rather than another backend: on the CPU the only non-invariant backend is the reference, whose
+    differences come from torch's CPU GEMMs blocking by M (measured here on a run like this one:
+    2 of 4 logprobs moved by an ulp), the library's choice, not something a test can count on.
+    The model runs in float32 (a bf16 model's logprobs would hide most differences) with
+    ``ordered_dot`` (conftest.py), without which numpy's dot makes a row's bits follow its place
+    in a tile (this test then fails at the first logprob)."""
+    gen = torch.Generator().manual_seed(11)
+    needle, *others = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (20, 9, 41, 4)]
+    at = random.Random(11).randrange(len(others) + 1)
+    hot = SamplingParams(max_new_tokens=3, temperature=0.8, seed=1234, ignore_eos=True, logprobs=1)
+    greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=1) for n in (2, 4, 3)]
+    registry = load_registry(extra_plugins=(TritonAnywhere(),))
+    alone_eng = build_engine(needle_config(device, 32), registry)
+    (alone,) = alone_eng.generate([needle], [hot])
+    batch_eng = build_engine(needle_config(device, 32), registry)
+    batch = batch_eng.generate(others[:at] + [needle] + others[at:], greedy[:at] + [hot] + greedy[at:])
+    assert alone_eng.runner.num_replays[1] > 0 and batch_eng.runner.num_replays[1] > 0  # graph steps ran
+    assert batch[at].token_ids == alone.token_ids, at
+    assert batch[at].token_logprobs == alone.token_logprobs and batch[at].logprobs == alone.logprobs, at
+    chunked_eng = build_engine(needle_config(device, 16), registry)
+    (chunked,) = chunked_eng.generate([needle], [attrs.evolve(hot, max_new_tokens=1)])
+    assert chunked.token_logprobs[0] != alone.token_logprobs[0]
