@@ -293,12 +293,13 @@ def _needle_alone(impl, norms, verify):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rows_invariant_across_batches_and_forms(device, dtype, seed):
     """The gated paged attention (q/k norm, RoPE, KV write, fixed 256-key KV chunks, output gate):
-    a decode row at position 520 gives the same bits alone (the plan's 64 programs per KV head:
-    a chunk each), as the last row of a 5-token verify row (decode form, 8 query tokens a program)
-    and of a prefill tile, and at a random place in a batch with decode rows at other lengths, a
-    verify row and prefill chunks (3 programs per KV head, the plan's 44 overridden to keep the
-    interpreter quick: any count must give the same bits); the batch permuted (2 programs, which
-    fold two chunks in series) gives every sequence its bits."""
+    a decode row at position 520 gives the same bits alone (the plan's programs per KV head), as
+    the last row of a 5-token verify row (decode form, 8 query tokens a program) and of a prefill
+    tile, and at a random place in a batch with decode rows at other lengths, a verify row and
+    prefill chunks (3 programs per KV head, a chunk each); the batch permuted gives every
+    sequence its bits with 2 programs per KV head (one folds two chunks in series). The plan
+    derives its program count from the batch; overriding it keeps the interpreter quick, and any
+    count must give the same bits."""
     import random
 
     from bi_core.kernels.attention import KV_SPLIT
