@@ -34,6 +34,7 @@ NUM_WARPS = 8  # prefill: a [64, 256] fp32 accumulator per program (4 warps spil
 DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MMA tile of 16
 DECODE_WARPS, DECODE_STAGES = 4, 2
 PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
+MERGE_STAGES, MERGE_PIPELINED_PROGRAMS = 6, 512  # merge: chunk loads in flight, up to this many programs
 
 
 @triton.jit
@@ -187,7 +188,9 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
 @triton.jit
 def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stride_ot, num_heads,
                   D: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr,
-                  PDL: tl.constexpr):
+                  STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Fold a (sequence, head)'s chunk partials in chunk order, with ``STAGES`` chunks' loads in
+    flight (scheduling only: the fold and its bits are the same for any STAGES)."""
     pdl_start(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -205,7 +208,8 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stri
     m_all = tl.full((DECODE_TOKENS,), float("-inf"), tl.float32)
     l_all = tl.zeros((DECODE_TOKENS,), tl.float32)
     acc_all = tl.zeros((DECODE_TOKENS, D), tl.float32)
-    for c in range(0, tl.cdiv(ctx, KV_SPLIT)):
+    # the fold is serial, the loads are not: a long context's merge waited on one load at a time
+    for c in tl.range(0, tl.cdiv(ctx, KV_SPLIT), num_stages=STAGES):
         keep = row_ok & (pos >= c * KV_SPLIT)
         unit = ((slot0 + c) * num_heads + h).to(tl.int64)
         m = tl.load(WS_M + unit, mask=keep, other=float("-inf"))
@@ -283,6 +287,10 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
         block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=rows, BLOCK_N=BLOCK_N,
         KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype),
         num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **pdl())
+    # loads in flight: up to 32 x 16 (sequence, head) programs they pay (131k tokens, B=1: 124 ->
+    # 56 us a layer); more programs already hide the latency and lose occupancy (B=64: 166 -> 213)
+    stages = MERGE_STAGES if num_dec * num_heads <= MERGE_PIPELINED_PROGRAMS else 1
     _merge_kernel[(num_dec, num_heads)](
         ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,
-        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, num_warps=4, **pdl())
+        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, STAGES=stages, num_warps=4,
+        **pdl())

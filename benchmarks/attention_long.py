@@ -1,0 +1,111 @@
+"""Invariant decode attention at long contexts (issue 22): the split kernel and the ordered merge
+timed apart, for split counts and the merge's loads in flight, against FlashInfer's tensor-core decode
+(the default backend's kernel) on the same pages; every variant checked bitwise against the
+first (neither the split count nor the merge's pipelining may change a bit). A first run
+(docs/results/attention_long_h200_2026-11-23b.json) also tried merge programs of 64 or 32 of the
+256 columns: slower than pipelining one program per head, so that variant is gone.
+
+    python3 benchmarks/attention_long.py [--contexts 32000,131000] [--batches 1,4,8,32]
+
+Qwen3.5-35B-A3B's attention layer: 16 query heads, 2 KV heads, head dim 256, pages of 16."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import bi_core.kernels.attention as attn
+
+HQ, HKV, D, PAGE = 16, 2, 256, 16
+
+
+def kernel_times(fn, reps: int = 20) -> dict[str, float]:
+    """Mean µs per call of each kernel ``fn`` launches (torch profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset")):
+            out[e.key] = e.device_time_total / reps
+    return out
+
+
+def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
+    pages = -(-context // PAGE)
+    kc = torch.randn(batch * pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate = torch.randn(batch, 2 * HQ * D, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+    ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    dec = torch.arange(batch, dtype=torch.int64, device="cuda")
+    chunks = batch * -(-context // attn.KV_SPLIT)
+    rows, ref = [], None
+    for splits, stages in variants(batch, context):
+        attn.MERGE_STAGES, attn.MERGE_PIPELINED_PROGRAMS = stages, 1 << 30
+        out = torch.full((batch, HQ * D), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+        def run(out=out, splits=splits):
+            attn.decode_attention(q, kc, vc, gate, out, bt, ctx, cu, dec, D**-0.5, 1, splits, chunks)
+
+        times = kernel_times(run)
+        split_us = sum(v for k, v in times.items() if "split" in k)
+        merge_us = sum(v for k, v in times.items() if "merge" in k)
+        same = None
+        if ref is None:
+            ref = out.clone()
+        else:
+            same = torch.equal(out, ref)
+        rows.append({"batch": batch, "context": context, "splits": splits, "merge_stages": stages,
+                     "split_us": split_us, "merge_us": merge_us, "total_us": split_us + merge_us,
+                     "bitwise_same_as_first": same, "all_written": not bool(out.isnan().any())})
+    if flashinfer is not None:
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        indptr = torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32, device="cuda")
+        last = torch.full((batch,), context - (pages - 1) * PAGE, dtype=torch.int32, device="cuda")
+        w.plan(indptr, bt.flatten(), last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+        times = kernel_times(lambda: w.run(q, (kc, vc)))
+        rows.append({"batch": batch, "context": context, "flashinfer_us": sum(times.values())})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="32000,131000")
+    ap.add_argument("--batches", default="1,4,8,32,64")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    try:
+        import flashinfer
+    except ImportError:
+        flashinfer = None
+
+    def variants(batch, context):
+        chunks = -(-context // attn.KV_SPLIT)
+        old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
+        new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
+        return [(old, 1), (new, 1), (new, 3), (new, 6)]
+
+    rows = []
+    for context in (int(c) for c in a.contexts.split(",")):
+        for batch in (int(b) for b in a.batches.split(",")):
+            for r in case(batch, context, variants, flashinfer):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
