@@ -519,7 +519,10 @@ class LLMEngine:
         scored logprob equals, bitwise, the one the engine reported when it sampled that token
         (from that prompt, with these weights). ``exact=False``: one chunked prefill over prompt
         and continuation, faster, equal only to float tolerance. ``logprobs``: also the top-N
-        per token. A pair that cannot be scored comes back with ``error`` set."""
+        per token. A pair that cannot be scored comes back with ``error`` set. As in ``generate``,
+        a lone prompt and continuation (a str, or a flat sequence of ids each) are one pair."""
+        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        continuations = [continuations] if _is_one_prompt(continuations) else list(continuations)
         if len(prompts) != len(continuations):
             raise RequestError(f"{len(prompts)} prompts but {len(continuations)} continuations")
         seqs: list[Sequence | str] = []

@@ -108,3 +108,14 @@ def test_bad_score_requests():
     assert "max_model_len" in out[2].error
     with pytest.raises(Exception, match="2 prompts but 1 continuations"):
         eng.score([[1], [2]], [[3]])
+
+
+def test_a_lone_prompt_and_continuation_are_one_pair():
+    """``score("ab", "cd")`` scores one pair (a str is one prompt, as in ``generate``), not the
+    pairs of its characters; a flat list of ids likewise."""
+    eng = engine()
+    one = eng.score("ab", "cd")
+    assert len(one) == 1 and one[0].error is None and len(one[0].token_logprobs) == 2
+    assert one[0].token_logprobs == eng.score(["ab"], ["cd"])[0].token_logprobs
+    ids = eng.score([5, 6, 7], [8, 9])
+    assert len(ids) == 1 and ids[0].token_ids == [8, 9]
