@@ -115,18 +115,15 @@ class Scheduler:
             size = min(size, self.exact_step_tokens)
         return min(size, end - seq.num_computed)
 
-    def _cost(self, seq: Sequence, n: int) -> int:
-        """Tokens this step runs for the sequence, counted against ``max_num_batched_tokens``."""
-        return self.decode_tokens if seq.is_decoding else n
-
     def schedule(self) -> list[Scheduled]:
         """The next step: every decoding sequence's row, then prompt chunks (``_prefill``)."""
         budget = self.config.max_num_batched_tokens
         out: list[Scheduled] = []
-        for seq in list(self.running):
+        for seq in list(self.running):  # a decode row counts decode_tokens (1 + drafts verified)
             if seq.status is Status.RUNNING and not seq.fork_pending and seq.is_decoding:
-                if self._ensure_pages(seq, seq.num_computed + self._chunk(seq), out):
-                    out.append(Scheduled(seq, self._chunk(seq)))
+                n = self._chunk(seq)
+                if self._ensure_pages(seq, seq.num_computed + n, out):
+                    out.append(Scheduled(seq, n))
                     budget -= self.decode_tokens
         self._prefill(out, budget)
         return out
