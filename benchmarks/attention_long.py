@@ -50,8 +50,9 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
     dec = torch.arange(batch, dtype=torch.int64, device="cuda")
     chunks = batch * -(-context // attn.KV_SPLIT)
     rows, ref = [], None
-    for splits, stages in variants(batch, context):
+    for splits, stages, warps, split_stages in variants(batch, context):
         attn.MERGE_STAGES, attn.MERGE_PIPELINED_PROGRAMS = stages, 1 << 30
+        attn.DECODE_WARPS, attn.DECODE_STAGES = warps, split_stages
         out = torch.full((batch, HQ * D), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run(out=out, splits=splits):
@@ -66,6 +67,7 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
         else:
             same = torch.equal(out, ref)
         rows.append({"batch": batch, "context": context, "splits": splits, "merge_stages": stages,
+                     "split_warps": warps, "split_stages": split_stages,
                      "split_us": split_us, "merge_us": merge_us, "total_us": split_us + merge_us,
                      "bitwise_same_as_first": same, "all_written": not bool(out.isnan().any())})
     if flashinfer is not None:
@@ -84,6 +86,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="32000,131000")
     ap.add_argument("--batches", default="1,4,8,32,64")
     ap.add_argument("--json")
+    ap.add_argument("--sweep-split", action="store_true", help="sweep the split kernel's warps and stages")
     a = ap.parse_args()
     try:
         import flashinfer
@@ -94,7 +97,9 @@ def main() -> None:
         chunks = -(-context // attn.KV_SPLIT)
         old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
         new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
-        return [(old, 1), (new, 1), (new, 3), (new, 6)]
+        if a.sweep_split:  # the split kernel's warps and pipeline stages, merge as shipped
+            return [(new, 6, w, st) for w, st in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2), (2, 3))]
+        return [(old, 1, 4, 2), (new, 1, 4, 2), (new, 3, 4, 2), (new, 6, 4, 2)]
 
     rows = []
     for context in (int(c) for c in a.contexts.split(",")):
