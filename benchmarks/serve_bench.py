@@ -5,6 +5,10 @@
       C streaming requests at once: TTFT, TPOT and output tok/s through HTTP (a `bi-engine serve`
       process), then the same load through the Python API (one engine in this process, same
       config), side by side. One engine at a time, so a 35B model fits one GPU.
+  python3 benchmarks/serve_bench.py mixed CONFIG [--streams 64] [--prompt-len 512] [--long-len 32000]
+      Streams decoding, then one long prompt: its time to first token among them vs on an idle
+      server, the streams' inter-token latency (p50, p99) while it prefills vs before, and whether
+      its result is the same bits both times (issue 22).
   python3 benchmarks/serve_bench.py invariance CONFIG [--others 255]
       One request alone, then among 255 concurrent others (random lengths, arriving together),
       through HTTP: token ids and logprobs must be bitwise equal (exit 1 if not).
@@ -205,6 +209,94 @@ def cmd_invariance(args) -> int:
     return 1 if bad else 0
 
 
+async def _stream_times(client: httpx.AsyncClient, url: str, body: dict) -> list[float]:
+    """Arrival times (perf_counter) of every token chunk of one streamed completion."""
+    times = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"finish_reason": null' in line:
+                times.append(time.perf_counter())
+    if not times:
+        raise SystemExit(f"no tokens streamed (HTTP {r.status_code})")
+    return times
+
+
+async def mixed_load(url: str, model: str, streams: list[list[int]], long: list[int], output_len: int) -> dict:
+    """``streams`` decode (streamed, greedy); once every one has its first token, ``long`` arrives
+    (one token asked). Its time to first token and result, and the streams' inter-token gaps while
+    it prefills vs before it came."""
+    body = dict(model=model, temperature=0, ignore_eos=True, logprobs=1, return_tokens_as_token_ids=True)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(streams) + 8)) as client:
+        tasks = [asyncio.create_task(_stream_times(client, url, {**body, "prompt": p, "max_tokens": output_len,
+                                                                  "stream": True})) for p in streams]
+        await asyncio.sleep(0)
+        while True:  # every stream decoding: the server's running gauge counts them all
+            metrics = (await client.get(f"{url}/metrics")).text
+            running = next((float(line.split()[-1]) for line in metrics.splitlines()
+                            if line.startswith("bi_requests_running")), 0.0)
+            if running >= len(streams):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # a second of steady decode before it: the baseline gaps
+        sent = time.perf_counter()
+        r = await client.post(f"{url}/v1/completions", json={**body, "prompt": long, "max_tokens": 1})
+        first = time.perf_counter()
+        times = await asyncio.gather(*tasks)
+    gaps_during, gaps_before = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
+            if sent <= a and b <= first + 0.001:
+                gaps_during.append(b - a)
+            elif b < sent and a > sent - 1.0:
+                gaps_before.append(b - a)
+    return {"ttft_s": first - sent, "long": outcome(r.json()), "gaps_during": gaps_during, "gaps_before": gaps_before}
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] * 1e3
+
+
+def cmd_mixed(args) -> int:
+    """Issue 22's mixed load through HTTP: the long prompt's time to first token alone and among
+    decoding streams, the streams' inter-token latency (p50, p99) while it prefills, and whether
+    its result is the same bits in both runs."""
+    from bi_core import EngineConfig
+    from bi_core.runtime.engine import resolve_model
+
+    config = EngineConfig.from_yaml(args.config)
+    if config.cache.prefix_caching is not False:
+        raise SystemExit("mixed: set cache.prefix_caching: false, or the second run of the long prompt is a "
+                         "prefix-cache hit, not a prefill")
+    vocab = resolve_model(config)[0].vocab_size
+    long = _prompts(1, args.long_len, vocab, 3)[0]
+    streams = _prompts(args.streams, args.prompt_len, vocab, 4)
+    body = dict(temperature=0, ignore_eos=True, logprobs=1, return_tokens_as_token_ids=True, max_tokens=1)
+    with Served(args.config) as s:
+        # warm-up: the same shapes on other tokens (kernel compiles, graph captures)
+        asyncio.run(mixed_load(s.url, s.model, _prompts(args.streams, args.prompt_len, vocab, 6),
+                               _prompts(1, args.long_len, vocab, 7)[0], args.output_len))
+        t0 = time.perf_counter()
+        alone = httpx.post(f"{s.url}/v1/completions", json={**body, "model": s.model, "prompt": long}, timeout=None)
+        idle_ttft = time.perf_counter() - t0
+        alone = outcome(alone.json())
+        m = asyncio.run(mixed_load(s.url, s.model, streams, long, args.output_len))
+    during, before = m["gaps_during"], m["gaps_before"]
+    if not during or not before:
+        raise SystemExit(f"no inter-token gaps measured ({len(before)} before, {len(during)} during the long "
+                         "prefill): raise --output-len so the streams outlast it")
+    same = alone == m["long"]
+    print(f"{args.streams} streams of {args.prompt_len} tokens decoding, then one {args.long_len}-token prompt")
+    print(f"long prompt: time to first token {m['ttft_s'] * 1e3:.1f} ms among the streams, "
+          f"{idle_ttft * 1e3:.1f} ms on an idle server ({m['ttft_s'] / idle_ttft:.2f}x); result "
+          f"{'bitwise equal' if same else 'DIFFERENT'} (token {m['long'][0]}, logprob {m['long'][1]})")
+    print(f"streams' inter-token latency before it: p50 {_pct(before, 0.5):.2f} ms, p99 {_pct(before, 0.99):.2f} ms "
+          f"({len(before)} gaps); while it prefills: p50 {_pct(during, 0.5):.2f} ms, p99 {_pct(during, 0.99):.2f} ms, "
+          f"max {max(during) * 1e3:.2f} ms ({len(during)} gaps); p99 while / p50 before "
+          f"{_pct(during, 0.99) / _pct(before, 0.5):.2f}x")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -216,8 +308,14 @@ def main() -> int:
     inv = sub.add_parser("invariance")
     inv.add_argument("config")
     inv.add_argument("--others", type=int, default=255)
+    mixed = sub.add_parser("mixed")
+    mixed.add_argument("config")
+    mixed.add_argument("--streams", type=int, default=64)
+    mixed.add_argument("--prompt-len", type=int, default=512)
+    mixed.add_argument("--long-len", type=int, default=32000)
+    mixed.add_argument("--output-len", type=int, default=400)
     args = ap.parse_args()
-    return cmd_load(args) if args.cmd == "load" else cmd_invariance(args)
+    return {"load": cmd_load, "invariance": cmd_invariance, "mixed": cmd_mixed}[args.cmd](args)
 
 
 if __name__ == "__main__":
