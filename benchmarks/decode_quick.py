@@ -9,7 +9,7 @@ import sys
 import torch
 
 from bi_core import EngineConfig, build_engine
-from bi_core.bench import bench_decode, measure_bandwidth
+from bi_core.tools.bench import bench_decode, measure_bandwidth
 
 
 def config(backend: str, layers: int, graphs: bool, max_seqs: int = 64) -> EngineConfig:

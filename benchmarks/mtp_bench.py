@@ -17,7 +17,7 @@ import time
 import torch
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.bench import time_decode_steps
+from bi_core.tools.bench import time_decode_steps
 
 
 def config(strategy: str, layers: int | None, n: int) -> EngineConfig:

@@ -18,10 +18,10 @@ from collections import defaultdict
 
 import torch
 
-from bi_core.bench import _prompts, check_decode_rows, main_model_batches
 from bi_core.config import EngineConfig
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
+from bi_core.tools.bench import _prompts, check_decode_rows, main_model_batches
 
 
 def _timed(obj, name: str, acc: dict, sync: bool = False) -> None:

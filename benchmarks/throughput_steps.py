@@ -29,10 +29,10 @@ if "TRITON_CACHE_DIR" not in os.environ:  # a fresh cache: every compile in this
 
 import torch  # noqa: E402
 
-from bi_core.bench import _prompts  # noqa: E402
 from bi_core.config import EngineConfig  # noqa: E402
 from bi_core.runtime.engine import LLMEngine  # noqa: E402
 from bi_core.runtime.sequence import SamplingParams  # noqa: E402
+from bi_core.tools.bench import _prompts  # noqa: E402
 
 
 def _compiled() -> int:

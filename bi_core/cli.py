@@ -98,7 +98,8 @@ VERIFY_FLAGS = {"num_prompts": "--num-prompts", "batch_sizes": "--batch-sizes", 
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from bi_core import build_engine, verify
+    from bi_core import build_engine
+    from bi_core.tools import verify
 
     config = load_config(args)
     max_num_seqs = config.scheduler.max_num_seqs
@@ -153,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bi_core.bench_report import run_bench
+    from bi_core.tools.bench_report import run_bench
 
     configs = [load_config(args, path) for path in args.config]
     return run_bench(args, configs)

@@ -8,7 +8,7 @@ from helpers import tiny_config
 
 from bi_core import EngineConfig, build_engine
 from bi_core.errors import BiEngineError
-from bi_core.verify import Case, audit, check_drafts, count
+from bi_core.tools.verify import Case, audit, check_drafts, count
 
 
 def test_audit_sees_mismatches_without_invariance():
@@ -58,7 +58,7 @@ def test_audit_refuses_what_it_cannot_run():
 def test_prefill_probe_names_the_first_divergent_op():
     """On the reference backend (PyTorch matmuls pick kernels by shape) the probe finds the first op
     whose rows change when the prompt is packed with others; an identical rerun shows none."""
-    from bi_core.diagnose import first_divergent_op
+    from bi_core.tools.diagnose import first_divergent_op
 
     engine = build_engine(EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 16})))
     prompt = list(range(1, 41))
@@ -72,7 +72,7 @@ def test_prefill_probe_names_the_first_divergent_op():
 def test_decode_probe_names_the_first_divergent_op():
     """A decode row alone vs packed with other sequences' decode rows (reference backend: PyTorch
     matmuls pick kernels by shape); alone vs alone shows none, and the probe gives back what it took."""
-    from bi_core.diagnose import first_divergent_decode_op
+    from bi_core.tools.diagnose import first_divergent_decode_op
 
     engine = build_engine(EngineConfig.from_dict(tiny_config(scheduler={"max_num_seqs": 16})))
     prompt = list(range(1, 41))

@@ -7,7 +7,7 @@ import pytest
 from helpers import tiny_config
 
 from bi_core import EngineConfig, build_engine
-from bi_core.bench import BenchError, _prompts, bench_prefill, prefill_flops, time_decode_steps
+from bi_core.tools.bench import BenchError, _prompts, bench_prefill, prefill_flops, time_decode_steps
 
 
 def engine(**scheduler):

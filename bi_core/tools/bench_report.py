@@ -10,15 +10,15 @@ import time
 
 import torch
 
-from bi_core.bench import (
+from bi_core.config import EngineConfig
+from bi_core.errors import BiEngineError
+from bi_core.tools.bench import (
     bench_decode,
     bench_prefill,
     bench_throughput,
     measure_bandwidth,
     measure_matmul_flops,
 )
-from bi_core.config import EngineConfig
-from bi_core.errors import BiEngineError
 
 
 def _label(cfg: EngineConfig) -> str:

@@ -177,8 +177,8 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes: Seq[int] | N
 
 def probe(engine: LLMEngine, cases: list[Case], num_prompts: int, seed: int) -> str:
     """Name the op class behind the first mismatch: a prefill probe, then a decode probe
-    (see bi_core/diagnose.py)."""
-    from bi_core.diagnose import first_divergent_decode_op, first_divergent_op
+    (see bi_core/tools/diagnose.py)."""
+    from bi_core.tools.diagnose import first_divergent_decode_op, first_divergent_op
 
     bad = next((c for c in cases if c.mismatches), None)
     if bad is None:
