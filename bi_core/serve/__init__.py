@@ -3,7 +3,8 @@
 Two processes: this one runs the HTTP front (``app.py``: routes, OpenAI formats, errors;
 ``protocol.py``: request models; ``metrics.py``: Prometheus; ``client.py``: the engine process's
 handle), and the engine process runs the engine loop (``loop.py``), so HTTP work never holds the
-engine's GIL. Needs the ``serve`` extra: ``pip install "bi-engine[serve]"``."""
+engine's GIL; ``messages.py`` holds the messages between the two. Needs the ``serve`` extra:
+``pip install "bi-engine[serve]"``."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 aborts, and hands each step's deltas to the requests that asked for them.
 
 Two threads of this process touch the pipe: a sender (so a handler never blocks on a full pipe
-while the engine is inside a step) and a receiver (which turns one "out" message into one
-hand-over per consumer, e.g. one ``call_soon_threadsafe`` per asyncio loop per step)."""
+while the engine is inside a step) and a receiver (which turns one ``Out`` message into one
+hand-over per consumer, e.g. one ``call_soon_threadsafe`` per asyncio loop per step). The
+messages are the classes of ``messages.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,21 @@ import attrs
 
 from bi_core.errors import BiEngineError, PromptTooLongError, RequestError
 from bi_core.runtime.sequence import RequestOutput
-from bi_core.serve.loop import EngineInfo, engine_main
+from bi_core.serve.loop import engine_main
+from bi_core.serve.messages import (
+    Abort,
+    Add,
+    Added,
+    EngineInfo,
+    Out,
+    Ready,
+    Refused,
+    StartFailed,
+    Stop,
+    Stopped,
+    UnexpectedMessage,
+    WireDelta,
+)
 from bi_core.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -88,13 +103,17 @@ class EngineClient:
         while True:
             if self.conn.poll(0.2):
                 try:
-                    kind, payload = self.conn.recv()
+                    msg = self.conn.recv()
                 except EOFError:  # the process ended without a word (killed, crashed): reported below
                     self.proc.join()
                 else:
-                    if kind == "error":
-                        raise BiEngineError(payload)
-                    return payload
+                    match msg:
+                        case Ready(info):
+                            return info
+                        case StartFailed(message):
+                            raise BiEngineError(message)
+                        case _:
+                            raise UnexpectedMessage(msg, "the HTTP process (starting the engine)", (Ready, StartFailed))
             if not self.proc.is_alive():
                 raise BiEngineError(f"the engine process exited with code {self.proc.exitcode} while starting "
                                     "(see the log above)")
@@ -120,19 +139,19 @@ class EngineClient:
             return fut
         key = next(self._keys)
         self._futures[key], self._streams[key] = fut, _Stream(emit, post)
-        self._outbox.put(("add", key, jobs))
+        self._outbox.put(Add(key, jobs))
         return fut
 
     def abort(self, request_ids: list[int]) -> None:
         """Abort these requests, all before the engine's next step."""
         if request_ids:
-            self._outbox.put(("abort", request_ids))
+            self._outbox.put(Abort(request_ids))
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new requests; the engine aborts those still unfinished ``timeout_s`` from now
         (their last delta carries the reason) and then ends. Safe in a signal handler."""
         self.stopping = True
-        self._outbox.put(("stop", timeout_s))
+        self._outbox.put(Stop(timeout_s))
 
     def stop(self, timeout_s: float) -> None:
         """Refuse new requests, let the running ones finish within ``timeout_s``, abort the rest,
@@ -163,31 +182,42 @@ class EngineClient:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 return self._lost()
-            kind = msg[0]
-            if kind == "out":
-                _, deltas, counts, failure = msg
+            try:
+                if self._dispatch(msg):
+                    return
+            except UnexpectedMessage as e:  # a bug: fail what waits on the engine, take no more requests
+                log.error("%s", e)
+                self.failure = self.failure or "internal error: an unexpected message from the engine process (see the log)"
+                return self._lost()
+
+    def _dispatch(self, msg: Added | Refused | Out | Stopped) -> bool:
+        """One message from the engine process (after Ready); True once it said it stopped. Any
+        other type raises UnexpectedMessage."""
+        match msg:
+            case Out(deltas, counts, failure):
                 if failure is not None:
                     self.failure = failure
                 self._hand_over(deltas)
                 self.metrics.apply(counts)
-            elif kind == "added":
-                _, key, request_ids = msg
+            case Added(key, request_ids):
                 self._streams[key].unfinished = set(range(len(request_ids)))
                 self._futures.pop(key).set_result(request_ids)
-            elif kind == "refused":
-                _, key, reason, message = msg
+            case Refused(key, reason, message):
                 self._streams.pop(key, None)
                 error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError,
                          "overloaded": Overloaded}.get(reason, Unavailable)
                 self._futures.pop(key).set_exception(error(message))
-            elif kind == "stopped":  # an add sent after the engine's loop ended gets no answer: refuse it here
+            case Stopped():  # an add sent after the engine's loop ended gets no answer: refuse it here
                 for key in list(self._futures):
                     self._streams.pop(key, None)
                     self._futures.pop(key).set_exception(Unavailable("the server is shutting down"))
                 self._stopped.set()
-                return
+                return True
+            case _:
+                raise UnexpectedMessage(msg, "the HTTP process", (Added, Refused, Out, Stopped))
+        return False
 
-    def _hand_over(self, deltas: list[tuple]) -> None:
+    def _hand_over(self, deltas: list[WireDelta]) -> None:
         batches: dict[Callable | None, list] = {}
         for key, choice, *fields in deltas:
             stream = self._streams.get(key)

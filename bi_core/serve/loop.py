@@ -3,22 +3,20 @@ process (``client.py``) talks to it over a pipe.
 
 Why a process of its own: an HTTP front formatting hundreds of streams (JSON, SSE, logprob dicts)
 holds the GIL, and an engine thread sharing that GIL waits for it at every torch call that
-releases and re-takes it (measured on an H200 with one process: HTTP took 1.22x the Python API's
-time at 64 streams, 1.66x at 256; docs/benchmarks.md section 7). Here the engine's process runs
-nothing but the loop, on the main thread that built the engine (torch's CPU thread pool belongs
-to it). The pipe carries token ids, logprobs and the engine's incremental text: one message per
-step with every stream's delta, polled between steps (no thread in this process).
+releases and re-takes it; with one process, HTTP cost a growing share of the Python API's time as
+streams were added (docs/benchmarks.md section 7; section 7b measures this design). Here the
+engine's process runs nothing but the loop, on the main thread that built the engine (torch's CPU
+thread pool belongs to it). The pipe carries token ids, logprobs and the engine's incremental
+text: one message per step with every stream's delta, polled between steps (no thread in this
+process).
 
-Messages, HTTP -> engine: ``("add", key, [(prompt, params), ...])`` (one HTTP request's prompts),
-``("abort", [request_id, ...])``, ``("stop", timeout_s)``. Engine -> HTTP: ``("ready", EngineInfo)``
-or ``("error", message)`` once at start; ``("added", key, request_ids)`` (one per choice: each
-prompt's ``n`` samples in order) or ``("refused", key, reason, message)`` per add; ``("out", deltas,
-counts, failure)`` once per loop iteration that produced anything, a delta being ``(key, choice,
-token_ids, logprobs, top_logprobs, text, output or None)``; ``("stopped",)``.
+The messages are the classes of ``messages.py`` (each says who sends it and when): ``Add``,
+``Abort`` and ``Stop`` come in; ``Ready`` or ``StartFailed`` once at start, ``Added`` or
+``Refused`` per add, ``Out`` per loop iteration that produced anything and ``Stopped`` go out.
 
 A request's prompts join the running batch together at the next step (continuous batching as in
 ``generate``); an abort frees the requests' KV pages and state slots before the next step. After
-"stop", what is still unfinished at the deadline is aborted, each with a last delta saying why."""
+``Stop``, what is still unfinished at the deadline is aborted, each with a last delta saying why."""
 
 from __future__ import annotations
 
@@ -30,22 +28,27 @@ import attrs
 
 from bi_core.errors import BiEngineError, PromptTooLongError
 from bi_core.runtime.engine import LLMEngine
-from bi_core.runtime.sequence import Sequence, Status
+from bi_core.runtime.sequence import SamplingParams, Sequence, Status
+from bi_core.serve.messages import (
+    TO_ENGINE,
+    Abort,
+    Add,
+    Added,
+    EngineInfo,
+    Out,
+    Ready,
+    Refused,
+    StartFailed,
+    Stop,
+    Stopped,
+    UnexpectedMessage,
+    WireDelta,
+)
 from bi_core.serve.metrics import StepCounter
 from bi_core.serve.threads import size_engine_threads
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
-
-
-@attrs.frozen
-class EngineInfo:
-    """What the HTTP process needs to know of the engine."""
-
-    max_model_len: int
-    batch_invariant: bool
-    vocab_size: int
-    max_num_seqs: int
 
 
 @attrs.define(eq=False)
@@ -58,8 +61,8 @@ class _Tracked:
 
 
 class EngineLoop:
-    """Steps the engine; commands come from ``channel`` (``poll``/``recv``/``send``, a
-    multiprocessing Connection), outputs go back on it."""
+    """Steps the engine; commands (``messages.py``) come from ``channel`` (``poll``/``recv``/``send``,
+    a multiprocessing Connection), outputs go back on it."""
 
     def __init__(self, engine: LLMEngine, channel, *, max_waiting: int) -> None:
         self.engine, self.channel, self.max_waiting = engine, channel, max_waiting
@@ -69,7 +72,7 @@ class EngineLoop:
         self.deadline = 0.0
         self.shutdown_timeout_s = 0.0
         self.failure: str | None = None  # set when a step raised: the engine may be unusable
-        self._out: list[tuple] = []
+        self._out: list[WireDelta] = []
 
     def run(self) -> None:
         while True:
@@ -88,29 +91,34 @@ class EngineLoop:
             if not self.channel.poll(wait_s):
                 return
             while self.channel.poll(0):
-                self._command(*self.channel.recv())
+                self._command(self.channel.recv())
         except (EOFError, OSError):  # the HTTP process is gone: abort everything and end
             self.stopping, self.deadline = True, 0.0
 
-    def _command(self, kind: str, *args) -> None:
-        if kind == "add":
-            self._add(*args)
-        elif kind == "abort":
-            for rid in args[0]:
-                self._abort(rid)
-        elif kind == "stop":
-            deadline = time.monotonic() + args[0]
-            if not self.stopping or deadline < self.deadline:
-                self.deadline, self.shutdown_timeout_s = deadline, args[0]
-            self.stopping = True
+    def _command(self, msg: Add | Abort | Stop) -> None:
+        """One message from the HTTP process; any other type raises UnexpectedMessage (a bug: the
+        engine process ends, and the HTTP side fails what was waiting on it)."""
+        match msg:
+            case Add(key, jobs):
+                self._add(key, jobs)
+            case Abort(request_ids):
+                for rid in request_ids:
+                    self._abort(rid)
+            case Stop(timeout_s):
+                deadline = time.monotonic() + timeout_s
+                if not self.stopping or deadline < self.deadline:
+                    self.deadline, self.shutdown_timeout_s = deadline, timeout_s
+                self.stopping = True
+            case _:
+                raise UnexpectedMessage(msg, "the engine process", TO_ENGINE)
 
-    def _add(self, key: int, jobs: list[tuple]) -> None:
+    def _add(self, key: int, jobs: list[tuple[list[int], SamplingParams]]) -> None:
         """All of a request's prompts, or none of them."""
         if self.stopping or self.failure is not None:
-            return self.channel.send(("refused", key, "unavailable", self.failure or "the server is shutting down"))
+            return self.channel.send(Refused(key, "unavailable", self.failure or "the server is shutting down"))
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
-            return self.channel.send(("refused", key, "overloaded",
-                                      f"too many waiting requests ({self.max_waiting}); retry later"))
+            return self.channel.send(Refused(key, "overloaded",
+                                             f"too many waiting requests ({self.max_waiting}); retry later"))
         seqs: list[Sequence] = []
         try:
             for prompt, params in jobs:
@@ -120,14 +128,14 @@ class EngineLoop:
                 self.engine.abort(seq.request_id)
             reason = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid"
             where = f"prompt {len(seqs)}: " if len(jobs) > 1 else ""
-            return self.channel.send(("refused", key, reason, f"{where}{e}"))
+            return self.channel.send(Refused(key, reason, f"{where}{e}"))
         ids = []
         for seq in seqs:
             for member in seq.group:  # the prompt's n samples, each its own choice
                 self.tracked[member.request_id] = _Tracked(member, key, len(ids))
                 ids.append(member.request_id)
             self.counter.counts.prompt_tokens += len(seq.prompt_ids)
-        self.channel.send(("added", key, ids))
+        self.channel.send(Added(key, ids))
 
     def _abort(self, request_id: int, error: str | None = None) -> None:
         t = self.tracked.pop(request_id, None)
@@ -187,7 +195,7 @@ class EngineLoop:
         counts = self.counter.take(self.engine)
         if self._out or counts:
             out, self._out = self._out, []
-            self.channel.send(("out", out, counts, self.failure))
+            self.channel.send(Out(out, counts, self.failure))
 
 
 def engine_main(config, channel) -> None:
@@ -204,19 +212,19 @@ def engine_main(config, channel) -> None:
         size_engine_threads(config)
         engine = build_engine(config)
     except BiEngineError as e:
-        channel.send(("error", str(e)))
+        channel.send(StartFailed(str(e)))
         return
     except Exception as e:  # a bug: its traceback goes to the log, its message to the HTTP process
         log.exception("building the engine failed")
-        channel.send(("error", f"building the engine failed: {type(e).__name__}: {e}"))
+        channel.send(StartFailed(f"building the engine failed: {type(e).__name__}: {e}"))
         return
     try:
-        channel.send(("ready", EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
-                                          config.scheduler.max_num_seqs)))
+        channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
+                                      config.scheduler.max_num_seqs)))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests).run()
     finally:
         engine.close()
     try:
-        channel.send(("stopped",))
+        channel.send(Stopped())
     except (BrokenPipeError, OSError):
         pass

@@ -1,8 +1,9 @@
 """CPU threads of the server's two processes. On a CPU device torch's default (a thread per core)
-in the engine process competes with the HTTP process for the same cores: on a shared machine 300
-concurrent requests took 249 s instead of 24 s. So the engine process takes the cores it may run
-on but one (split between its ranks with tensor parallelism), the HTTP process one thread, and a
-user's OMP_NUM_THREADS wins over both."""
+in the engine process competes with the HTTP process for the same cores: on a machine shared with
+other work, concurrent requests ran many times slower than with OMP_NUM_THREADS=1 (the measurement
+is in the message of commit 55704a2, which added this module). So the engine process takes the
+cores it may run on but one (split between its ranks with tensor parallelism), the HTTP process
+one thread, and a user's OMP_NUM_THREADS wins over both."""
 
 from __future__ import annotations
 
