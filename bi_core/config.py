@@ -326,7 +326,10 @@ class EngineConfig:
 
     model: ModelConfig = _field(_section(ModelConfig))
     policy: PolicyConfig = _field(_section(PolicyConfig), factory=PolicyConfig)
-    backend: str = _field(_str, "auto", doc="auto | reference | cuda_default | cuda_hopper_invariant | plugin")
+    backend: str = _field(_str, "auto", doc="auto | reference | cuda_default | cuda_hopper_invariant | plugin; "
+                          "auto: the mode's backend (policy.batch_invariant sets the mode): cuda_hopper_invariant "
+                          "when invariant, else cuda_default on a CUDA device and reference on any other; an "
+                          "explicit one serves every op not in policy.ops, and in invariant mode must support it")
     scheduler: SchedulerConfig = _field(_section(SchedulerConfig), factory=SchedulerConfig)
     cache: CacheConfig = _field(_section(CacheConfig), factory=CacheConfig)
     graph: GraphConfig = _field(_section(GraphConfig), factory=GraphConfig)

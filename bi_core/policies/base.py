@@ -1,10 +1,11 @@
-"""A policy says what a mode demands of every op and in which order backends are tried."""
+"""A policy says what a mode demands of every op and which backend serves it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import attrs
+import torch
 
 from bi_core.config import OP_NAMES
 
@@ -25,10 +26,12 @@ INVARIANT_DEMANDS: Mapping[str, str] = {
 
 @attrs.frozen(kw_only=True)
 class Policy:
-    """``preferences[op]`` is the backend order for that op; the first whose builder accepts wins."""
+    """``preferences[op]`` is the backend order for that op; the first whose builder accepts wins.
+    Without a per-op override (``policy.ops``) the order is the one backend ``backend``."""
 
     name: str
     batch_invariant: bool
+    backend: str  # the config's backend, ``auto`` resolved for the mode and device
     preferences: Mapping[str, tuple[str, ...]]
     # a preempted sequence recomputes its generated tokens in decode arithmetic (not as prompt
     # chunks), so it resumes with the bits it had
@@ -41,22 +44,37 @@ class Policy:
         return INVARIANT_DEMANDS[op] if self.batch_invariant else "fastest correct kernel"
 
 
-DEFAULT_ORDER = ("cuda_default", "reference")
-INVARIANT_ORDER = ("cuda_hopper_invariant",)
+INVARIANT_BACKEND = "cuda_hopper_invariant"
+DEFAULT_CUDA_BACKEND = "cuda_default"
+DEFAULT_OTHER_BACKEND = "reference"  # pure PyTorch: any device
+
+
+def auto_backend(*, batch_invariant: bool, device: torch.device) -> str:
+    """What ``backend: auto`` means: the one backend of the mode (``policy.batch_invariant``) on
+    the device. Never a chain: an op that backend refuses fails with the selector's table; it is
+    not handed silently to another backend (name one per op under ``policy.ops`` for that)."""
+    if batch_invariant:
+        return INVARIANT_BACKEND
+    return DEFAULT_CUDA_BACKEND if device.type == "cuda" else DEFAULT_OTHER_BACKEND
 
 
 def make_policy(
-    *, batch_invariant: bool, backend: str, op_overrides: Mapping[str, tuple[str, ...]]
+    *, batch_invariant: bool, backend: str, op_overrides: Mapping[str, tuple[str, ...]],
+    device: torch.device | str | None = None,
 ) -> Policy:
-    """Policy for a mode: ``backend`` is a name or ``auto`` (the mode's own order)."""
+    """Policy for a mode: ``backend`` is a name or ``auto`` (see :func:`auto_backend`). ``device``:
+    the device the engine runs on, which ``auto`` needs in default mode; None: the one
+    ``model.device: auto`` resolves to on this machine. Whether an explicit backend agrees with
+    the mode is checked with the registry (``check_config``)."""
     if backend == "auto":
-        base = INVARIANT_ORDER if batch_invariant else DEFAULT_ORDER
-    else:
-        base = (backend,)
-    preferences = {op: tuple(op_overrides.get(op, base)) for op in OP_NAMES}
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = auto_backend(batch_invariant=batch_invariant, device=torch.device(device))
+    preferences = {op: tuple(op_overrides.get(op, (backend,))) for op in OP_NAMES}
     return Policy(
         name="batch_invariant" if batch_invariant else "default",
         batch_invariant=batch_invariant,
+        backend=backend,
         preferences=preferences,
         exact_preemption=batch_invariant,
     )

@@ -6,8 +6,8 @@ import torch
 
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError, PolicyError
-from bi_core.policies.base import Policy
-from bi_core.registry import Registry
+from bi_core.policies.base import INVARIANT_BACKEND, Policy
+from bi_core.registry import Backend, Registry
 
 
 def planned_device(spec: str) -> torch.device:
@@ -24,6 +24,30 @@ def resolve_device(spec: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("model.device", f"{spec} requested but CUDA is not available on this machine")
     return device
+
+
+def invariance_refusal(backend: Backend) -> str | None:
+    """Why a backend can never serve batch-invariant mode, or None when it can (for some ops)."""
+    if backend.invariance_refusal is not None:
+        return backend.invariance_refusal
+    if not any(b.is_batch_invariant for b in backend.builders):
+        return "none of its builders is batch-invariant"
+    return None
+
+
+def check_backend_mode(backend: str, registry: Registry) -> None:
+    """In batch-invariant mode an explicit ``backend`` must be able to serve it: the mode is set by
+    ``policy.batch_invariant`` alone, and a backend that contradicts it is a config error, not a
+    fallback. (A name not registered is left to the selector, whose table lists those that are.)"""
+    if backend == "auto" or backend not in registry.backends:
+        return
+    reason = invariance_refusal(registry.backends[backend])
+    if reason is None:
+        return
+    allowed = ", ".join(["auto", *sorted(n for n, b in registry.backends.items() if invariance_refusal(b) is None)])
+    raise ConfigError("backend", f"{backend!r} contradicts batch-invariant mode (policy.batch_invariant: true): "
+                                 f"{reason}. In batch-invariant mode backend is one of: {allowed} (auto, the default, "
+                                 f"is {INVARIANT_BACKEND})")
 
 
 def check_config(config: EngineConfig, policy: Policy, registry: Registry, device: torch.device, *,
@@ -55,6 +79,7 @@ def check_config(config: EngineConfig, policy: Policy, registry: Registry, devic
         raise ConfigError("policy.eplb", "expert-parallel load balancing (EPLB) is not implemented yet; use false")
     if not policy.batch_invariant:
         return
+    check_backend_mode(config.backend, registry)
     named = {name for op in policy.preferences for name in policy.order(op)}
     for name in sorted(named):
         if name in registry.backends:

@@ -47,7 +47,7 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert r.stderr.strip() == "bi-engine: error: scheduler.max_num_seqs: expected a positive int, got -3"
     r = cli("--config", CONFIG, "--batch-invariant")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "backend 'reference' does not support batch-invariant mode" in r.stderr
+    assert "backend: 'reference' contradicts batch-invariant mode" in r.stderr
     r = cli("--config", CONFIG, "--prompt-ids", "1,x")
     assert r.returncode == 2 and "--prompt-ids[0]: expected comma-separated integers" in r.stderr
 

@@ -23,16 +23,23 @@ def build(**overrides):
     return build_engine(EngineConfig.from_dict(tiny_config(**overrides)))
 
 
-def test_reference_refuses_invariance_with_dedicated_error():
-    with pytest.raises(BatchInvarianceUnsupported) as e:
+def test_reference_refuses_invariance_with_one_config_error():
+    with pytest.raises(ConfigError) as e:
         build(policy={"batch_invariant": True})
+    assert e.value.path == "backend"
+    assert str(e.value).startswith("backend: 'reference' contradicts batch-invariant mode")
+
+
+def test_reference_named_per_op_refuses_invariance_with_dedicated_error():
+    with pytest.raises(BatchInvarianceUnsupported) as e:
+        build(policy={"batch_invariant": True, "ops": {"norm": ["reference"]}}, backend="auto")
     assert e.value.backend == "reference"
     assert str(e.value).startswith("backend 'reference' does not support batch-invariant mode:")
 
 
 def test_env_invariance_reaches_the_reference_refusal(monkeypatch):
     monkeypatch.setenv("BI_ENABLE_BATCH_INVARIANT", "1")
-    with pytest.raises(BatchInvarianceUnsupported, match="'reference'"):
+    with pytest.raises(ConfigError, match="'reference' contradicts batch-invariant mode"):
         build()
 
 
