@@ -287,8 +287,8 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
         block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=rows, BLOCK_N=BLOCK_N,
         KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype),
         num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **pdl())
-    # loads in flight: up to 32 x 16 (sequence, head) programs they pay (131k tokens, B=1: 124 ->
-    # 56 us a layer); more programs already hide the latency and lose occupancy (B=64: 166 -> 213)
+    # loads in flight: up to 32 x 16 (sequence, head) programs they pay (most at long contexts and
+    # small batch); more programs already hide the latency and lose occupancy (benchmarks sections 14, 15)
     stages = MERGE_STAGES if num_dec * num_heads <= MERGE_PIPELINED_PROGRAMS else 1
     _merge_kernel[(num_dec, num_heads)](
         ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,

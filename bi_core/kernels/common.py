@@ -36,8 +36,8 @@ try:  # programmatic dependent launch (SM90+): Triton >= 3.4
 except ImportError:  # pragma: no cover - an older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-PDL_MAX_TOKENS = 16  # CUDA graphs of up to this many tokens launch with PDL (H200, PDL everywhere:
-# -0.25 ms a step at B=1, -0.2 ms at B=8, none at B=64, +1.2 ms at B=256)
+PDL_MAX_TOKENS = 16  # CUDA graphs of up to this many tokens launch with PDL: it pays at small
+# batch and not at large (benchmarks section 11, change 3)
 _pdl_supported: bool | None = None
 _pdl_on = False
 
@@ -67,8 +67,8 @@ def pdl_scope(on: bool):
 def pdl() -> dict:
     """Launch arguments: inside a ``pdl_scope(True)`` the kernel variant that waits, launched with
     PDL; elsewhere the variant without the wait, so large steps run exactly the kernels they ran
-    before PDL (H200, B=256: 37.6 ms a step with the no-op wait compiled in vs 35.6 without, one
-    run each, inside that step's 35.6-38.5 ms spread between runs)."""
+    before PDL (a large step with only the no-op wait compiled in measured slower, though inside
+    its spread between runs: benchmarks section 11, change 3)."""
     return {"PDL": True, "launch_pdl": True} if _pdl_on and _supported() else {"PDL": False}
 
 

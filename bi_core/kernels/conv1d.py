@@ -20,7 +20,7 @@ import triton.language as tl
 from bi_core.kernels.common import pdl, pdl_start
 
 CHUNK_TOKENS = 16  # tokens per program in a prefill step (a speed knob: no bit moves; its loop is
-# latency-bound, 64 tokens took 54 us a launch at 15 x 512-token prompts on an H200)
+# latency-bound, so short runs over more programs beat 64-token ones: benchmarks sections 12, 15)
 
 
 @triton.jit

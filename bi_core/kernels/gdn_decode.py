@@ -20,7 +20,7 @@ import triton.language as tl
 
 from bi_core.kernels.common import pdl, pdl_start
 
-NUM_WARPS = 4  # measured on an H200: 4 warps beat 8 and 16 at B=64 (occupancy), equal at B=1
+NUM_WARPS = 4  # beats 8 and 16 at large batch (occupancy), equal at B=1 (benchmarks sections 5, 12, 15)
 PREFETCH = 1  # value heads whose state a program reads before the conv (a speed knob: no bit moves)
 
 

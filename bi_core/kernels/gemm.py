@@ -22,7 +22,7 @@ TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs) at 
 DECODE_BLOCK_N = 32  # the tile width a decode GEMV uses; split counts are planned against it
 MIN_SPLIT_K = 256  # no split range shorter than this many K elements
 MID_M_MAX = 256  # rows up to which gemm_config uses the large-decode-batch tiles
-MID_MIN_TILES = 200  # fewer 64 x 128 tiles than this: 64 x 64 ones (gemm_sweep.py mid, H200)
+MID_MIN_TILES = 200  # fewer 64 x 128 tiles than this: 64 x 64 (gemm_sweep.py mid, benchmarks section 12)
 MAX_LOCKS = 1 << 16  # per-tile arrival counters (tiles of a split GEMM, any M up to 65536 rows)
 
 _locks: dict[torch.device, torch.Tensor] = {}
@@ -89,8 +89,8 @@ def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn,
     if INLINE:  # one program does every split, and adds them in split order: the same sums, no workspace
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # flattened: the splits' K loops become one pipelined loop (not a pipeline refilled per split:
-        # 347 -> 289 us at 7,680 rows of out_proj, gemm_sweep.py inline, H200)
+        # flattened: the splits' K loops become one pipelined loop, not a pipeline refilled per split
+        # (faster at every row count swept: gemm_sweep.py inline, benchmarks section 13, change 2)
         for s in tl.range(0, SPLIT_K, flatten=True):
             k_lo = s * K_PER_SPLIT
             acc, acc_up = _k_range(a_ptr + k_lo, b_ptr + k_lo, b_ptr + up_off + k_lo, rm, rn, rk, M, N, k_lo,
@@ -132,8 +132,8 @@ def block_m_for(m: int) -> int:
 
 
 def block_k_for(n: int, k: int) -> int:
-    """Part of the K order: fixed by (N, K). 64, or 128 for vocabulary-sized heads (measured best
-    at M=1 on an H200, benchmarks/kernel_bench.py --sweep)."""
+    """Part of the K order: fixed by (N, K). 64, or 128 for vocabulary-sized heads (the best at M=1
+    in benchmarks/kernel_bench.py --sweep: benchmarks section 5)."""
     return 128 if n >= 65536 and k >= 1024 else 64
 
 
@@ -153,12 +153,13 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     tile's splits itself, in split order (the same sums, no fp32 workspace round trip)."""
     bm, split = block_m_for(m), split_k_for(n, k)
     # a large decode batch through a hidden-sized GEMM (not the lm_head): 64-row tiles, 4 warps,
-    # and a split GEMM with enough tiles adds its splits in-program (gemm_sweep.py mid, H200)
+    # and a split GEMM with enough tiles adds its splits in-program (gemm_sweep.py mid, benchmarks section 12)
     mid = 64 < m <= MID_M_MAX and n < 65536
     if mid:
         bm = 64
         inline = split > 1 and m > 128 and triton.cdiv(m, 64) * triton.cdiv(n, 64) >= 64
-    else:  # past the decode batches a wide split GEMM adds its splits in-program (gemm_sweep.py inline, N=2048)
+    else:  # past the decode batches a wide split GEMM adds its splits in-program (gemm_sweep.py inline,
+        # N=2048: benchmarks section 13)
         wide = m > MID_M_MAX and n >= 1024
         inline = split > 1 and bm > 16 and (wide or triton.cdiv(m, bm) * triton.cdiv(n, 128) >= TARGET_PROGRAMS // 2)
     programs_per_tile = 1 if inline else split

@@ -236,7 +236,8 @@ def _combine(Y, W, SHARED_LOGIT, t, cols, mask, H, stride_sl, dt: tl.constexpr, 
 
 
 PAIR_TOKENS = 8  # up to this many tokens the experts run per pair (no routing sort, combine fused)
-PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5}  # per-pair tiles (gemm_sweep.py pair, H200)
+# per-pair tiles (gemm_sweep.py pair, benchmarks section 11)
+PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5}
 PAIR_DOWN = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}
 
 

@@ -53,9 +53,9 @@ class TritonPagedAttentionImpl:
         self.spec = spec
         self.tile_tokens = tokens_per_tile(spec.num_heads, spec.num_kv_heads)
         # Recurrent queries up to a tile run in decode form, but only up to 32 MMA rows (tokens x
-        # query heads per KV head) do they get the bits of one-token decode rows: measured on an
-        # H200 (35B-A3B shape, 8 heads per KV head), 8-token steps (64 rows) differed from decode in
-        # 3 of 288 logprobs, 1-token steps in none; MTP verify (4 tokens, 32 rows) is bitwise AR.
+        # query heads per KV head) do they get the bits of one-token decode rows: on the 35B-A3B
+        # shape (8 heads per KV head) 8-token steps (64 rows) differed from decode, 1-, 2- and
+        # 4-token steps did not (benchmarks section 6); MTP verify (4 tokens, 32 rows) is bitwise AR.
         self.decode_query_len = max(1, min(self.tile_tokens, EXACT_DECODE_ROWS // (spec.num_heads // spec.num_kv_heads)))
         self.inv_freq = _inv_freq(spec)
 
@@ -72,12 +72,12 @@ class TritonPagedAttentionImpl:
             dec_seqs = ctx.recurrent_ids if len(dec) == len(lens) else torch.tensor(dec, dtype=torch.int64, device=dev)
             # programs per (sequence, KV head): enough to fill the GPU, and enough that none folds
             # more than CHUNKS_PER_PROGRAM chunks in series at the longest context the plan serves
-            # (a graph's: its block table's width). H200, B=64 at 7,500 tokens: 3 -> 8 programs,
-            # 22.86 -> 22.17 ms a step; the split count changes no bit (chunks merge in order)
+            # (a graph's: its block table's width; benchmarks section 13, change 4). The split count
+            # changes no bit (chunks merge in order)
             longest = (ctx.block_tables.shape[1] * ctx.block_size if "graph_bucket" in ctx.extras
                        else max((ctx.context_lens_host[i] for i in dec), default=1))
             # No cap but the chunk count: at 131k tokens a cap of 64 left B=1 with 128 programs
-            # folding 8 chunks each, +40% over the default backend's step (benchmarks section 14)
+            # folding 8 chunks each, far behind the default backend's step (benchmarks section 14)
             splits = max(-(-PROGRAMS_WANTED // max(1, len(dec) * self.spec.num_kv_heads)),
                          -(-longest // (KV_SPLIT * CHUNKS_PER_PROGRAM)))
             splits = max(1, min(-(-longest // KV_SPLIT), splits))
