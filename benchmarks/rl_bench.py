@@ -146,7 +146,7 @@ def main() -> None:
                       cache={"prefix_caching": True})
     t0 = time.perf_counter()
     eng = build_engine(cfg)
-    print(f"{cfg.backend} {cfg.model.random.preset if cfg.model.random else cfg.model.path}: built in "
+    print(f"{eng.policy.backend} {cfg.model.random.preset if cfg.model.random else cfg.model.path}: built in "
           f"{time.perf_counter() - t0:.0f} s; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     rng = random.Random(0)
     for part in args.parts.split(","):

@@ -59,19 +59,21 @@ def anatomy(engine: LLMEngine, batch: int, context_len: int, steps: int) -> dict
         wall = (time.perf_counter() - t0) / steps
     check_decode_rows(batches, seqs, steps)  # a figure only for steps of all the rows
     acc: dict = defaultdict(float)
-    sched, runner = engine.scheduler, engine.runner
-    _timed(sched, "schedule", acc)
-    _timed(engine, "make_batch", acc)
-    _timed(runner, "run", acc)  # launches the replay; returns before the device is done
-    _timed(engine, "sample_and_append", acc)  # waits for the samples, appends (steps not launched ahead)
+    sched, strategy, runner = engine.scheduler, engine.strategy, engine.runner.main_graphs
+    owners = {"schedule": sched, "plan": strategy, "make_context": runner,
+              "run": runner,  # launches the replay; returns before the device is done
+              "commit": strategy,  # waits for the samples (steps not launched ahead), samples, decides
+              "update": sched}  # appends tokens, books progress
+    for name, owner in owners.items():
+        _timed(owner, name, acc)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     _sync()
     total = (time.perf_counter() - t0) / steps
-    for name in ("schedule", "make_batch", "run", "sample_and_append"):
-        delattr(sched if name == "schedule" else runner if name == "run" else engine, name)
-    phases = {k: acc[k] / steps * 1e3 for k in ("schedule", "make_batch", "run", "sample_and_append")}
+    for name, owner in owners.items():
+        delattr(owner, name)
+    phases = {k: acc[k] / steps * 1e3 for k in owners}
     key = min((k for k in getattr(runner, "graphs", {}) if k[0] == 1 and k[1] >= batch), default=None)
     replay_ms = None
     if key is not None and hasattr(runner.graphs[key], "graph"):  # the same graph back to back: device time alone (its inputs are the last step's)

@@ -62,24 +62,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=256)
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig.from_yaml(a.config))
-    print(f"== {a.config}: {engine.config.backend}, invariant={engine.policy.batch_invariant}", flush=True)
+    print(f"== {a.config}: {engine.policy.backend}, invariant={engine.policy.batch_invariant}", flush=True)
     print(f"{engine.warmup}; compiles so far {_compiled()}", flush=True)
-    slow = sorted(getattr(engine.runner, "capture_s", {}).items(), key=lambda kv: -kv[1])[:4]
+    slow = sorted(getattr(engine.runner.main_graphs, "capture_s", {}).items(), key=lambda kv: -kv[1])[:4]
     if slow:
         print("slowest captures: " + ", ".join(f"L={k[0]} B={k[1]} {t:.2f} s" for k, t in slow), flush=True)
     engine.generate(_prompts(engine, 4, a.input_len, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
     seen: list = []
-    inner = engine.strategy.step
+    inner = engine.strategy.plan
 
     def spy(scheduled):
         seen[:] = [(s.num_tokens, s.recurrent, s.seq.is_decoding) for s in scheduled]
         return inner(scheduled)
 
-    engine.strategy.step = spy
+    engine.strategy.plan = spy  # (steps launched ahead are not planned here: they keep the last rows)
     params = SamplingParams(max_new_tokens=a.output_len, ignore_eos=True)
     for p in _prompts(engine, a.requests, a.input_len, 1):
         engine.add_request(p, params)
-    runner = engine.runner
+    runner = engine.runner.main_graphs
     rows, replays = [], _replays(runner)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()

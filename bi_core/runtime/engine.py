@@ -1,11 +1,14 @@
-"""The engine: builds model, caches, scheduler and strategy from an EngineConfig and runs steps."""
+"""The engine: the request API and the step loop over a scheduler, a strategy and a model runner.
+
+One step: the scheduler picks the rows (``schedule``), the strategy plans the model call
+(``plan``), the runner executes it (``execute``), the strategy says what it did (``commit``), and
+the scheduler, the one writer of sequence state, applies that (``update``, then ``fork`` for
+n samples and ``finish``). Parts are built in ``runtime/build.py``."""
 
 from __future__ import annotations
 
 import atexit
 import logging
-import operator
-from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -14,65 +17,40 @@ import torch
 from tqdm import tqdm
 
 from bi_core.config import EngineConfig
-from bi_core.errors import BiEngineError, ConfigError, PromptTooLongError, RequestError
-from bi_core.models.args import ModelArgs
-from bi_core.models.loader import (
-    CheckpointIndex,
-    TensorDict,
-    apply_update,
-    check_update,
-    load_weights,
-    read_config,
-    update_weights,
-)
-from bi_core.models.presets import preset_args
-from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_args
-from bi_core.models.random_init import init_random_weights
+from bi_core.errors import BiEngineError, PromptTooLongError, RequestError
+from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update, update_weights
+from bi_core.models.qwen3_5 import check_tensor_parallel
 from bi_core.models.tokenizer import tokenizer_for
-from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed, sample_seed
-from bi_core.parallel.lockstep import launch, rank_device
+from bi_core.ops.sampling import device_sampled, mix_seed, sample_seed
+from bi_core.parallel.lockstep import launch
 from bi_core.parallel.shard import TPInfo
-from bi_core.plugins import load_registry
-from bi_core.policies import check_config, make_policy, planned_device, resolve_device
-from bi_core.policies.apply import applied, check_environment
+from bi_core.policies.apply import applied
 from bi_core.registry import Registry
-from bi_core.runtime.batch import plan_batch
-from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.build import build_parts, explain, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.detokenize import TextStream
-from bi_core.runtime.prefix_cache import PrefixCache
-from bi_core.runtime.scheduler import Scheduled, Scheduler, resolve_chunk_size
-from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence, Status
+from bi_core.runtime.prompts import Prompt, as_ints, ids_or_empty, is_one_prompt
+from bi_core.runtime.runner import StepOutput
+from bi_core.runtime.sequence import (
+    RequestOutput,
+    SamplingParams,
+    ScoreOutput,
+    Sequence,
+    Status,
+    request_output,
+)
+from bi_core.runtime.step import StepPlan
 from bi_core.runtime.warmup import warm_up
-from bi_core.selector import OpFactory
 
 log = logging.getLogger(__name__)
-Prompt = str | Seq[int]
-SCORE_BLOCK = 256  # logits rows computed at once when scoring
+__all__ = ["LLMEngine", "explain", "resolve_model"]  # explain and resolve_model: built in runtime/build.py
 
 
-def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | None]:
-    if config.model.random is not None:
-        r = config.model.random
-        return preset_args(r.preset, r.num_hidden_layers), None
-    return ModelArgs.from_hf_config(read_config(config.model.path)), CheckpointIndex(config.model.path)
+@attrs.define
+class _Ahead:
+    """A step launched before the previous one was committed, its samples on their way to the host."""
 
-
-def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = True, plan_only: bool = False,
-            rank: int = 0):
-    """The steps every entry point shares: registry, policy, device, config checks, op factory.
-    ``live=False`` (explain on a machine without the configured GPU): the device is taken as
-    configured and the checks that need it present are skipped. ``rank``: the tensor-parallel
-    rank, whose device is the configured one plus ``rank``."""
-    registry = registry or load_registry()
-    policy = make_policy(batch_invariant=config.policy.batch_invariant, backend=config.backend,
-                         op_overrides=config.policy.ops)
-    device = resolve_device(config.model.device) if live else planned_device(config.model.device)
-    device = rank_device(device, rank)
-    check_config(config, policy, registry, device, live=live)
-    if live:
-        check_environment(policy, device)
-    return registry, policy, OpFactory(registry, policy, device, getattr(torch, config.model.dtype), plan_only)
+    plan: StepPlan
+    out: StepOutput
 
 
 class LLMEngine:
@@ -82,71 +60,25 @@ class LLMEngine:
         self.config = config
         self.registry, self.policy, self.factory = prepare(config, registry, rank=tp_rank)
         self.device, self.dtype = self.factory.base["device"], self.factory.base["dtype"]
-        args, index = resolve_model(config)
-        self.args = args
+        self.args, index = resolve_model(config)
         self.tp = TPInfo(tp_rank, config.parallel.tensor_parallel_size)
-        check_tensor_parallel(args, self.tp.world)
-        self.max_model_len = config.model.max_model_len or args.max_position_embeddings
-        if self.max_model_len > args.max_position_embeddings:
-            raise ConfigError("model.max_model_len", f"{self.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {args.max_position_embeddings}")
+        check_tensor_parallel(self.args, self.tp.world)
+        resolve_max_model_len(config, self.args)
         self._driver = None  # rank 0 of a tensor-parallel engine, once every rank is built: the other ranks
         driver = launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
         if driver is not None:
             atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
-        self.checkpoint_has_mtp = index is not None and index.has_prefix("mtp.")
-        with_mtp = self.checkpoint_has_mtp if index is not None else args.mtp_num_hidden_layers > 0
-        try:
-            self.model = Qwen35Model(args, self.factory, self.dtype, self.device, with_mtp=with_mtp, tp=self.tp)
-        except torch.OutOfMemoryError:
-            raise BiEngineError(f"the model's weights do not fit on {self.device} "
-                                f"({_param_gib(args, self.dtype):.1f} GiB in {config.model.dtype}); use a larger GPU "
-                                "or fewer layers (model.random.num_hidden_layers) for a quick run") from None
-        if index is not None:
-            load_weights(self.model, index)
-        else:
-            init_random_weights(self.model, config.model.random.seed)
-        self.model.eval()
-        strategy_cls = self.registry.strategies[config.strategy.name]
-        lookahead = strategy_cls.lookahead_for(config)
-        chunk_size = resolve_chunk_size(config.scheduler, strategy_cls.decode_tokens_for(config), config.cache.block_size)
-        prefix_caching = _prefix_caching(config, strategy_cls, chunk_size)
-        self.cache = CacheManager(local_args(args, self.tp.world), config.cache, num_slots=config.scheduler.max_num_seqs,
-                                  max_model_len=self.max_model_len + lookahead, dtype=self.dtype,
-                                  device=self.device, with_mtp=with_mtp, state_ring=strategy_cls.state_ring_for(config),
-                                  num_snapshots=config.cache.prefix_snapshots if prefix_caching else 0)
-        if prefix_caching:
-            self.cache.prefix = PrefixCache(self.cache, grid=chunk_size,
-                                            snapshot_slots=self.cache.snapshot_slots)
-        capacity = self.cache.num_blocks * self.cache.block_size
-        if capacity < self.max_model_len + lookahead:
-            raise ConfigError("cache.num_blocks", f"the KV cache holds {capacity} tokens, fewer than one sequence "
-                              f"of model.max_model_len={self.max_model_len}; raise cache.num_blocks or lower "
-                              "model.max_model_len")
-        max_batch = config.graph.max_batch_size or config.scheduler.max_num_seqs
-        self.runner_spec = GraphRunnerSpec(
-            **self.factory.base, use_graphs=config.graph.enabled, max_batch_size=max_batch,
-            max_blocks_per_seq=self.cache.blocks_for(self.max_model_len + lookahead),
-            scratch_page=self.cache.scratch_page, scratch_slot=self.cache.scratch_slot,
-            state_ring=self.cache.state_ring, query_lens=strategy_cls.graph_query_lens(config))
-        self.runner = self.factory.build("graph_runner", self.runner_spec)
-        limits = [m.attn.decode_query_len for m in self.model.modules()
-                  if getattr(getattr(m, "attn", None), "decode_query_len", None)]
-        self.scheduler = Scheduler(config.scheduler, self.cache, chunk_size=chunk_size,
-                                   exact_rebuild=self.policy.exact_preemption,
-                                   lookahead=lookahead, decode_tokens=strategy_cls.decode_tokens_for(config),
-                                   exact_step_tokens=min(limits, default=None))
-        strategy_cls.check(self)
-        self.strategy = strategy_cls(self)
+        parts = build_parts(config, self.registry, self.policy, self.factory, self.args, index, self.tp)
+        self.model, self.runner, self.scheduler, self.strategy = parts.model, parts.runner, parts.scheduler, parts.strategy
+        self.cache, self.max_model_len = self.runner.cache, parts.max_model_len
         self.tokenizer = tokenizer_for(config.model)
-        self.eos_ids = args.eos_token_ids
-        self.on_logits = None  # debugging hook: called with (sequences, logits) before sampling
+        self.eos_ids = self.args.eos_token_ids
+        self.overlap = config.graph.overlap
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
+        self.num_steps = self.num_ahead = 0  # steps run; of them, launched before the previous one was committed
         self._next_id = 0
-        self._forked: list[Sequence] = []  # samples forked in the current step
-        self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
-        self.num_steps = 0
+        self._ahead: _Ahead | None = None
         self.warmup = None
         if config.graph.warmup and config.graph.enabled and self.device.type == "cuda":
             self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
@@ -159,6 +91,31 @@ class LLMEngine:
         if self._driver is not None:
             self._driver.close()
 
+    @property
+    def on_logits(self):
+        """Debugging hook: called with (sequences, logits) before each sampling (``ModelRunner.on_logits``)."""
+        return self.runner.on_logits
+
+    @on_logits.setter
+    def on_logits(self, hook) -> None:
+        self.runner.on_logits = hook
+
+    @property
+    def in_flight(self) -> list | None:
+        """The scheduled rows of a step launched ahead and not yet committed (overlap), or None."""
+        return self._ahead.plan.scheduled if self._ahead is not None else None
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        """Prompt tokens the model ran (not cached, not shared by n samples)."""
+        return self.scheduler.num_prompt_tokens_computed
+
+    def reset_counters(self) -> None:
+        """Forget the warm-up: request ids restart at 0, prompt-token and prefix-cache counts at 0."""
+        self._next_id = self.scheduler.num_prompt_tokens_computed = 0
+        if self.cache.prefix is not None:
+            self.cache.prefix.clear(reset_stats=True)
+
     def lockstep_check(self) -> tuple[int, int, int]:
         """What every rank must agree on before a step: (steps run, next request id, requests)."""
         return self.num_steps, self._next_id, len(self.requests)
@@ -170,46 +127,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def model_step(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, ...]:
-        """(hidden, logits[, samples]): with ``ctx.sample_keys`` the step samples its logits rows on
-        the device too (inside a CUDA graph when it replays one)."""
-        hidden, logits = self.model(input_ids, ctx, self.cache.main)
-        if ctx.sample_keys is None:
-            return hidden, logits
-        return hidden, logits, self.model.sampler.sample_device(logits, ctx.sample_keys, ctx.temperatures)
-
-    def make_batch(self, token_ids: list[list[int]], seqs: list[Sequence], is_recurrent: list[bool],
-                   logits_rows: list[list[int]], *, sample_positions: list[list[int]] | None = None,
-                   past_lens: list[int] | None = None, runner=None):
-        """Input ids and context of a step over ``token_ids[i]`` of ``seqs[i]`` (from position
-        ``past_lens[i]``, default its ``num_computed``), packed by ``runner`` (default the main
-        model's). ``sample_positions[i]``: the position each of sequence i's logits rows samples
-        (its randomness key), so the step can sample on the device."""
-        past = [s.num_computed for s in seqs] if past_lens is None else past_lens
-        keys = temps = None
-        if sample_positions is not None:
-            keys = [mix_seed(s.seed, p) for s, ps in zip(seqs, sample_positions) for p in ps]
-            temps = [s.params.temperature for s, ps in zip(seqs, sample_positions) for _ in ps]
-        hb = plan_batch(token_ids, past, [s.blocks for s in seqs], [s.state_slot for s in seqs], is_recurrent,
-                        block_size=self.cache.block_size, ring=self.cache.state_ring, logits_rows=logits_rows,
-                        sample_keys=keys, temperatures=temps)
-        return (runner or self.runner).make_context(hb, self.device)
-
-    def run_model(self, input_ids: torch.Tensor, ctx, ids_from: torch.Tensor | None = None) -> StepOutput:
-        """The main model over one step's tokens, through the graph runner. ``ids_from``: the
-        input ids are row indices into it (a previous step's device samples; see ``gather_ids``)."""
-        return StepOutput(*self.runner.run(self.model_step, input_ids, ctx, self.model.prepare_step,
-                                           ids_from=ids_from))
-
     def _token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
-        """A prompt's ids as Python ints: text is tokenized; ids may be Python, numpy or torch
-        integers (a list of them, or a 1-D array or tensor)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{what} is text but this checkpoint has no tokenizer; pass a list of token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = _as_ints(prompt, what)
+            ids = as_ints(prompt, what)
         if not ids:
             raise RequestError(f"{what} is empty")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
@@ -219,18 +143,12 @@ class LLMEngine:
 
     def _new_seq(self, ids: list[int], params: SamplingParams, max_total_len: int, seed: int | None = None,
                  **fields) -> Sequence:
-        rid = self._next_id
-        self._next_id += 1
+        rid, self._next_id = self._next_id, self._next_id + 1
         if seed is None:
             seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed, max_total_len=max_total_len,
                        weight_version=self.weight_version, **fields)
         self.requests[rid] = seq
-        return seq
-
-    def _enqueue(self, ids: list[int], params: SamplingParams, max_total_len: int, **fields) -> Sequence:
-        seq = self._new_seq(ids, params, max_total_len, **fields)
-        self.scheduler.add(seq)
         return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
@@ -242,9 +160,12 @@ class LLMEngine:
                                      f"{self.max_model_len} including at least one generated token")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+        limit = self.config.scheduler.max_num_seqs
+        if params.n > limit:  # the samples of a prompt are admitted together
+            raise RequestError(f"n={params.n} samples exceed scheduler.max_num_seqs={limit} (the samples of a "
+                               "prompt run together); lower n or raise scheduler.max_num_seqs")
         max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        self._check_group(params.n)
-        seq = self._enqueue(ids, params, max_total, score_top=params.prompt_logprobs or 0)
+        seq = self._new_seq(ids, params, max_total, score_top=params.prompt_logprobs or 0)
         seq.group = [seq]
         for i in range(1, params.n):  # the other samples wait attached to the leader until it forks them
             f = self._new_seq(ids, params, max_total, seed=sample_seed(seq.seed, i), sample_index=i, leader=seq,
@@ -254,15 +175,9 @@ class LLMEngine:
         if (text or params.stop) and self.tokenizer is not None:
             for member in seq.group:
                 member.text = TextStream(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
         self._mirror("add_request", prompt, params, text=text)
         return seq
-
-    def _check_group(self, n: int) -> None:
-        """n samples are admitted together: they must fit in the slots at once."""
-        limit = self.config.scheduler.max_num_seqs
-        if n > limit:
-            raise RequestError(f"n={n} samples exceed scheduler.max_num_seqs={limit} (the samples of a prompt run "
-                               "together); lower n or raise scheduler.max_num_seqs")
 
     def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
                           logprobs: int = 0) -> Sequence:
@@ -275,8 +190,9 @@ class LLMEngine:
         if total > self.max_model_len:
             raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
                                      f"is {self.max_model_len}")
-        seq = self._enqueue(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
+        seq = self._new_seq(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
                             score_top=logprobs)
+        self.scheduler.add(seq)
         self._mirror("add_score_request", prompt, continuation, exact=exact, logprobs=logprobs)
         return seq
 
@@ -294,6 +210,8 @@ class LLMEngine:
         seq.finish("abort")
         return True
 
+    # ------------------------------------------------------------------ the step loop
+
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it."""
         if not self.scheduler.has_work():
@@ -301,141 +219,65 @@ class LLMEngine:
         if self._driver is not None:
             self._driver.send_step(self.lockstep_check())
         self.num_steps += 1
-        # the live rows of a decode step the last call launched ahead (strategies/ar.py), else a schedule
-        ahead = self.strategy.launched()
-        scheduled = ahead or self.scheduler.schedule()
-        if not scheduled:
-            raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
-        self._forked = []
-        # prompt chunks (and recomputes): decode rows need none of what follows the step
-        chunks = [] if ahead else [(s.seq, s.seq.num_computed, s.recurrent) for s in scheduled if not s.seq.is_decoding]
+        ahead, self._ahead = self._ahead, None
         with torch.inference_mode(), applied(self.policy):
-            self.strategy.step(scheduled)
-        self._after_chunks(chunks)
-        done = [seq for seq in [s.seq for s in scheduled] + self._forked if seq.status is Status.FINISHED]
+            if ahead is not None and any(r.seq.status is Status.RUNNING for r in ahead.plan.forward.rows):
+                plan, out = ahead.plan, ahead.out
+            else:  # nothing launched ahead, or every row's request ended (stop token, abort)
+                scheduled = self.scheduler.schedule()
+                if not scheduled:
+                    raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
+                plan = self.strategy.plan(scheduled)
+                out = self.runner.execute(plan.forward)
+            landing = None
+            if self.overlap and self.strategy.plans_ahead and self._flies(plan, out):
+                landing = self.runner.land(out.samples)
+                self._ahead = self._launch_ahead(plan, out)
+            commit = self.strategy.commit(plan, out, landing.wait() if landing is not None else None)
+            self.scheduler.update(commit)
+            self.strategy.after_update(plan, commit, out)
+            forked = self.scheduler.fork(commit.forks) if commit.forks else []
+            if forked:
+                self.strategy.after_fork(commit.forks, plan, out)
+        done = [s for s in [c.seq for c in commit.seqs] + forked if s.status is Status.FINISHED]
         for seq in done:
             self.scheduler.finish(seq)
             self.strategy.forget(seq)
             self.requests.pop(seq.request_id, None)
         return done
 
-    def _after_chunks(self, chunks: list[tuple[Sequence, int, bool]]) -> None:
-        """After a step, for each sequence that ran a chunk from ``start``: count its prompt
-        tokens; hand the prefix cache a chunk on the chunk grid (chunked form, continuing what the
-        sequence already cached) with the GDN state after it; end a scoring request whose last
-        scored row has run."""
-        prefix = self.cache.prefix
-        for seq, start, recurrent in chunks:
-            end = seq.num_computed
-            self.num_prompt_tokens_computed += max(0, min(end, len(seq.prompt_ids)) - start)
-            if (prefix is not None and not recurrent and seq.state_slot is not None and start == seq.prefix_end
-                    and prefix.cacheable(start, end)):
-                prefix.insert(seq, end, self.cache.state_at(seq.state_slot, end))
-            if seq.score_from is not None and end >= seq.compute_end:
-                seq.finish("length")
+    def _flies(self, plan: StepPlan, out: StepOutput) -> bool:
+        """Whether a step's device samples are all its commit needs, so they can be copied to the
+        host behind it: a graph replay (uniform rows), every row sampled on the device, for
+        requests that want nothing more (no filtering, top-N logprobs, n-sample fork or hook)."""
+        rows = plan.forward.rows
+        return (out.samples is not None and out.graph is not None and self.runner.on_logits is None
+                and all(r.sample for r in rows)
+                and not any(r.seq.followers for r in rows) and device_sampled([r.seq for r in rows]))
 
-    def record_scores(self, scheduled: list[Scheduled], hidden: torch.Tensor, offsets: list[int]) -> None:
-        """Logprobs of known tokens (scoring, prompt logprobs) from this step's hidden rows; call it
-        before the sequences' ``num_computed`` moves past the step. Logits are computed in blocks
-        of rows, so a long chunk never holds chunk x vocabulary logits at once; with a row-invariant
-        lm_head the block size changes no bit."""
-        rows, targets, owners = [], [], []
-        for s, offset in zip(scheduled, offsets):
-            span = s.seq.scored
-            if span is None:
-                continue
-            start, ids = s.seq.num_computed, s.seq.all_ids
-            done = span[0] + len(s.seq.scored_logprobs)  # kept across a preemption's recompute
-            # the row at position j - 1 gives the logprob of the token at position j
-            for j in range(max(done, start + 1), min(span[1], start + s.num_tokens + 1)):
-                rows.append(offset + j - 1 - start)
-                targets.append(ids[j])
-                owners.append(s.seq)
-        for b in range(0, len(rows), SCORE_BLOCK):
-            seqs = owners[b:b + SCORE_BLOCK]
-            top = max(s.score_top for s in seqs)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows[b:b + SCORE_BLOCK], device=self.device)])
-            out = self.model.sampler.logprobs_of(logits, torch.tensor(targets[b:b + SCORE_BLOCK], device=self.device),
-                                                 top).to_host()
-            tokens, lps = out[:, 0].long().tolist(), out[:, 1].float().tolist()
-            top_ids, top_lps = out[:, 2:2 + top].long().tolist(), out[:, 2 + top:].float().tolist()
-            for i, seq in enumerate(seqs):
-                entry = dict(zip(top_ids[i][:seq.score_top], top_lps[i][:seq.score_top]))
-                entry[tokens[i]] = lps[i]
-                seq.scored_logprobs.append(lps[i])
-                seq.scored_top.append(entry)
-
-    def sample_rows(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
-                    samples: torch.Tensor | None = None):
-        """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
-        ``positions[i]`` (its randomness is keyed by that request's seed and that position).
-        ``samples``: the step's own device samples of these rows (used unless a request wants
-        top-k/top-p filtering or top-N logprobs, which the sampler does row by row).
-        Returns per row (token, logprob, top-N dict or None)."""
-        if self.on_logits is not None:
-            self.on_logits(seqs, logits)
-        n = max((s.params.logprobs or 0) for s in seqs)
-        if samples is not None and device_sampled(seqs):
-            packed = samples.cpu()
-        else:
-            packed = self.model.sampler.forward(logits, self.sampling_batch(seqs, positions, n)).to_host()
-        return self.rows_of(seqs, packed, n)
-
-    def rows_of(self, seqs: list[Sequence], packed: torch.Tensor, n: int = 0):
-        """Per row of a host ``packed`` sample tensor [R, 2 + 2n] (token, logprob, top-N ids, top-N
-        logprobs): (token, logprob, top-N dict or None) as ``Sequence.append`` takes them."""
-        tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
-        top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
-        rows = []
-        for i, seq in enumerate(seqs):
-            top = None
-            if seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                top = dict(zip(top_ids[i][:k], top_lps[i][:k]))
-                top[tokens[i]] = lps[i]
-            rows.append((tokens[i], lps[i], top))
-        return rows
-
-    def sample_and_append(self, seqs: list[Sequence], out: StepOutput) -> None:
-        """One new token per sequence (autoregressive step); a leader's other samples are forked
-        from it and sample their first token from the same logits row."""
-        rows = self.sample_rows(seqs, [s.num_tokens for s in seqs], out.logits, out.samples)
-        for seq, (token, lp, top) in zip(seqs, rows):
-            seq.append(token, lp, top, self.eos_ids)
-        for i, seq in enumerate(seqs):
-            if seq.followers:
-                self.fork(seq, out.logits[i])
-
-    def fork(self, leader: Sequence, logits_row: torch.Tensor) -> list[Sequence]:
-        """Give each of ``leader``'s waiting samples what a lone prefill of the prompt computes:
-        the shared pages (wholly before the last prompt token) by reference, the page holding the
-        last prompt token and the GDN states by copy; then its first token, sampled from the
-        logits row the leader's first token came from with its own seed (the sampler is
-        row-invariant: what the sample would draw sent alone). Call it once the leader's last
-        prompt chunk has run (and, with MTP, the head over it)."""
-        fs, leader.followers = leader.followers, []
-        prompt_len = len(leader.prompt_ids)
-        first = self.sample_rows(fs, [prompt_len] * len(fs), logits_row.expand(len(fs), -1).contiguous())
-        shared = self.scheduler.shared_pages(prompt_len)
-        self.cache.copy_pages([leader.blocks[shared]] * len(fs), [f.blocks[0] for f in fs])
-        self.cache.copy_states([self.cache.state_at(leader.state_slot, prompt_len)] * len(fs),
-                               [self.cache.state_at(f.state_slot, prompt_len) for f in fs])
-        for f, (token, lp, top) in zip(fs, first):
-            f.blocks = self.cache.blocks.share(leader.blocks[:shared]) + f.blocks
-            f.leader, f.num_computed = None, prompt_len
-            f.scored_logprobs, f.scored_top = list(leader.scored_logprobs), list(leader.scored_top)
-            f.append(token, lp, top, self.eos_ids)
-        self._forked += fs
-        return fs
-
-    def sampling_batch(self, seqs: list[Sequence], positions: list[int], num_logprobs: int) -> SamplingBatch:
-        return SamplingBatch(
-            temperatures=[s.params.temperature for s in seqs],
-            top_ks=[s.params.top_k for s in seqs],
-            top_ps=[s.params.top_p for s in seqs],
-            keys=[mix_seed(s.seed, p) for s, p in zip(seqs, positions)],
-            num_logprobs=num_logprobs,
-        )
+    def _launch_ahead(self, plan: StepPlan, out: StepOutput) -> _Ahead | None:
+        """Overlapped decode (``graph.overlap``): plan, stage and launch the decode step after
+        ``plan`` before its tokens reach the host, so the device never waits for the host's
+        planning and bookkeeping. The next step is exactly what ``schedule`` would return after
+        this one (``Scheduler.plan_decode`` refuses otherwise: requests waiting, pages short,
+        ...), except that a sequence this step ends with a stop token still runs one wasted row
+        in it; that row's output is dropped, and its pages and state slot, released when this
+        step is committed, are reused only by work queued after it. Requests added between steps
+        are admitted one step later. Every row computes what it would alone, so outputs are the
+        same bits with or without overlap (tests/strategies/test_overlap.py)."""
+        continuing, ending = [], []
+        for r in plan.forward.rows:
+            if r.seq.status is Status.RUNNING:
+                (ending if r.seq.at_length(1) else continuing).append(r.seq)
+        scheduled = self.scheduler.plan_decode(continuing, ending)
+        if scheduled is None:
+            return None
+        nxt = self.strategy.plan_ahead(scheduled, plan, out)
+        if nxt is None:
+            return None
+        self.runner.wait_inputs()  # the running step's staged inputs are on the device: host buffers are free
+        self.num_ahead += 1
+        return _Ahead(nxt, self.runner.execute(nxt.forward))
 
     # ------------------------------------------------------------------ weights
 
@@ -496,7 +338,7 @@ class LLMEngine:
         str, or a flat sequence of ids (``[1, 2, 3]``, a 1-D array), which gives a list of one
         result. A request that cannot be served (too long, bad ids) gets ``finish_reason='error'``
         while the others go on."""
-        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
         params = params or SamplingParams()
         per_request = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_request) != len(prompts):
@@ -506,7 +348,7 @@ class LLMEngine:
             try:
                 seqs.append(self.add_request(prompt, p))
             except RequestError as e:
-                seqs.append((_ids_or_empty(prompt), str(e)))
+                seqs.append((ids_or_empty(prompt), str(e)))
         self._run_all(sum(len(s.group) for s in seqs if isinstance(s, Sequence)), "generate", progress)
         return [self.output_of(s) for s in seqs]
 
@@ -521,8 +363,8 @@ class LLMEngine:
         and continuation, faster, equal only to float tolerance. ``logprobs``: also the top-N
         per token. A pair that cannot be scored comes back with ``error`` set. As in ``generate``,
         a lone prompt and continuation (a str, or a flat sequence of ids each) are one pair."""
-        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
-        continuations = [continuations] if _is_one_prompt(continuations) else list(continuations)
+        prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
+        continuations = [continuations] if is_one_prompt(continuations) else list(continuations)
         if len(prompts) != len(continuations):
             raise RequestError(f"{len(prompts)} prompts but {len(continuations)} continuations")
         seqs: list[Sequence | str] = []
@@ -548,151 +390,6 @@ class LLMEngine:
             return RequestOutput(request_id=-1, prompt_token_ids=ids, token_ids=[], text=None, token_logprobs=[],
                                  logprobs=None, finish_reason="error", error=error)
         if len(s.group) > 1:
-            samples = [self._output(x) for x in s.group]
+            samples = [request_output(x, self.tokenizer) for x in s.group]
             return attrs.evolve(samples[0], samples=samples)
-        return self._output(s)
-
-    def _output(self, s: Sequence) -> RequestOutput:
-        text = s.text.text if s.text is not None else self.tokenizer.decode(s.output_ids) if self.tokenizer else None
-        return RequestOutput(
-            request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
-            token_logprobs=list(s.token_logprobs),
-            logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
-            finish_reason=s.finish_reason, error=s.error, stop_reason=s.stop_reason, num_preemptions=s.num_preemptions,
-            num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
-            num_verify_steps=s.num_verify_steps, weight_version=s.weight_version,
-            prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None,
-            sample_index=s.sample_index, num_cached_tokens=s.num_cached_tokens)
-
-
-@attrs.frozen(kw_only=True)
-class ScoreOutput:
-    """The logprobs of a continuation after a prompt (``LLMEngine.score``)."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # the continuation
-    token_logprobs: list[float]  # log p of each continuation token given everything before it
-    logprobs: list[dict[int, float]] | None  # per token: top-N and the token itself (when asked for)
-    exact: bool
-    weight_version: int = 0
-    error: str | None = None
-
-    @classmethod
-    def of(cls, s: Sequence | str, exact: bool) -> ScoreOutput:
-        if not isinstance(s, Sequence):
-            return cls(request_id=-1, prompt_token_ids=[], token_ids=[], token_logprobs=[], logprobs=None,
-                       exact=exact, error=s)
-        cut = s.score_from
-        return cls(request_id=s.request_id, prompt_token_ids=s.prompt_ids[:cut], token_ids=s.prompt_ids[cut:],
-                   token_logprobs=list(s.scored_logprobs), logprobs=list(s.scored_top) if s.score_top else None,
-                   exact=s.exact, weight_version=s.weight_version, error=s.error)
-
-
-@attrs.frozen
-class StepOutput:
-    """What a model step returns: every token's hidden state, the logits of the rows it was asked
-    for, and (when the context carried sampling keys) those rows sampled on the device."""
-
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    samples: torch.Tensor | None = None  # [R, 2] float64 (token, logprob)
-
-
-def _is_token_id(t) -> bool:
-    """An integer of Python, numpy or torch (a 0-d tensor); not a bool."""
-    if isinstance(t, bool) or str(getattr(t, "dtype", "")) in ("bool", "torch.bool"):
-        return False
-    try:
-        operator.index(t)
-    except TypeError:
-        return False
-    return True
-
-
-def _as_ints(prompt, what: str) -> list[int]:
-    """Token ids as Python ints; RequestError names what is not one."""
-    ndim = getattr(prompt, "ndim", None)
-    if ndim is not None:  # a numpy array or torch tensor: converted in one call
-        if ndim != 1:
-            raise RequestError(f"{what} must be a 1-D array of token ids, got {ndim} dimensions")
-        ids = prompt.tolist()
-    elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
-        raise RequestError(f"{what} must be a str or a sequence of token ids, got {type(prompt).__name__}")
-    else:
-        ids = list(prompt)
-    bad = [t for t in ids if not _is_token_id(t)]
-    if bad:
-        raise RequestError(f"{what} has token ids that are not integers: {bad[:5]!r}")
-    return [operator.index(t) for t in ids]
-
-
-def _is_one_prompt(prompts) -> bool:
-    """A lone str, or a flat sequence of token ids (whose first element is an integer); anything
-    that is no sequence of prompts is one (bad) prompt, which its result names."""
-    if isinstance(prompts, str) or getattr(prompts, "ndim", 2) < 2 or not isinstance(prompts, Iterable):
-        return True
-    return isinstance(prompts, Seq) and len(prompts) > 0 and _is_token_id(prompts[0])
-
-
-def _ids_or_empty(prompt) -> list[int]:
-    """A refused prompt's ids for its error result, where it has valid ones."""
-    try:
-        return [] if isinstance(prompt, str) else _as_ints(prompt, "prompt")
-    except RequestError:
-        return []
-
-
-def _prefix_caching(config: EngineConfig, strategy_cls, chunk: int) -> bool:
-    """Whether prefix caching is on; raises when it was asked for where it cannot be exact."""
-    wanted = config.cache.prefix_caching
-    if strategy_cls.is_speculative:
-        if wanted is True:
-            raise ConfigError("cache.prefix_caching", f"not with strategy {strategy_cls.name}: the MTP head's KV at a "
-                              "page's last position depends on the token after the page, which a later request may "
-                              "not share; use auto or false")
-        return False
-    if wanted is False:
-        return False
-    block = config.cache.block_size
-    if chunk % block:
-        if wanted is True:
-            raise ConfigError("cache.prefix_caching", f"needs scheduler.prefill_chunk_size ({chunk}) to be a "
-                              f"multiple of cache.block_size ({block}): cached prefixes end on chunk boundaries")
-        return False
-    return True
-
-
-def _param_gib(args: ModelArgs, dtype: torch.dtype) -> float:
-    """Approximate weight size: embeddings, head, and every layer's projections and experts."""
-    h = args.hidden_size
-    per_layer = 4 * h * args.num_attention_heads * args.head_dim  # attention-sized projections
-    if args.is_moe:
-        per_layer += 3 * args.num_experts * h * args.moe_intermediate_size + 3 * h * args.shared_expert_intermediate_size
-    else:
-        per_layer += 3 * h * (args.intermediate_size or 0)
-    heads = 1 if args.tie_word_embeddings else 2
-    return (heads * args.vocab_size * h + args.num_hidden_layers * per_layer) * dtype.itemsize / 2**30
-
-
-def explain(config: EngineConfig, registry: Registry | None = None) -> str:
-    """Which builder serves each op and why the others were refused, without loading weights or
-    building anything."""
-    wanted = planned_device(config.model.device)
-    live = wanted.type != "cuda" or torch.cuda.is_available()
-    _, _, factory = prepare(config, registry, live=live, plan_only=True)
-    args, index = resolve_model(config)
-    with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
-    world = config.parallel.tensor_parallel_size
-    check_tensor_parallel(args, world)
-    Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp, tp=TPInfo(0, world))
-    factory.build("graph_runner", GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled,
-                                                  max_batch_size=config.scheduler.max_num_seqs))
-    failure = "\n".join(dict.fromkeys(factory.failures()))
-    text = factory.explain()
-    if not live:
-        text = (f"note: {wanted} is not available on this machine: the plan is shown as selected for it, without "
-                "the checks that need the device present (CUDA, SM90); package checks are this machine's\n" + text)
-    return text + ("\n\nSELECTION FAILED:\n" + failure if failure else "")
-
-
+        return request_output(s, self.tokenizer)

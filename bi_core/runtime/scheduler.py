@@ -21,12 +21,11 @@ import logging
 import time
 from collections import deque
 
-import attrs
-
 from bi_core.config import SchedulerConfig
 from bi_core.errors import ConfigError
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.sequence import Sequence, Status
+from bi_core.runtime.step import Fork, Scheduled, StepCommit
 
 log = logging.getLogger(__name__)
 PREEMPTION_LOG_INTERVAL_S = 10.0  # preemptions are reported as counts at most this often
@@ -56,30 +55,12 @@ def resolve_chunk_size(config: SchedulerConfig, decode_tokens: int, block_size: 
     return half - half % block_size if half >= block_size else max(1, half)
 
 
-@attrs.frozen
-class Scheduled:
-    seq: Sequence
-    num_tokens: int  # tokens of this sequence processed in this step
-
-    @property
-    def samples(self) -> bool:
-        """True when this step processes the sequence's last known token (so a new one is sampled)."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
-
-    @property
-    def recurrent(self) -> bool:
-        """Whether GDN runs these tokens in the recurrent (decode) form: single tokens after the
-        first (decode steps, a prompt's one-token last chunk), and the tokens past a sequence's
-        ``decode_from`` (an exact scoring request's continuation, a rebuilt sequence's generated
-        tokens); otherwise the chunked form. Depends on the request alone."""
-        seq = self.seq
-        return seq.num_computed > 0 and (self.num_tokens == 1 or seq.in_exact_continuation)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, *, chunk_size: int, exact_rebuild: bool = False,
-                 lookahead: int = 0, decode_tokens: int = 1, exact_step_tokens: int | None = None) -> None:
+                 lookahead: int = 0, decode_tokens: int = 1, exact_step_tokens: int | None = None,
+                 eos_ids: tuple[int, ...] = ()) -> None:
         self.config = config
+        self.eos_ids = eos_ids  # end a sequence unless its params ignore them
         self.cache = cache
         self.chunk_size = chunk_size  # from resolve_chunk_size
         self.exact_rebuild = exact_rebuild  # invariant mode: preempted sequences rebuild in decode arithmetic
@@ -91,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
         self._logged_preemptions, self._logged_at = 0, time.monotonic()
 
     def add(self, seq: Sequence) -> None:
@@ -177,10 +159,11 @@ class Scheduler:
         return n
 
     def plan_decode(self, continuing: list[Sequence], ending: list[Sequence]) -> list[Scheduled] | None:
-        """The next step's schedule, made while the current decode step runs (its tokens not yet
-        appended; ``ending``: its sequences that token ends by length, ``continuing``: the
-        others), when it is certain: nothing waits, every running sequence is one of the two, and
-        each continuing sequence decodes one token (pages taken now, never by preemption).
+        """The next step's schedule, made while the current decode step runs (not yet committed:
+        each sequence's ``num_computed`` is one short and its token not appended; ``ending``: its
+        sequences that token ends by length, ``continuing``: the others), when it is certain:
+        nothing waits, every running sequence is one of the two, and each continuing sequence
+        decodes one token (pages taken now, never by preemption).
         What ``schedule`` would then return, in the same order; else None. A sequence that the
         token ends otherwise (a stop token) runs a wasted row in that step."""
         keep = {id(s) for s in continuing}
@@ -191,13 +174,73 @@ class Scheduler:
         for seq in self.running:
             if id(seq) not in keep:
                 continue
-            need = self._pages_needed(seq, seq.num_computed + 1)
+            need = self._pages_needed(seq, seq.num_computed + 2)  # the running step's token, then this one
             if need > 0:
                 if not self.cache.reclaim(need):
                     return None
                 seq.blocks += self.cache.blocks.allocate(need)
             out.append(Scheduled(seq, 1))
         return out
+
+    # ------------------------------------------------------------------ the one writer of sequence state
+
+    def update(self, commit: StepCommit) -> None:
+        """Apply what a step did: tokens computed, new tokens (until one ends the sequence), draft
+        counts, scored logprobs, prompt progress, prefix-cache inserts (a chunk on the chunk grid,
+        continuing what the sequence already cached, with the GDN state after it), and the end of
+        a scoring request whose last scored row has run. Finished sequences keep their pages
+        until ``finish`` (their samples may still fork from them)."""
+        prefix = self.cache.prefix
+        for c in commit.seqs:
+            seq = c.seq
+            if seq.status is not Status.RUNNING:  # aborted, or ended, while the step was in flight
+                continue
+            assert seq.num_computed == c.start, f"request {seq.request_id}: a commit from {c.start}, " \
+                                                f"but {seq.num_computed} tokens are computed"
+            seq.num_computed = end = c.start + c.computed
+            seq.num_draft_tokens += c.drafts
+            seq.num_accepted_draft_tokens += c.accepted
+            seq.num_verify_steps += 1 if c.drafts else 0
+            for token, lp, top in c.tokens:
+                seq.append(token, lp, top, self.eos_ids)
+                if seq.status is Status.FINISHED:
+                    break
+            if not c.chunk:
+                continue
+            self.num_prompt_tokens_computed += max(0, min(end, len(seq.prompt_ids)) - c.start)
+            if (prefix is not None and not c.recurrent and seq.state_slot is not None and c.start == seq.prefix_end
+                    and prefix.cacheable(c.start, end)):
+                prefix.insert(seq, end, self.cache.state_at(seq.state_slot, end))
+            if seq.score_from is not None and end >= seq.compute_end and seq.status is Status.RUNNING:
+                seq.finish("length")
+        for seq, lp, entry in commit.scores:
+            seq.scored_logprobs.append(lp)
+            seq.scored_top.append(entry)
+
+    def fork(self, forks: list[Fork]) -> list[Sequence]:
+        """Give each leader's waiting samples what a lone prefill of the prompt computes: the
+        shared pages (wholly before the last prompt token) by reference, the page holding the
+        last prompt token and the GDN states by copy, the leader's scored logprobs, and their
+        own first token. Call once the leader's last prompt chunk (and, with MTP, the head over
+        it) has run. Returns the forked samples."""
+        forked = []
+        for fork in forks:
+            leader, fs = fork.leader, [f for f, _ in fork.first]
+            leader.followers = []
+            prompt_len = len(leader.prompt_ids)
+            shared = self.shared_pages(prompt_len)
+            self.cache.copy_pages([leader.blocks[shared]] * len(fs), [f.blocks[0] for f in fs])
+            self.cache.copy_states([self.cache.state_at(leader.state_slot, prompt_len)] * len(fs),
+                                   [self.cache.state_at(f.state_slot, prompt_len) for f in fs])
+            for f, (token, lp, top) in fork.first:
+                f.blocks = self.cache.blocks.share(leader.blocks[:shared]) + f.blocks
+                f.leader, f.num_computed = None, prompt_len
+                f.scored_logprobs, f.scored_top = list(leader.scored_logprobs), list(leader.scored_top)
+                f.append(token, lp, top, self.eos_ids)
+            forked += fs
+        return forked
+
+    # ------------------------------------------------------------------ prefix cache
 
     def _match(self, seq: Sequence):
         """Start a fresh sequence at its longest cached prefix: the prefix's pages, shared (pinned

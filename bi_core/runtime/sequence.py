@@ -220,3 +220,40 @@ class Sequence:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
         if self.text is not None:
             self.text.flush()
+
+
+@attrs.frozen(kw_only=True)
+class ScoreOutput:
+    """The logprobs of a continuation after a prompt (``LLMEngine.score``)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the continuation
+    token_logprobs: list[float]  # log p of each continuation token given everything before it
+    logprobs: list[dict[int, float]] | None  # per token: top-N and the token itself (when asked for)
+    exact: bool
+    weight_version: int = 0
+    error: str | None = None
+
+    @classmethod
+    def of(cls, s: Sequence | str, exact: bool) -> ScoreOutput:
+        if not isinstance(s, Sequence):
+            return cls(request_id=-1, prompt_token_ids=[], token_ids=[], token_logprobs=[], logprobs=None,
+                       exact=exact, error=s)
+        cut = s.score_from
+        return cls(request_id=s.request_id, prompt_token_ids=s.prompt_ids[:cut], token_ids=s.prompt_ids[cut:],
+                   token_logprobs=list(s.scored_logprobs), logprobs=list(s.scored_top) if s.score_top else None,
+                   exact=s.exact, weight_version=s.weight_version, error=s.error)
+
+
+def request_output(s: Sequence, tokenizer) -> RequestOutput:
+    """A sequence's result as the user sees it (also while it runs)."""
+    text = s.text.text if s.text is not None else tokenizer.decode(s.output_ids) if tokenizer else None
+    return RequestOutput(
+        request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
+        token_logprobs=list(s.token_logprobs), logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
+        finish_reason=s.finish_reason, error=s.error, stop_reason=s.stop_reason, num_preemptions=s.num_preemptions,
+        num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
+        num_verify_steps=s.num_verify_steps, weight_version=s.weight_version,
+        prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None,
+        sample_index=s.sample_index, num_cached_tokens=s.num_cached_tokens)

@@ -48,7 +48,7 @@ def warm_up(engine) -> WarmupReport:
         raise RuntimeError("warm_up needs an idle engine")
     t0 = time.perf_counter()
     with torch.inference_mode(), applied(engine.policy):
-        graphs = engine.strategy.capture_graphs()
+        graphs = engine.runner.capture_graphs()
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t1 = time.perf_counter()
@@ -60,10 +60,7 @@ def warm_up(engine) -> WarmupReport:
         engine.generate([torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in lengths],
                         params)
     sync()
-    engine.num_prompt_tokens_computed = 0
-    engine._next_id = 0  # the first user request is request 0, as without a warm-up
-    if engine.cache.prefix is not None:
-        engine.cache.prefix.clear(reset_stats=True)
+    engine.reset_counters()  # the first user request is request 0, as without a warm-up
     report = WarmupReport(graphs, t1 - t0, sum(map(len, waves)), time.perf_counter() - t1)
     log.info("%s", report)
     return report

@@ -1,22 +1,33 @@
-"""A strategy plans and runs one engine step for the scheduled sequences (AR, MTP, ...)."""
+"""A strategy plans each engine step and decides what it did (AR, MTP, ...).
+
+It gets the model runner (``runtime/runner.py``), never the engine: ``plan`` turns the scheduled
+sequences into a ``StepPlan`` (the runner's ``Forward``), ``commit`` turns the runner's output
+into a ``StepCommit`` (tokens computed and appended per sequence, scores, forks), which only the
+scheduler applies (``Scheduler.update``). Neither writes sequence state. A speculative strategy
+also runs its draft model after the commit (``after_update``, ``after_fork``)."""
 
 from __future__ import annotations
 
 import abc
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
+from bi_core.runtime.step import Fork, Scheduled, StepCommit, StepPlan
+
 if TYPE_CHECKING:
     from bi_core.config import EngineConfig
-    from bi_core.runtime.engine import LLMEngine
-    from bi_core.runtime.scheduler import Scheduled
+    from bi_core.runtime.runner import ModelRunner, StepOutput
 
 
 class Strategy(abc.ABC):
     name: ClassVar[str]
     is_speculative: ClassVar[bool] = False
+    uses_mtp_head: ClassVar[bool] = False  # the runner builds a graph runner for the MTP head
+    plans_ahead: ClassVar[bool] = False  # ``plan_ahead`` can plan a step before the last one's tokens are known
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        self.config, self.runner = config, runner
 
     @classmethod
     def lookahead_for(cls, config: EngineConfig) -> int:
@@ -39,22 +50,43 @@ class Strategy(abc.ABC):
         return (1,)
 
     @classmethod
-    def check(cls, engine: LLMEngine) -> None:
-        """Raise a clear error if this strategy cannot run with the engine's model/config."""
-
-    def capture_graphs(self) -> int:
-        """Capture every CUDA graph this strategy's steps replay (at engine start); returns how many."""
-        eng = self.engine
-        return eng.runner.capture_all(eng.model_step, eng.cache.block_size, eng.model.prepare_step)
+    def check(cls, config: EngineConfig, model, *, batch_invariant: bool, exact_step_tokens: int | None,
+              checkpoint_has_mtp: bool) -> None:
+        """Raise a clear error if this strategy cannot run with this model and config."""
 
     def forget(self, seq) -> None:
         """The request finished or was aborted: drop anything kept for it."""
 
-    def launched(self) -> list[Scheduled] | None:
-        """The live rows of a step the previous ``step`` call launched ahead (the engine's next
-        step then books it instead of scheduling one), or None."""
-        return None
+    @abc.abstractmethod
+    def plan(self, scheduled: list[Scheduled]) -> StepPlan:
+        """The model call over the scheduled tokens."""
 
     @abc.abstractmethod
-    def step(self, scheduled: list[Scheduled]) -> None:
-        """Run the model on the scheduled tokens and append sampled tokens to the sequences."""
+    def commit(self, plan: StepPlan, out: StepOutput, landed: torch.Tensor | None = None) -> StepCommit:
+        """What the step did, from its output. ``landed``: its device samples already copied to
+        the host (a step whose samples flew, see ``plan_ahead``)."""
+
+    def plan_ahead(self, scheduled: list[Scheduled], running: StepPlan, out: StepOutput) -> StepPlan | None:
+        """The decode step after ``running`` (launched, not committed), its tokens taken from
+        ``out.samples`` on the device; None if this strategy cannot plan before it knows them."""
+        return None
+
+    def after_update(self, plan: StepPlan, commit: StepCommit, out: StepOutput) -> None:
+        """After ``Scheduler.update`` applied ``commit``: a speculative strategy drafts here."""
+
+    def after_fork(self, forks: list[Fork], plan: StepPlan, out: StepOutput) -> None:
+        """After ``Scheduler.fork`` gave ``forks``' samples their first tokens."""
+
+    # ------------------------------------------------------------------ shared by the strategies
+
+    def forks(self, leaders: list[tuple[object, int]], out: StepOutput) -> list[Fork]:
+        """Each leader's waiting samples with their first tokens, sampled from the logits row its
+        own first token came from (``row``), each with its own seed (the sampler is
+        row-invariant: what the sample would draw sent alone)."""
+        forks = []
+        for leader, row in leaders:
+            fs = list(leader.followers)
+            prompt_len = len(leader.prompt_ids)
+            first = self.runner.sample(fs, [prompt_len] * len(fs), out.logits[row].expand(len(fs), -1).contiguous())
+            forks.append(Fork(leader, list(zip(fs, first))))
+        return forks

@@ -116,19 +116,18 @@ def main_model_batches(engine: LLMEngine):
     """Yields a list that collects, for every main-model batch the engine packs meanwhile, each
     sequence's (request id, tokens before the step): what a timed step really ran."""
     seen: list[list[tuple[int, int]]] = []
-    make_batch = engine.make_batch
+    execute = engine.runner.execute
 
-    def spy(token_ids, seqs, is_recurrent, logits_rows, *, past_lens=None, runner=None, **kw):
-        if runner is None:
-            past = past_lens or [s.num_computed for s in seqs]
-            seen.append([(s.request_id, p) for s, p in zip(seqs, past)])
-        return make_batch(token_ids, seqs, is_recurrent, logits_rows, past_lens=past_lens, runner=runner, **kw)
+    def spy(fwd):
+        if fwd.head == "model":
+            seen.append([(r.seq.request_id, r.start) for r in fwd.rows])
+        return execute(fwd)
 
-    engine.make_batch = spy
+    engine.runner.execute = spy
     try:
         yield seen
     finally:
-        del engine.make_batch
+        del engine.runner.execute
 
 
 def check_decode_rows(batches: list[list[tuple[int, int]]], seqs: list, steps: int) -> None:
@@ -191,20 +190,21 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from bi_core.ops.sampling import mix_seed
-    from bi_core.runtime.batch import plan_batch, upload
+    from bi_core.runtime.runner import Forward, SeqRows
 
-    # the last computed position again (its KV page exists in every mode; the KV write repeats it)
-    hb = plan_batch([[s.all_ids[s.num_computed - 1]] for s in seqs], [s.num_computed - 1 for s in seqs],
-                    [s.blocks for s in seqs], [s.state_slot for s in seqs], [True] * len(seqs),
-                    block_size=engine.cache.block_size, ring=engine.cache.state_ring, logits_rows=[[0]] * len(seqs),
-                    sample_keys=[mix_seed(s.seed, s.num_tokens) for s in seqs],
-                    temperatures=[s.params.temperature for s in seqs])
-    ids, ctx = upload(hb, engine.device)  # an eager context (no graph key), sampling on the device like a graph
+    # the last computed position again (its KV page exists in every mode; the KV write repeats it),
+    # eagerly (graphs off for this call), sampling on the device like a graph
+    rows = [SeqRows(s, [s.all_ids[s.num_computed - 1]], s.num_computed - 1, True, (0,), True) for s in seqs]
+    runner = engine.runner
+    graphs, runner.main_graphs = runner.main_graphs, engine.factory.build(
+        "graph_runner", attrs.evolve(runner.spec, use_graphs=False))
     torch.cuda.synchronize()
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.run_model(ids, ctx).samples.cpu()
-        torch.cuda.synchronize()
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(Forward(rows)).samples.cpu()
+            torch.cuda.synchronize()
+    finally:
+        runner.main_graphs = graphs
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
 
 

@@ -22,6 +22,7 @@ from bi_core.tools.bench import (
 
 
 def _label(cfg: EngineConfig) -> str:
+    """What a run measured; ``backend: auto`` is shown as the backend it resolves to here."""
     model = cfg.model.random.preset if cfg.model.random else cfg.model.path
     layers = f"/{cfg.model.random.num_hidden_layers}L" if cfg.model.random and cfg.model.random.num_hidden_layers else ""
     mode = "invariant" if cfg.policy.batch_invariant else "default"
@@ -29,7 +30,16 @@ def _label(cfg: EngineConfig) -> str:
     extras += f" state={cfg.cache.ssm_state_dtype}" if cfg.cache.ssm_state_dtype != "float32" else ""
     extras += f" strategy={cfg.strategy.name}" if cfg.strategy.name != "ar" else ""
     extras += f" tp={cfg.parallel.tensor_parallel_size}" if cfg.parallel.tensor_parallel_size > 1 else ""
-    return f"{model}{layers} {cfg.backend} {mode} graphs={'on' if cfg.graph.enabled else 'off'}{extras}"
+    return f"{model}{layers} {_backend(cfg)} {mode} graphs={'on' if cfg.graph.enabled else 'off'}{extras}"
+
+
+def _backend(cfg: EngineConfig) -> str:
+    from bi_core.policies import planned_device
+    from bi_core.policies.base import auto_backend
+
+    if cfg.backend != "auto":
+        return cfg.backend
+    return auto_backend(batch_invariant=cfg.policy.batch_invariant, device=planned_device(cfg.model.device))
 
 
 def _triple(text: str, flag: str, n: int) -> list[int] | None:
@@ -58,7 +68,7 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
     pre = _triple(args.prefill, "--prefill", 2)
     t0 = time.perf_counter()
     engine = build_engine(cfg)
-    out: dict = {"label": _label(cfg), "backend": cfg.backend, "invariant": cfg.policy.batch_invariant,
+    out: dict = {"label": _label(cfg), "backend": engine.policy.backend, "invariant": cfg.policy.batch_invariant,
                  "graphs": cfg.graph.enabled, "decode": [], "startup_s": time.perf_counter() - t0}
     print(f"  engine start {out['startup_s']:.1f} s" + (f" ({engine.warmup})" if engine.warmup else ""), flush=True)
     contexts = [int(c) for c in str(args.context_len).split(",") if c]

@@ -92,7 +92,7 @@ def test_graph_replay_equals_eager_invariant():
     eager = build_engine(gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, invariant=True)).generate(ps, params)
     eng = build_engine(gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True))
     graphed = eng.generate(ps, params)
-    assert eng.runner.num_replays[1] > 0
+    assert eng.runner.main_graphs.num_replays[1] > 0
     for a, b in zip(eager, graphed):
         assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs
 
@@ -116,7 +116,7 @@ def test_overlap_bitwise_equal_invariant():
               for i, o in enumerate(plain)]
     ref_eng, ref = run(False, params)
     eng, out = run(True, params)
-    assert ref_eng.strategy.num_ahead == 0 and eng.strategy.num_ahead > 10
+    assert ref_eng.num_ahead == 0 and eng.num_ahead > 10
     assert sum(o.finish_reason == "stop" for o in out) >= 3
     for a, b in zip(ref, out):
         assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs and a.logprobs == b.logprobs
@@ -167,8 +167,8 @@ def test_mtp_graphs_bitwise_equal_ar_invariant():
     eng.strategy.draft_hook = lambda seq, d: [t if rng.random() < 0.7 else (t + 1) % 248320
                                               for t in right_drafts(truth)(seq, d)]
     out = eng.generate(ps, params)
-    assert eng.runner.num_replays[4] > 0 and eng.strategy.runner.num_replays[4] > 0
-    assert eng.strategy.runner.num_replays[1] > 0
+    assert eng.runner.main_graphs.num_replays[4] > 0 and eng.runner.mtp_graphs.num_replays[4] > 0
+    assert eng.runner.mtp_graphs.num_replays[1] > 0
     for a, m in zip(ar, out):
         assert m.token_ids == a.token_ids and m.token_logprobs == a.token_logprobs
     assert sum(o.num_accepted_draft_tokens for o in out) > 0
@@ -190,7 +190,7 @@ def test_mtp_graphs_default_backend_matches_eager():
             seen.setdefault(s.request_id, []).append(r.float()) for s, r in zip(seqs, rows)]
         eng.generate(ps, params)
         if graphs:
-            assert eng.runner.num_replays[4] > 0 and eng.strategy.runner.num_replays[1] > 0
+            assert eng.runner.main_graphs.num_replays[4] > 0 and eng.runner.mtp_graphs.num_replays[1] > 0
     for i in range(len(ps)):
         # rows 1..4: the first verify step (pending token + 3 drafts, the same drafts in both runs)
         eager, graphed = torch.stack(calls[False][i][1:5]), torch.stack(calls[True][i][1:5])

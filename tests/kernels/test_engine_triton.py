@@ -81,7 +81,7 @@ def test_triton_engine_with_padded_graph_steps(device, preset):
     ref = build_engine(config(device, "reference", preset=preset)).generate(ps, params)
     ar_eng = build_engine(config(device, "triton_anywhere", preset=preset), registry)
     ar = ar_eng.generate(ps, params)
-    assert ar_eng.runner.num_replays[1] > 0
+    assert ar_eng.runner.main_graphs.num_replays[1] > 0
     for r, a in zip(ref, ar):
         assert a.token_ids == r.token_ids
         torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(r.token_logprobs), atol=1e-4, rtol=0)
@@ -90,8 +90,8 @@ def test_triton_engine_with_padded_graph_steps(device, preset):
     mtp_eng.strategy.draft_hook = lambda seq, d: [
         t if cuts.random() < 0.6 else (t + 1) % 250 for t in truth[seq.request_id][len(seq.output_ids):][:len(d)]]
     mtp = mtp_eng.generate(ps, params)
-    assert mtp_eng.runner.num_replays[3] > 0 and mtp_eng.strategy.runner.num_replays[3] > 0
-    assert mtp_eng.strategy.runner.num_replays[1] > 0
+    assert mtp_eng.runner.main_graphs.num_replays[3] > 0 and mtp_eng.runner.mtp_graphs.num_replays[3] > 0
+    assert mtp_eng.runner.mtp_graphs.num_replays[1] > 0
     for a, m in zip(ar, mtp):
         assert m.token_ids == a.token_ids
         torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=1e-5)
@@ -134,7 +134,7 @@ def test_needle_alone_and_in_a_batch_bitwise(device):
     (alone,) = alone_eng.generate([needle], [hot])
     batch_eng = build_engine(needle_config(device, 32), registry)
     batch = batch_eng.generate(others[:at] + [needle] + others[at:], greedy[:at] + [hot] + greedy[at:])
-    assert alone_eng.runner.num_replays[1] > 0 and batch_eng.runner.num_replays[1] > 0  # graph steps ran
+    assert alone_eng.runner.main_graphs.num_replays[1] > 0 and batch_eng.runner.main_graphs.num_replays[1] > 0  # graph steps ran
     assert batch[at].token_ids == alone.token_ids, at
     assert batch[at].token_logprobs == alone.token_logprobs and batch[at].logprobs == alone.logprobs, at
     chunked_eng = build_engine(needle_config(device, 16), registry)

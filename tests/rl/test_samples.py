@@ -26,15 +26,16 @@ def engine(max_model_len: int = 512, **overrides):
 def prompt_tokens_run(eng) -> dict[int, int]:
     """Prompt tokens the main model runs for each request from now on."""
     counts: dict[int, int] = {}
-    make_batch = eng.make_batch
+    execute = eng.runner.execute
 
-    def spy(token_ids, seqs, is_recurrent, *args, runner=None, **kw):
-        for t, s in zip(token_ids, seqs):
-            if runner is None and s.num_computed < len(s.prompt_ids):
-                counts[s.request_id] = counts.get(s.request_id, 0) + min(len(t), len(s.prompt_ids) - s.num_computed)
-        return make_batch(token_ids, seqs, is_recurrent, *args, runner=runner, **kw)
+    def spy(fwd):
+        for r in fwd.rows:
+            if fwd.head == "model" and r.start < len(r.seq.prompt_ids):
+                counts[r.seq.request_id] = counts.get(r.seq.request_id, 0) + min(len(r.tokens),
+                                                                                 len(r.seq.prompt_ids) - r.start)
+        return execute(fwd)
 
-    eng.make_batch = spy
+    eng.runner.execute = spy
     return counts
 
 

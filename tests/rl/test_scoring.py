@@ -23,13 +23,13 @@ def engine(**overrides):
 def record_steps(eng) -> list[list[tuple[int, bool]]]:
     """(query length, recurrent) of each sequence in every step the engine runs from now on."""
     steps = []
-    make_batch = eng.make_batch
+    execute = eng.runner.execute
 
-    def spy(token_ids, seqs, is_recurrent, *args, **kw):
-        steps.append([(len(t), r) for t, r in zip(token_ids, is_recurrent)])
-        return make_batch(token_ids, seqs, is_recurrent, *args, **kw)
+    def spy(fwd):
+        steps.append([(len(r.tokens), r.recurrent) for r in fwd.rows])
+        return execute(fwd)
 
-    eng.make_batch = spy
+    eng.runner.execute = spy
     return steps
 
 

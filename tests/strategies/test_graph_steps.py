@@ -18,15 +18,17 @@ from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
 
 
-def rerun_runner(eng, spec) -> CudaGraphRunnerImpl:
+def rerun_runner(spec) -> CudaGraphRunnerImpl:
     return CudaGraphRunnerImpl(attrs.evolve(spec, use_graphs=True), capture=False)
 
 
 def with_graph_runners(eng):
+    """The engine's model runner with graph runners in rerun mode (main model, and MTP head)."""
     clear_scratch(eng)
-    eng.runner = rerun_runner(eng, eng.runner_spec)
-    if eng.strategy.name == "mtp":
-        eng.strategy.runner = rerun_runner(eng, attrs.evolve(eng.runner_spec, name="mtp"))
+    runner = eng.runner
+    runner.main_graphs = rerun_runner(runner.spec)
+    if runner.mtp_graphs is not None:
+        runner.mtp_graphs = rerun_runner(attrs.evolve(runner.spec, name="mtp"))
     return eng
 
 
@@ -50,7 +52,7 @@ def test_padded_decode_steps_equal_eager(preset):
     eng = with_graph_runners(build_engine(config(preset, "ar")))
     out = eng.generate(ps, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in eager]
-    assert eng.runner.num_replays[1] > 0 and (1, 4) in eng.runner.graphs
+    assert eng.runner.main_graphs.num_replays[1] > 0 and (1, 4) in eng.runner.main_graphs.graphs
     assert scratch_written(eng)
 
 
@@ -67,9 +69,9 @@ def test_padded_mtp_steps_equal_ar(preset, mode):
         assert m.token_ids == a.token_ids
         torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=1e-5)
     verify = 1 + N_SPEC
-    assert eng.runner.num_replays[verify] > 0, "verify steps never replayed a graph"
-    assert eng.strategy.runner.num_replays[verify] > 0, "MTP catch-up never replayed a graph"
-    assert eng.strategy.runner.num_replays[1] > 0, "MTP chain steps never replayed a graph"
+    assert eng.runner.main_graphs.num_replays[verify] > 0, "verify steps never replayed a graph"
+    assert eng.runner.mtp_graphs.num_replays[verify] > 0, "MTP catch-up never replayed a graph"
+    assert eng.runner.mtp_graphs.num_replays[1] > 0, "MTP chain steps never replayed a graph"
     assert scratch_written(eng)
 
 
@@ -84,7 +86,7 @@ def test_short_drafts_are_padded_to_a_uniform_verify():
     out = eng.generate(ps, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
     assert all(o.num_accepted_draft_tokens == o.num_draft_tokens > 0 for o in out)
-    assert eng.runner.num_replays[1 + N_SPEC] > 0
+    assert eng.runner.main_graphs.num_replays[1 + N_SPEC] > 0
 
 
 def test_random_scenarios_equal_ar():
@@ -121,7 +123,7 @@ def test_random_scenarios_equal_ar():
         out = eng.generate(ps, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in ar], trial
         preemptions += eng.scheduler.num_preemptions
-        replays += sum(getattr(eng.runner, "num_replays", {0: 0}).values())
+        replays += sum(getattr(eng.runner.main_graphs, "num_replays", {0: 0}).values())
     assert preemptions > 0 and replays > 0  # the mix covered recompute and graph replays
 
 
@@ -133,7 +135,7 @@ def test_only_uniform_recurrent_steps_replay():
     from bi_core.runtime.batch import plan_batch
 
     eng = build_engine(config("tiny-dense", "mtp"))
-    runner = rerun_runner(eng, eng.runner_spec)  # query_lens (1, 4), max bucket 8, ring 4
+    runner = rerun_runner(eng.runner.spec)  # query_lens (1, 4), max bucket 8, ring 4
     assert buckets(8) == [1, 2, 4, 8] and buckets(40) == [1, 2, 4, 8, 16, 32, 40]
 
     def key(lens, recurrent=True, ring=4):
@@ -158,8 +160,8 @@ def test_warm_up_captures_every_bucket_and_changes_no_output(strategy):
     cold = with_graph_runners(build_engine(config("tiny-moe", strategy))).generate(ps, params)
     eng = with_graph_runners(build_engine(config("tiny-moe", strategy)))
     report = warm_up(eng)
-    runners = [eng.runner] + ([eng.strategy.runner] if strategy == "mtp" else [])
-    want = {(q, b) for q in eng.runner_spec.query_lens for b in buckets(eng.runner_spec.max_batch_size)}
+    runners = [eng.runner.main_graphs] + ([eng.runner.mtp_graphs] if strategy == "mtp" else [])
+    want = {(q, b) for q in eng.runner.spec.query_lens for b in buckets(eng.runner.spec.max_batch_size)}
     assert all(set(r.graphs) == want for r in runners)
     assert report.graphs == len(want) * len(runners) and report.prompts > 0
     assert not eng.requests and eng.num_prompt_tokens_computed == 0

@@ -53,12 +53,12 @@ def test_overlap_equals_no_overlap(preset):
     params = params_with_stops(plain)
     ref_eng = engine(False, preset)
     ref = ref_eng.generate(ps, params)
-    assert ref_eng.strategy.num_ahead == 0
+    assert ref_eng.num_ahead == 0
     assert [o.finish_reason for o in ref].count("stop") == 2
     eng = engine(True, preset)
     out = eng.generate(ps, params)
     same(out, ref)
-    assert eng.strategy.num_ahead > 10, "no decode step was launched ahead"
+    assert eng.num_ahead > 10, "no decode step was launched ahead"
     assert eng.cache.num_pages_in_use == 0 and eng.cache.slots.num_free == ref_eng.cache.slots.num_free
 
 
@@ -76,7 +76,7 @@ def test_gather_is_what_feeds_the_next_step():
         out = eng.generate(ps, params)
     finally:
         gr.gather_ids = real
-    assert eng.strategy.num_ahead > 0
+    assert eng.num_ahead > 0
     assert [o.token_ids for o in out] != [o.token_ids for o in ref]
 
 
@@ -103,7 +103,7 @@ def test_page_boundaries_in_default_mode():
         eng.scheduler.plan_decode = spy
         same(eng.generate(ps, params), ref)
         assert sum(taken) > 0, "no step launched ahead took a page"
-        assert eng.strategy.num_ahead > 0
+        assert eng.num_ahead > 0
         assert eng.cache.num_pages_in_use == 0
         if blocks == 12:
             assert eng.scheduler.num_preemptions > 0
@@ -122,7 +122,7 @@ def test_abort_and_arrivals_between_steps():
         seqs = [eng.add_request(p, params) for p in ps]
         for _ in range(6):
             eng.step()
-        in_flight = eng.strategy.launched() if overlap else None
+        in_flight = eng.in_flight if overlap else None
         eng.abort(seqs[2].request_id)
         extra = eng.add_request(late, params)
         while eng.scheduler.has_work():

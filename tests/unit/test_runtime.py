@@ -93,9 +93,9 @@ def test_invariant_preemption_resumes_with_what_it_had():
     tight = engine(cache={"num_blocks": 33})
     tight.scheduler.exact_rebuild = True
     shapes = []
-    make_batch = tight.make_batch
-    tight.make_batch = lambda ids, seqs, rec, *a, **k: (shapes.extend(
-        (s.request_id, len(t), r) for t, s, r in zip(ids, seqs, rec)), make_batch(ids, seqs, rec, *a, **k))[1]
+    execute = tight.runner.execute
+    tight.runner.execute = lambda fwd: (shapes.extend(
+        (r.seq.request_id, len(r.tokens), r.recurrent) for r in fwd.rows), execute(fwd))[1]
     out = tight.generate(ps, params)
     assert tight.scheduler.num_preemptions > 0
     assert [o.token_ids for o in out] == [o.token_ids for o in roomy]

@@ -1,0 +1,233 @@
+"""The model runner: executes one forward plan over the model (or its MTP head) and samples.
+
+It owns the model, the cache tensors, the graph runners (one for the main model, one for the MTP
+head) and batch packing; strategies hand it a ``Forward`` (which tokens of which sequences, from
+which positions, which rows to sample) and get a ``StepOutput`` back. It never writes sequence
+state: what a step did to each sequence is the strategy's ``StepCommit``, applied by the
+scheduler (``Scheduler.update``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import attrs
+import torch
+
+from bi_core.ops.context import ForwardContext
+from bi_core.ops.graph_runner import GraphRunnerSpec
+from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed
+from bi_core.runtime.batch import plan_batch
+from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.sequence import Sequence
+
+SCORE_BLOCK = 256  # logits rows computed at once when scoring
+Sampled = tuple[int, float, "dict[int, float] | None"]  # (token, logprob, top-N dict) as Sequence.append takes
+
+
+@attrs.frozen
+class SeqRows:
+    """One sequence's part of a forward: ``tokens`` at positions ``start...`` (GDN in the
+    recurrent form when ``recurrent``); the logits of ``logits_rows`` (offsets into ``tokens``)
+    are computed, and sampled on the device when ``sample`` (row r keyed by the sequence's seed
+    and position ``start + r + 1``, the position of the token it samples)."""
+
+    seq: Sequence
+    tokens: list[int]
+    start: int
+    recurrent: bool
+    logits_rows: tuple[int, ...] = ()
+    sample: bool = False
+
+    @property
+    def sample_positions(self) -> list[int]:
+        return [self.start + r + 1 for r in self.logits_rows]
+
+
+@attrs.frozen
+class Forward:
+    """One model call: ``rows`` laid end to end. ``head="mtp"``: the MTP head, whose per-token
+    input ``hidden`` pairs with the tokens. ``ids_from``: the tokens are row indices into a
+    previous step's device samples (a step launched before those tokens reach the host)."""
+
+    rows: list[SeqRows]
+    head: Literal["model", "mtp"] = "model"
+    hidden: torch.Tensor | None = None
+    ids_from: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+
+@attrs.frozen
+class StepOutput:
+    """What a forward returns: every token's hidden state, the logits of the rows it was asked
+    for, and (when rows were sampled on the device) their samples [R, 2] float64 (token,
+    logprob). ``offsets[i]``: the first flat row of ``rows[i]``. ``graph``: the (L, bucket) of the
+    CUDA graph it replayed, or None (eager)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    samples: torch.Tensor | None
+    offsets: list[int]
+    graph: tuple[int, int] | None = None
+
+
+@attrs.define
+class Landing:
+    """A step's device samples on their way to pinned host memory (overlapped decode)."""
+
+    samples: torch.Tensor  # [R, 2] on the device (a graph's static output)
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+
+class ModelRunner:
+    def __init__(self, model, cache: CacheManager, build_graphs: Callable[[GraphRunnerSpec], object],
+                 spec: GraphRunnerSpec, *, with_mtp_graphs: bool = False) -> None:
+        """``build_graphs(spec)``: the selected graph-runner op (eager or CUDA graphs)."""
+        self.model, self.cache, self.spec = model, cache, spec
+        self.device = spec.device
+        self.main_graphs = build_graphs(spec)
+        self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp")) if with_mtp_graphs else None
+        self.on_logits: Callable | None = None  # debugging hook: called with (sequences, logits) before sampling
+        self._landing: list[torch.Tensor] = []  # two host buffers for samples in flight, used in turn
+        self._turn = 0
+
+    # ------------------------------------------------------------------ forwards
+
+    def execute(self, fwd: Forward) -> StepOutput:
+        """Pack ``fwd`` (straight into a graph's static buffers when one replays it) and run it."""
+        graphs = self.main_graphs if fwd.head == "model" else self.mtp_graphs
+        input_ids, ctx = graphs.make_context(self._host_batch(fwd), self.device)
+        if fwd.head == "model":
+            outs = graphs.run(self._model_step, input_ids, ctx, self.model.prepare_step, ids_from=fwd.ids_from)
+        else:
+            outs = graphs.run(self._mtp_step, input_ids, ctx, self.model.prepare_step, extra=fwd.hidden)
+        samples = outs[2] if len(outs) > 2 else None
+        return StepOutput(outs[0], outs[1], samples, ctx.cu_seqlens_host[:-1], ctx.extras.get("graph_key"))
+
+    def _host_batch(self, fwd: Forward):
+        rows = fwd.rows
+        sampled = [r for r in rows if r.sample]
+        keys = temps = None
+        if sampled:
+            keys = [mix_seed(r.seq.seed, p) for r in rows if r.sample for p in r.sample_positions]
+            temps = [r.seq.params.temperature for r in rows if r.sample for _ in r.logits_rows]
+            assert len(sampled) == len([r for r in rows if r.logits_rows]), "a step samples all its logits rows or none"
+        return plan_batch([r.tokens for r in rows], [r.start for r in rows], [r.seq.blocks for r in rows],
+                          [r.seq.state_slot for r in rows], [r.recurrent for r in rows],
+                          block_size=self.cache.block_size, ring=self.cache.state_ring,
+                          logits_rows=[list(r.logits_rows) for r in rows], sample_keys=keys, temperatures=temps)
+
+    def _model_step(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+        """(hidden, logits[, samples]): with ``ctx.sample_keys`` the step samples its logits rows on
+        the device too (inside a CUDA graph when it replays one)."""
+        hidden, logits = self.model(input_ids, ctx, self.cache.main)
+        if ctx.sample_keys is None:
+            return hidden, logits
+        return hidden, logits, self.model.sampler.sample_device(logits, ctx.sample_keys, ctx.temperatures)
+
+    def _mtp_step(self, ids: torch.Tensor, ctx: ForwardContext, hidden: torch.Tensor):
+        return self.model.mtp_forward(ids, hidden, ctx, self.cache.mtp)
+
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph the steps will replay (at engine start); returns how many."""
+        n = self.main_graphs.capture_all(self._model_step, self.cache.block_size, self.model.prepare_step)
+        if self.mtp_graphs is not None:
+            hidden = torch.empty((0, self.model.args.hidden_size), dtype=self.spec.dtype, device=self.device)
+            n += self.mtp_graphs.capture_all(self._mtp_step, self.cache.block_size, self.model.prepare_step,
+                                             extra=hidden)
+        return n
+
+    def wait_inputs(self) -> None:
+        """The last launched step's staged inputs have left the host (its buffers are free)."""
+        self.main_graphs.wait_inputs()
+
+    def land(self, samples: torch.Tensor) -> Landing:
+        """Queue the copy of a launched step's device samples to the host, behind the step."""
+        if not self._landing:
+            size = (self.spec.max_batch_size, 2)
+            self._landing = [torch.empty(size, dtype=torch.float64, pin_memory=samples.is_cuda) for _ in range(2)]
+        host = self._landing[self._turn][: samples.shape[0]]
+        self._turn ^= 1
+        host.copy_(samples, non_blocking=True)
+        ready = None
+        if samples.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return Landing(samples, host, ready)
+
+    # ------------------------------------------------------------------ sampling and scoring
+
+    def sample(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
+               samples: torch.Tensor | None = None) -> list[Sampled]:
+        """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
+        ``positions[i]`` (its randomness is keyed by that request's seed and that position).
+        ``samples``: the step's own device samples of these rows (used unless a request wants
+        top-k/top-p filtering or top-N logprobs, which the sampler does row by row)."""
+        if self.on_logits is not None:
+            self.on_logits(seqs, logits)
+        n = max((s.params.logprobs or 0) for s in seqs)
+        if samples is not None and device_sampled(seqs):
+            packed = samples.cpu()
+        else:
+            batch = SamplingBatch(temperatures=[s.params.temperature for s in seqs],
+                                  top_ks=[s.params.top_k for s in seqs], top_ps=[s.params.top_p for s in seqs],
+                                  keys=[mix_seed(s.seed, p) for s, p in zip(seqs, positions)], num_logprobs=n)
+            packed = self.model.sampler.forward(logits, batch).to_host()
+        return rows_of(seqs, packed, n)
+
+    def score(self, rows: list[SeqRows], out: StepOutput) -> list[tuple[Sequence, float, dict[int, float]]]:
+        """Logprobs of known tokens (scoring, prompt logprobs) from a step's hidden rows, in
+        position order per sequence: (sequence, logprob, its top-N dict with the token). Logits
+        are computed in blocks of rows, so a long chunk never holds chunk x vocabulary logits at
+        once; with a row-invariant lm_head the block size changes no bit."""
+        flat, targets, owners = [], [], []
+        for r, offset in zip(rows, out.offsets):
+            seq, span = r.seq, r.seq.scored
+            if span is None:
+                continue
+            done = span[0] + len(seq.scored_logprobs)  # kept across a preemption's recompute
+            ids = seq.all_ids
+            # the row at position j - 1 gives the logprob of the token at position j
+            for j in range(max(done, r.start + 1), min(span[1], r.start + len(r.tokens) + 1)):
+                flat.append(offset + j - 1 - r.start)
+                targets.append(ids[j])
+                owners.append(seq)
+        scores = []
+        for b in range(0, len(flat), SCORE_BLOCK):
+            seqs = owners[b:b + SCORE_BLOCK]
+            top = max(s.score_top for s in seqs)
+            logits = self.model.compute_logits(out.hidden[torch.tensor(flat[b:b + SCORE_BLOCK], device=self.device)])
+            packed = self.model.sampler.logprobs_of(
+                logits, torch.tensor(targets[b:b + SCORE_BLOCK], device=self.device), top).to_host()
+            tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
+            top_ids, top_lps = packed[:, 2:2 + top].long().tolist(), packed[:, 2 + top:].float().tolist()
+            for i, seq in enumerate(seqs):
+                entry = dict(zip(top_ids[i][:seq.score_top], top_lps[i][:seq.score_top]))
+                entry[tokens[i]] = lps[i]
+                scores.append((seq, lps[i], entry))
+        return scores
+
+
+def rows_of(seqs: list[Sequence], packed: torch.Tensor, n: int = 0) -> list[Sampled]:
+    """Per row of a host ``packed`` sample tensor [R, 2 + 2n] (token, logprob, top-N ids, top-N
+    logprobs): (token, logprob, top-N dict or None) as ``Sequence.append`` takes them."""
+    tokens, lps = packed[:, 0].long().tolist(), packed[:, 1].float().tolist()
+    top_ids, top_lps = packed[:, 2:2 + n].long().tolist(), packed[:, 2 + n:].float().tolist()
+    out = []
+    for i, seq in enumerate(seqs):
+        top = None
+        if seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            top = dict(zip(top_ids[i][:k], top_lps[i][:k]))
+            top[tokens[i]] = lps[i]
+        out.append((tokens[i], lps[i], top))
+    return out
