@@ -13,7 +13,7 @@ import os
 
 import pluggy
 
-from bi_core import hookspecs
+import bi_core.hookspecs as hookspecs
 from bi_core.errors import PluginError
 from bi_core.registry import PluginInfo, Registry
 

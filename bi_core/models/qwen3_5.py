@@ -1,4 +1,4 @@
-"""Qwen3.5 text model (dense and MoE) and its MTP head, per docs/qwen3_5.md.
+"""Qwen3.5 text model (dense and MoE) and its MTP head, as specified in docs/qwen3_5.md.
 
 Layers own their weights (fused at load: q|gate interleave kept inside ``qkv_proj``; GDN
 ``in_proj = qkv|z|b|a``; ``gate_up`` for MLPs); all compute goes through op impls chosen by the
@@ -23,6 +23,7 @@ from bi_core.ops import (
     TopKSpec,
 )
 from bi_core.ops.collective import CollectiveSpec
+from bi_core.ops.context import ModelCaches
 from bi_core.ops.gdn import GdnWeights
 from bi_core.parallel.shard import Shard, TPInfo, split
 from bi_core.selector import OpFactory
@@ -57,16 +58,6 @@ class TensorParallel:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' column blocks side by side (vocabulary-parallel logits)."""
         return x if self.info.world == 1 else self._gather.forward(x)
-
-
-@attrs.define
-class ModelCaches:
-    """Cache tensors a forward reads and writes; owned by the runtime, indexed by layer kind."""
-
-    k: list[torch.Tensor]  # per attention layer: [num_blocks, block_size, Hkv, D]
-    v: list[torch.Tensor]
-    conv: list[torch.Tensor]  # per GDN layer: [num_slots, conv_dim, Kc - 1]
-    recurrent: list[torch.Tensor]  # per GDN layer: [num_slots, Hv, Dv, Dk] float32 (S transposed)
 
 
 class Linear(nn.Module):

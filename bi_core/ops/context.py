@@ -83,3 +83,13 @@ class HostBatch:
         for q in self.query_lens:
             cu.append(cu[-1] + q)
         return cu
+
+
+@attrs.define
+class ModelCaches:
+    """Cache tensors a forward reads and writes; owned by the runtime, indexed by layer kind."""
+
+    k: list[torch.Tensor]  # per attention layer: [num_blocks, block_size, Hkv, D]
+    v: list[torch.Tensor]
+    conv: list[torch.Tensor]  # per GDN layer: [num_slots, conv_dim, Kc - 1]
+    recurrent: list[torch.Tensor]  # per GDN layer: [num_slots, Hv, Dv, Dk] float32 (S transposed)

@@ -10,7 +10,7 @@ import torch
 from bi_core.config import CacheConfig
 from bi_core.errors import ConfigError
 from bi_core.models.args import ModelArgs
-from bi_core.models.qwen3_5 import ModelCaches
+from bi_core.ops.context import ModelCaches
 
 CPU_AUTO_BUDGET = 1 << 30  # bytes of KV pages when num_blocks is auto on the CPU
 
