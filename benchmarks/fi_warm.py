@@ -8,6 +8,7 @@ import torch
 
 from bi_core.backends.cuda_common.attention import FlashInferAttentionImpl
 from bi_core.ops.attention import AttentionSpec
+from bi_core.ops.context import GraphShape
 from bi_core.runtime.batch import build_context
 
 
@@ -27,7 +28,7 @@ def main() -> None:
             _, ctx = build_context([[0] * q for q in qlens], plens, blocks, list(range(len(qlens))),
                                    [q == 1 for q in qlens], block_size=16, device=dev)
             if graph is not None:
-                ctx.extras.update(graph_bucket=graph[1], graph_q_len=graph[0])
+                ctx.graph = GraphShape(q_len=graph[0], bucket=graph[1])
             impl.prepare(ctx)
             impl.forward(torch.randn(sum(qlens), width, device=dev, dtype=torch.bfloat16), qn, kn, kc, vc, ctx)
         torch.cuda.synchronize()

@@ -11,6 +11,19 @@ import attrs
 import torch
 
 
+@attrs.frozen
+class GraphShape:
+    """The uniform step a CUDA graph runs: ``bucket`` sequences (padding included) of ``q_len``
+    tokens each."""
+
+    q_len: int
+    bucket: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.q_len, self.bucket
+
+
 @attrs.define
 class ForwardContext:
     """A flat (ragged) batch: the tokens of B sequences laid end to end, T tokens in all."""
@@ -37,7 +50,10 @@ class ForwardContext:
     logits_all_rows: bool = False  # logits_indices is every row (a graph's static batch): no gather
     sample_keys: torch.Tensor | None = None  # [R] int64 per logits row: mix_seed(request seed, position)
     temperatures: torch.Tensor | None = None  # [R] float64 per logits row (0 = greedy)
-    extras: dict = attrs.field(factory=dict)  # per-step metadata impls compute once and share across layers
+    graph: GraphShape | None = None  # set when the step runs as (or is captured into) a CUDA graph
+    # per-step plans an op impl computes once and reuses in every layer; each impl reads only the
+    # keys it wrote (a graph's static context keeps one dict for all its replays)
+    op_plans: dict = attrs.field(factory=dict)
 
     @property
     def num_seqs(self) -> int:

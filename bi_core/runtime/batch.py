@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from bi_core.ops.context import ForwardContext, HostBatch
+from bi_core.ops.context import ForwardContext, GraphShape, HostBatch
 
 
 def plan_batch(
@@ -68,7 +68,8 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                  context_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
                  state_slots: torch.Tensor, logits_indices: torch.Tensor, token_state_slots: torch.Tensor,
-                 recurrent_ids: torch.Tensor, extras: dict | None = None, logits_all_rows: bool = False,
+                 recurrent_ids: torch.Tensor, graph: GraphShape | None = None, op_plans: dict | None = None,
+                 logits_all_rows: bool = False,
                  sample_keys: torch.Tensor | None = None, temperatures: torch.Tensor | None = None
                  ) -> ForwardContext:
     """A ForwardContext over device tensors (fresh or static views) and the host lists of ``hb``."""
@@ -81,7 +82,7 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
         is_recurrent_host=list(hb.is_recurrent), recurrent_ids=recurrent_ids,
         block_tables_host=hb.blocks, block_size=hb.block_size,
         logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows, sample_keys=sample_keys,
-        temperatures=temperatures, extras=extras if extras is not None else {})
+        temperatures=temperatures, graph=graph, op_plans=op_plans if op_plans is not None else {})
 
 
 def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:

@@ -14,7 +14,7 @@ from typing import Literal
 import attrs
 import torch
 
-from bi_core.ops.context import ForwardContext
+from bi_core.ops.context import ForwardContext, GraphShape
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed
 from bi_core.runtime.batch import plan_batch
@@ -64,14 +64,14 @@ class Forward:
 class StepOutput:
     """What a forward returns: every token's hidden state, the logits of the rows it was asked
     for, and (when rows were sampled on the device) their samples [R, 2] float64 (token,
-    logprob). ``offsets[i]``: the first flat row of ``rows[i]``. ``graph``: the (L, bucket) of the
-    CUDA graph it replayed, or None (eager)."""
+    logprob). ``offsets[i]``: the first flat row of ``rows[i]``. ``graph``: the shape of the CUDA
+    graph it replayed, or None (eager)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
     samples: torch.Tensor | None
     offsets: list[int]
-    graph: tuple[int, int] | None = None
+    graph: GraphShape | None = None
 
 
 @attrs.define
@@ -111,7 +111,7 @@ class ModelRunner:
         else:
             outs = graphs.run(self._mtp_step, input_ids, ctx, self.model.prepare_step, extra=fwd.hidden)
         samples = outs[2] if len(outs) > 2 else None
-        return StepOutput(outs[0], outs[1], samples, ctx.cu_seqlens_host[:-1], ctx.extras.get("graph_key"))
+        return StepOutput(outs[0], outs[1], samples, ctx.cu_seqlens_host[:-1], ctx.graph)
 
     def _host_batch(self, fwd: Forward):
         rows = fwd.rows

@@ -265,8 +265,8 @@ def _attend(impl, norms, seqs, splits=None):
         kc.view(-1, ATT_HKV, ATT_D)[slots], vc.view(-1, ATT_HKV, ATT_D)[slots] = k, v
     if splits is not None:
         plan, key = impl.prepare(ctx), ("attn_plan", impl.tile_tokens)
-        assert ctx.extras[key] is plan
-        ctx.extras[key] = attrs.evolve(plan, splits=splits)
+        assert ctx.op_plans[key] is plan
+        ctx.op_plans[key] = attrs.evolve(plan, splits=splits)
     out = impl.forward(torch.cat([s[5] for s in seqs]), *norms, kc, vc, ctx)
     return list(out.split([s[0] for s in seqs])), kc, vc, blocks
 

@@ -65,7 +65,7 @@ class TritonPagedAttentionImpl:
         from bi_core.kernels.attention import KV_SPLIT, make_tiles
 
         key = ("attn_plan", self.tile_tokens)
-        if key not in ctx.extras:
+        if key not in ctx.op_plans:
             dev, lens = ctx.positions.device, ctx.query_lens_host
             dec = [i for i, q in enumerate(lens) if ctx.is_recurrent_host[i] and q <= self.tile_tokens]
             pre = sorted(set(range(len(lens))) - set(dec))
@@ -74,7 +74,7 @@ class TritonPagedAttentionImpl:
             # more than CHUNKS_PER_PROGRAM chunks in series at the longest context the plan serves
             # (a graph's: its block table's width; benchmarks section 13, change 4). The split count
             # changes no bit (chunks merge in order)
-            longest = (ctx.block_tables.shape[1] * ctx.block_size if "graph_bucket" in ctx.extras
+            longest = (ctx.block_tables.shape[1] * ctx.block_size if ctx.graph is not None
                        else max((ctx.context_lens_host[i] for i in dec), default=1))
             # No cap but the chunk count: at 131k tokens a cap of 64 left B=1 with 128 programs
             # folding 8 chunks each, far behind the default backend's step (benchmarks section 14)
@@ -83,9 +83,9 @@ class TritonPagedAttentionImpl:
             splits = max(1, min(-(-longest // KV_SPLIT), splits))
             tile_seq, tile_start = make_tiles(lens, pre, self.tile_tokens, dev)
             chunks = sum(-(-ctx.context_lens_host[i] // KV_SPLIT) for i in dec)
-            ctx.extras[key] = _TritonPlan(dec_seqs, max((lens[i] for i in dec), default=1), splits, tile_seq,
+            ctx.op_plans[key] = _TritonPlan(dec_seqs, max((lens[i] for i in dec), default=1), splits, tile_seq,
                                           tile_start, chunks)
-        return ctx.extras[key]
+        return ctx.op_plans[key]
 
     def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
         from bi_core.kernels.attention import KV_SPLIT, decode_attention, prefill_attention
@@ -154,9 +154,9 @@ class FlashInferAttentionImpl:
     def prepare(self, ctx: ForwardContext) -> object:
         """Plan the step on the host (once, shared by all layers); graphs re-plan before each replay."""
         key = ("flashinfer", id(self))
-        bucket = ctx.extras.get("graph_bucket")
-        if key in ctx.extras and bucket is None:
-            return ctx.extras[key]
+        bucket = ctx.graph.bucket if ctx.graph is not None else None
+        if key in ctx.op_plans and bucket is None:
+            return ctx.op_plans[key]
         s, dev = self.spec, ctx.positions.device
         page_size = ctx.block_size
         pages = ctx.block_tables_host
@@ -167,7 +167,7 @@ class FlashInferAttentionImpl:
         indptr = _pinned([0] + list(_cumsum(used)))
         indices = _pinned([p for blk, n in zip(pages, used) for p in blk[:n]]).to(dev, non_blocking=True)
         last = _pinned([n - (u - 1) * page_size for n, u in zip(ctx.context_lens_host, used)])
-        q_len = ctx.extras.get("graph_q_len", 1)
+        q_len = ctx.graph.q_len if ctx.graph is not None else 1
         one_token = q_len == 1 if bucket is not None else all(q == 1 for q in ctx.query_lens_host)
         if bucket is not None:
             wrapper = self._graph_wrapper(q_len, bucket, ctx.block_tables.shape[1])
@@ -182,14 +182,14 @@ class FlashInferAttentionImpl:
             wrapper.plan(qo_indptr, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim,
                          page_size, causal=True, sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype,
                          **hint)
-        ctx.extras[key] = wrapper
+        ctx.op_plans[key] = wrapper
         return wrapper
 
     def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
         from bi_core.kernels.qk_norm_rope import apply_gate
 
         q = _qk_norm_rope(self.spec, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx)
-        wrapper = ctx.extras.get(("flashinfer", id(self))) or self.prepare(ctx)
+        wrapper = ctx.op_plans.get(("flashinfer", id(self))) or self.prepare(ctx)
         return apply_gate(wrapper.run(q, (k_cache, v_cache)), qkv[:, self.spec.head_dim:])
 
 

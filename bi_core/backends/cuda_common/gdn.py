@@ -60,10 +60,10 @@ class CudaGdnImpl:
         """Token rows, cu_seqlens, read slots, has-past flags, last-token slots and ids of the
         chunked-form sequences (None in decode-only steps, e.g. every captured graph)."""
         key = "gdn_chunk"
-        if key not in ctx.extras:
+        if key not in ctx.op_plans:
             seqs = [i for i, r in enumerate(ctx.is_recurrent_host) if not r]
             if not seqs:
-                ctx.extras[key] = None
+                ctx.op_plans[key] = None
                 return None
             dev = ctx.positions.device
             tokens, cu, longest = [], [0], 0
@@ -74,7 +74,7 @@ class CudaGdnImpl:
                 longest = max(longest, b - a)
             last = [ctx.token_state_slots_host[ctx.token_range(i)[1] - 1] for i in seqs]
             contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
-            ctx.extras[key] = dict(
+            ctx.op_plans[key] = dict(
                 rows=slice(tokens[0], tokens[0] + len(tokens)) if contiguous
                 else torch.tensor(tokens, dtype=torch.int64, device=dev),
                 cu=torch.tensor(cu, dtype=torch.int64, device=dev),
@@ -82,7 +82,7 @@ class CudaGdnImpl:
                 has_past=torch.tensor([ctx.past_len(i) > 0 for i in seqs], dtype=torch.bool, device=dev),
                 final_slots=torch.tensor(last, dtype=torch.int64, device=dev),
                 seq_ids=torch.tensor(seqs, dtype=torch.int64, device=dev), longest=longest)
-        return ctx.extras[key]
+        return ctx.op_plans[key]
 
     def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bi_core.ops.context import ForwardContext, HostBatch
+from bi_core.ops.context import ForwardContext, GraphShape, HostBatch
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.runtime.batch import context_from, gather_ids, upload
 
@@ -59,7 +59,8 @@ class StaticBatch:
         self.cu_seqlens = torch.arange(0, t + 1, q, dtype=torch.int64, device=device)
         self.all_rows = torch.arange(t, dtype=torch.int64, device=device)
         self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
-        self.extras = {"graph_bucket": bucket, "graph_q_len": q}  # shared by every step of this graph
+        self.shape = GraphShape(q, bucket)
+        self.op_plans: dict = {}  # shared by every step of this graph (ops keep the plans made at capture)
         self.extra: torch.Tensor | None = None  # static per-token input, allocated at capture
         self.current: HostBatch | None = None  # the real batch last loaded
         pinned = device.type == "cuda"
@@ -114,7 +115,7 @@ class StaticBatch:
 
     def context(self, p: HostBatch) -> ForwardContext:
         return context_from(p, cu_seqlens=self.cu_seqlens, block_tables=self.block_tables,
-                            logits_indices=self.all_rows, recurrent_ids=self.seq_ids, extras=self.extras,
+                            logits_indices=self.all_rows, recurrent_ids=self.seq_ids, graph=self.shape, op_plans=self.op_plans,
                             logits_all_rows=True, **self.views)
 
 
@@ -190,7 +191,6 @@ class CudaGraphRunnerImpl:
         static = self.statics[key]
         static.current = hb
         ctx = static.context(static.load(hb))
-        ctx.extras["graph_key"] = key
         ctx.logits_indices_host = list(hb.logits_rows)  # the rows the caller wants (a graph computes all)
         return static.input_ids[: len(hb.token_ids)], ctx
 
@@ -218,7 +218,7 @@ class CudaGraphRunnerImpl:
     def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None,
             ids_from: torch.Tensor | None = None):
         """``step(input_ids, ctx[, extra])`` returns (per-token output, per-logits-row outputs...)."""
-        key = ctx.extras.get("graph_key")
+        key = ctx.graph.key if ctx.graph is not None else None
         if key is None:
             if ids_from is not None:
                 gather_ids(input_ids, ids_from)
