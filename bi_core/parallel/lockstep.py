@@ -8,7 +8,9 @@ the last step plus the step itself to the other ranks over a gloo group; they re
 same order. Scheduling is a pure function of those calls and of the sampled tokens, and the
 sampled tokens are the same on every rank (the logits are gathered whole to every rank and
 sampled with the same keys), so every rank makes the same decisions and issues the same
-collectives without any per-step plan being shipped. This is SGLang's arrangement (a scheduler
+collectives without any per-step plan being shipped. What travels is typed (``AddRequest``,
+``AddScoreRequest``, ``Abort``, ``Step``, ``UpdateWeightsFromPath``, ``ReceiveWeights``,
+``Shutdown``): the scheduler's intake plus the step, never method names. This is SGLang's arrangement (a scheduler
 per TP rank, requests broadcast from rank 0); it keeps AR, MTP, n-sample forks, prefix caching
 and scoring working unchanged under TP. Each step also carries rank 0's step count and request
 counters, so a rank that drifted stops with an error instead of deadlocking silently."""
@@ -19,6 +21,7 @@ import logging
 import multiprocessing as mp
 import socket
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -41,34 +44,87 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@attrs.frozen
+class AddRequest:
+    """``LLMEngine.add_request`` on rank 0."""
+
+    prompt: object
+    params: object
+    text: bool
+
+
+@attrs.frozen
+class AddScoreRequest:
+    """``LLMEngine.add_score_request`` on rank 0."""
+
+    prompt: object
+    continuation: object
+    exact: bool
+    logprobs: int
+
+
+@attrs.frozen
+class Abort:
+    """``LLMEngine.abort`` on rank 0."""
+
+    request_id: int
+
+
+@attrs.frozen
+class Step:
+    """Run one step; ``check``: rank 0's (steps run, next request id, requests) before it."""
+
+    check: tuple[int, int, int]
+
+
+@attrs.frozen
+class UpdateWeightsFromPath:
+    """``update_weights(path)`` on rank 0, checked there: each rank reads its shard."""
+
+    path: str
+
+
+@attrs.frozen
+class ReceiveWeights:
+    """``update_weights(tensors)`` on rank 0, checked there: the tensors follow over the device group."""
+
+    meta: list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+@attrs.frozen
+class Shutdown:
+    """Rank 0's engine is closing."""
+
+
+Message = AddRequest | AddScoreRequest | Abort | Step | UpdateWeightsFromPath | ReceiveWeights | Shutdown
+
+
 class Driver:
     """Rank 0's side: the worker processes and the calls not yet sent to them."""
 
     def __init__(self, procs: list, group: state.TPGroup) -> None:
         self.procs, self.group = procs, group
-        self.pending: list[tuple[str, tuple, dict]] = []
+        self.pending: list[Message] = []
         self.started = False  # every rank built its engine and listens for calls
         self.closed = False
 
-    def record(self, name: str, args: tuple, kwargs: dict) -> None:
-        self.pending.append((name, args, kwargs))
+    def record(self, message: Message) -> None:
+        """Send ``message`` with the next step."""
+        self.pending.append(message)
 
-    def send_step(self, check: tuple) -> None:
-        self.send_now("step", (check,), {})
-
-    def send_now(self, name: str, args: tuple, kwargs: dict) -> None:
-        """Send the pending calls and ``name(*args, **kwargs)`` now (not with the next step)."""
+    def send_now(self, message: Message) -> None:
+        """Send the pending messages and ``message`` now."""
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise BiEngineError(f"tensor-parallel rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} "
                                 "stopped; the engine cannot go on")
-        cmds, self.pending = self.pending + [(name, args, kwargs)], []
+        cmds, self.pending = self.pending + [message], []
         dist.broadcast_object_list([cmds], src=0, group=self.group.control)
 
     def send_weights(self, source, names: list[str], device: torch.device) -> None:
         """``update_weights`` from tensors: their names, shapes and dtypes first, then each tensor
         broadcast from rank 0 over the device group (NCCL on GPUs), one at a time."""
-        self.send_now("receive_weights", ([(n, source.shape(n), source.dtype(n)) for n in names],), {})
+        self.send_now(ReceiveWeights([(n, source.shape(n), source.dtype(n)) for n in names]))
         for n in names:
             dist.broadcast(source.get(n).to(device).contiguous(), src=0, group=self.group.device_group)
 
@@ -78,7 +134,7 @@ class Driver:
         self.closed = True
         try:
             if self.started and all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([[("shutdown", (), {})]], src=0, group=self.group.control)
+                dist.broadcast_object_list([[Shutdown()]], src=0, group=self.group.control)
             else:  # rank 0 failed while building: the others may wait in a collective, stop them
                 timeout_s = 0.0
         finally:
@@ -107,6 +163,32 @@ def launch(config, device: torch.device) -> Driver:
     return Driver(procs, group)
 
 
+def replay(engine, message: Message, rank: int) -> bool:
+    """Apply one of rank 0's messages to this rank's engine; False at shutdown."""
+    match message:
+        case AddRequest(prompt, params, text):
+            engine.add_request(prompt, params, text=text)
+        case AddScoreRequest(prompt, continuation, exact, logprobs):
+            engine.add_score_request(prompt, continuation, exact=exact, logprobs=logprobs)
+        case Abort(request_id):
+            engine.abort(request_id)
+        case Step(check):
+            mine = engine.lockstep_check()
+            if check != mine:
+                raise BiEngineError(f"tensor-parallel rank {rank} drifted from rank 0: "
+                                    f"(steps, next request id, requests) {mine} != {check}")
+            engine.step()
+        case UpdateWeightsFromPath(path):
+            engine.update_weights(path)
+        case ReceiveWeights(meta):
+            engine.receive_weights(meta)
+        case Shutdown():
+            return False
+        case _:
+            raise BiEngineError(f"tensor-parallel rank {rank}: unexpected message from rank 0: {message!r}")
+    return True
+
+
 def receive_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The next tensor rank 0's ``send_weights`` broadcasts."""
     t = torch.empty(shape, dtype=dtype, device=device)
@@ -126,16 +208,8 @@ def worker_main(rank: int, config, port: int, device: str) -> None:
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=group.control)
-            for name, args, kwargs in box[0]:
-                if name == "shutdown":
+            for message in box[0]:
+                if not replay(engine, message, rank):
                     return
-                if name == "step":
-                    mine = engine.lockstep_check()
-                    if args[0] != mine:
-                        raise BiEngineError(f"tensor-parallel rank {rank} drifted from rank 0: "
-                                            f"(steps, next request id, requests) {mine} != {args[0]}")
-                    engine.step()
-                else:
-                    getattr(engine, name)(*args, **kwargs)
     finally:
         state.shutdown()

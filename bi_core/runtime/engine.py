@@ -22,7 +22,7 @@ from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, che
 from bi_core.models.qwen3_5 import check_tensor_parallel
 from bi_core.models.tokenizer import tokenizer_for
 from bi_core.ops.sampling import device_sampled, mix_seed, sample_seed
-from bi_core.parallel.lockstep import launch
+from bi_core.parallel import lockstep
 from bi_core.parallel.shard import TPInfo
 from bi_core.policies.apply import applied
 from bi_core.registry import Registry
@@ -65,7 +65,7 @@ class LLMEngine:
         check_tensor_parallel(self.args, self.tp.world)
         resolve_max_model_len(config, self.args)
         self._driver = None  # rank 0 of a tensor-parallel engine, once every rank is built: the other ranks
-        driver = launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
+        driver = lockstep.launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
         if driver is not None:
             atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
         parts = build_parts(config, self.registry, self.policy, self.factory, self.args, index, self.tp)
@@ -120,10 +120,10 @@ class LLMEngine:
         """What every rank must agree on before a step: (steps run, next request id, requests)."""
         return self.num_steps, self._next_id, len(self.requests)
 
-    def _mirror(self, name: str, *args, **kwargs) -> None:
-        """Tensor parallel, rank 0: the other ranks replay this call before the next step."""
+    def _mirror(self, message) -> None:
+        """Tensor parallel, rank 0: the other ranks replay this intake before the next step."""
         if self._driver is not None:
-            self._driver.record(name, args, kwargs)
+            self._driver.record(message)
 
     # ------------------------------------------------------------------ requests
 
@@ -176,7 +176,7 @@ class LLMEngine:
             for member in seq.group:
                 member.text = TextStream(self.tokenizer, params.stop)
         self.scheduler.add(seq)
-        self._mirror("add_request", prompt, params, text=text)
+        self._mirror(lockstep.AddRequest(prompt, params, text))
         return seq
 
     def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
@@ -193,13 +193,13 @@ class LLMEngine:
         seq = self._new_seq(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
                             score_top=logprobs)
         self.scheduler.add(seq)
-        self._mirror("add_score_request", prompt, continuation, exact=exact, logprobs=logprobs)
+        self._mirror(lockstep.AddScoreRequest(prompt, continuation, exact, logprobs))
         return seq
 
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request (``finish_reason='abort'``); its KV pages and state slot are
         free for the next step. False if there is no such request. Call between steps."""
-        self._mirror("abort", request_id)
+        self._mirror(lockstep.Abort(request_id))
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -217,7 +217,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return []
         if self._driver is not None:
-            self._driver.send_step(self.lockstep_check())
+            self._driver.send_now(lockstep.Step(self.lockstep_check()))
         self.num_steps += 1
         ahead, self._ahead = self._ahead, None
         with torch.inference_mode(), applied(self.policy):
@@ -305,7 +305,7 @@ class LLMEngine:
             self.abort(rid)
         if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
             if is_path:
-                self._driver.send_now("update_weights", (str(weights),), {})  # each rank reads its shard
+                self._driver.send_now(lockstep.UpdateWeightsFromPath(str(weights)))  # each rank reads its shard
             else:
                 self._driver.send_weights(source, [st.name for st in steps], self.device)
         count = apply_update(self.model, source, steps)
@@ -315,10 +315,8 @@ class LLMEngine:
     def receive_weights(self, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Tensor-parallel rank > 0: rank 0's ``update_weights`` tensors, received one at a time
         (rank 0 checked them all first) and copied into this rank's shard."""
-        from bi_core.parallel.lockstep import receive_tensor
-
         for name, shape, dtype in meta:
-            update_weights(self.model, TensorDict([(name, receive_tensor(shape, dtype, self.device))]))
+            update_weights(self.model, TensorDict([(name, lockstep.receive_tensor(shape, dtype, self.device))]))
         self._after_update()
 
     def _after_update(self) -> None:

@@ -1,0 +1,64 @@
+"""The tensor-parallel lock-step's messages: typed, picklable (they cross a gloo broadcast), and
+replayed on a worker rank by type, never by method name."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from bi_core import BiEngineError, SamplingParams
+from bi_core.parallel import lockstep as ls
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def add_request(self, prompt, params, *, text):
+        self.calls.append(("add_request", prompt, params, text))
+
+    def add_score_request(self, prompt, continuation, *, exact, logprobs):
+        self.calls.append(("add_score_request", prompt, continuation, exact, logprobs))
+
+    def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+
+    def lockstep_check(self):
+        return (3, 7, 2)
+
+    def step(self):
+        self.calls.append(("step",))
+
+    def update_weights(self, path):
+        self.calls.append(("update_weights", path))
+
+    def receive_weights(self, meta):
+        self.calls.append(("receive_weights", meta))
+
+
+MESSAGES = [ls.AddRequest([1, 2], SamplingParams(max_new_tokens=3), True),
+            ls.AddScoreRequest("a", [4], False, 2), ls.Abort(5), ls.Step((3, 7, 2)),
+            ls.UpdateWeightsFromPath("/ckpt"), ls.ReceiveWeights([("w", (2, 3), torch.bfloat16)])]
+
+
+def test_messages_round_trip_through_pickle():
+    for m in [*MESSAGES, ls.Shutdown()]:
+        assert pickle.loads(pickle.dumps(m)) == m
+
+
+def test_replay_dispatches_on_the_type():
+    eng = FakeEngine()
+    assert all(ls.replay(eng, m, rank=1) for m in MESSAGES)
+    assert eng.calls == [("add_request", [1, 2], SamplingParams(max_new_tokens=3), True),
+                         ("add_score_request", "a", [4], False, 2), ("abort", 5), ("step",),
+                         ("update_weights", "/ckpt"), ("receive_weights", [("w", (2, 3), torch.bfloat16)])]
+    assert ls.replay(eng, ls.Shutdown(), rank=1) is False
+
+
+def test_a_drifted_rank_and_an_unknown_message_stop_with_an_error():
+    with pytest.raises(BiEngineError, match="drifted from rank 0"):
+        ls.replay(FakeEngine(), ls.Step((4, 7, 2)), rank=1)
+    with pytest.raises(BiEngineError, match="unexpected message"):
+        ls.replay(FakeEngine(), ("step", ((3, 7, 2),), {}), rank=1)  # the old by-name form
