@@ -13,22 +13,25 @@ from bi_core.models.presets import preset_args
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.scheduler import Scheduler, resolve_chunk_size
 from bi_core.runtime.sequence import SamplingParams, Sequence, Status
+from bi_core.runtime.step import Fork, SeqCommit, StepCommit
 
 BLOCK = 16
 
 
 def scheduler(*, seqs=8, budget=64, chunk=None, blocks=256, decode_tokens=1, exact_rebuild=False,
-              exact_step_tokens=None) -> Scheduler:
+              exact_step_tokens=None, snapshots=0) -> Scheduler:
     cache = CacheManager(preset_args("tiny-dense"), CacheConfig(block_size=BLOCK, num_blocks=blocks), num_slots=seqs,
-                         max_model_len=4096, dtype=torch.float32, device=torch.device("cpu"), with_mtp=False)
+                         max_model_len=4096, dtype=torch.float32, device=torch.device("cpu"), with_mtp=False,
+                         num_snapshots=snapshots)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
     return Scheduler(cfg, cache, chunk_size=resolve_chunk_size(cfg, decode_tokens, BLOCK), decode_tokens=decode_tokens,
                      exact_rebuild=exact_rebuild, exact_step_tokens=exact_step_tokens)
 
 
 class Sim:
-    """Drives a scheduler as the engine does: each scheduled sequence computes its tokens, one that
-    reached its last known token samples one more (token 7), finished ones leave."""
+    """Drives a scheduler as the engine does, through its one writer of sequence state: each
+    scheduled sequence computes its tokens, one that reached its last known token samples one
+    more (token 7; a leader's samples fork from it), finished ones leave."""
 
     def __init__(self, s: Scheduler) -> None:
         self.s, self.steps, self.next_id = s, 0, 0
@@ -60,17 +63,19 @@ class Sim:
         self.log.append([(x.seq.request_id, x.seq.num_computed, x.num_tokens, x.recurrent) for x in out])
         assert sum(self.s.decode_tokens if x.seq.is_decoding else x.num_tokens for x in out) \
             <= self.s.config.max_num_batched_tokens
+        commits, forks = [], []
         for x in out:
-            seq, samples = x.seq, x.samples
-            seq.num_computed += x.num_tokens
-            if samples:
+            seq = x.seq
+            tokens = [(7, 0.0, None)] if x.samples else []
+            commits.append(SeqCommit(seq, seq.num_computed, x.num_tokens, tokens, chunk=not seq.is_decoding,
+                                     recurrent=x.recurrent))
+            if tokens:
                 self.first_token_step.setdefault(seq.request_id, self.steps)
-                seq.append(7, 0.0, None, ())
-                for f in seq.followers:  # the engine's fork: samples take the prompt and their first token
-                    f.leader, f.num_computed = None, seq.num_computed - 1
-                    f.append(7, 0.0, None, ())
-                    self.first_token_step.setdefault(f.request_id, self.steps)
-                seq.followers = []
+                if seq.followers:
+                    forks.append(Fork(seq, [(f, (7, 0.0, None)) for f in seq.followers]))
+        self.s.update(StepCommit(commits))
+        for f in self.s.fork(forks):
+            self.first_token_step.setdefault(f.request_id, self.steps)
         for seq in list(self.s.running):
             if seq.status is Status.FINISHED:
                 self.finish_step[seq.request_id] = self.steps
@@ -210,3 +215,100 @@ def test_invariant_preemption_rebuilds_generated_tokens_in_decode_arithmetic():
             assert all(rec for _, rec in ran[3:])
         else:  # generated tokens recomputed as chunks
             assert ran[:3] == [(16, False), (16, False), (16, False)]
+
+
+# ---------------------------------------------------------------- the one writer of sequence state
+
+
+def running(s: Scheduler, prompt_len: int, max_new: int = 8, **params) -> Sequence:
+    """A request admitted and scheduled for its first chunk."""
+    seq = Sequence(request_id=len(s.running) + len(s.waiting), prompt_ids=list(range(prompt_len)),
+                   params=SamplingParams(max_new_tokens=max_new, **params), seed=0,
+                   max_total_len=prompt_len + max_new)
+    s.add(seq)
+    assert any(x.seq is seq for x in s.schedule())
+    return seq
+
+
+def test_update_applies_tokens_until_one_ends_the_sequence():
+    s = scheduler()
+    seq = running(s, 8, stop_token_ids=(9,))
+    s.update(StepCommit([SeqCommit(seq, 0, 8, [(5, -0.5, None)], chunk=True)]))
+    assert (seq.num_computed, seq.output_ids, seq.token_logprobs) == (8, [5], [-0.5])
+    assert s.num_prompt_tokens_computed == 8
+    # a verify step: 3 drafts, 2 accepted, the stop token among the 3 new tokens ends it there
+    s.update(StepCommit([SeqCommit(seq, 8, 3, [(6, -0.1, None), (9, -0.2, None), (4, -0.3, None)], drafts=3,
+                                   accepted=2)]))
+    assert seq.output_ids == [5, 6, 9] and seq.status is Status.FINISHED and seq.finish_reason == "stop"
+    assert (seq.num_computed, seq.num_draft_tokens, seq.num_accepted_draft_tokens, seq.num_verify_steps) == (11, 3, 2, 1)
+    assert s.num_prompt_tokens_computed == 8  # decode rows are not prompt work
+    assert seq in s.running  # a finished sequence keeps its pages until finish()
+    s.finish(seq)
+    assert seq not in s.running and s.cache.num_pages_in_use == 0
+
+
+def test_update_refuses_a_commit_from_the_wrong_position_and_skips_ended_sequences():
+    s = scheduler()
+    seq = running(s, 8)
+    with pytest.raises(AssertionError, match="tokens are computed"):
+        s.update(StepCommit([SeqCommit(seq, 4, 4, [], chunk=True)]))
+    s.abort(seq)
+    seq.finish("abort")
+    s.update(StepCommit([SeqCommit(seq, 0, 8, [(1, 0.0, None)], chunk=True)]))  # a row that flew past its abort
+    assert seq.num_computed == 0 and seq.output_ids == []
+
+
+def test_update_records_scores_and_ends_a_scoring_request_after_its_last_row():
+    s = scheduler()
+    seq = Sequence(request_id=0, prompt_ids=list(range(10)), params=SamplingParams(max_new_tokens=1), seed=0,
+                   max_total_len=10, score_from=6)
+    s.add(seq)
+    (x,) = s.schedule()
+    assert x.num_tokens == 9  # everything but the last token (nothing comes after it)
+    s.update(StepCommit([SeqCommit(seq, 0, 9, chunk=True)], scores=[(seq, -1.0, {6: -1.0}), (seq, -2.0, {7: -2.0})]))
+    assert seq.scored_logprobs == [-1.0, -2.0] and seq.scored_top == [{6: -1.0}, {7: -2.0}]
+    assert seq.status is Status.FINISHED and seq.finish_reason == "length"
+
+
+def test_fork_shares_whole_pages_and_copies_the_last_prompt_page():
+    s = scheduler()
+    sim = Sim(s)
+    leader = sim.add(40, max_new=4, n=3)
+    while leader.num_computed < 40:
+        sim.step()
+    fs = leader.group[1:]
+    shared = s.shared_pages(40)  # pages wholly before the last prompt token
+    assert shared == 2 and all(f.leader is None and f.num_computed == 40 and f.output_ids == [7] for f in fs)
+    assert all(f.blocks[:shared] == leader.blocks[:shared] for f in fs)  # by reference
+    assert len({f.blocks[shared] for f in fs} | {leader.blocks[shared]}) == 3  # the last prompt page copied
+    sim.run()
+    assert s.cache.num_pages_in_use == 0 and s.cache.slots.num_free == 8
+
+
+# ---------------------------------------------------------------- the prefix cache, through the scheduler
+
+
+def test_a_cached_prefix_is_found_again_on_the_chunk_grid():
+    """Whole chunks on the grid enter the cache with a GDN snapshot at their end; a later request
+    with the same prompt starts at the longest such prefix, on the shared pages, with the
+    snapshot's state, and runs the chunks a cold prefill runs from there."""
+    from bi_core.runtime.prefix_cache import PrefixCache
+
+    s = scheduler(chunk=16, snapshots=4)
+    cache = s.cache
+    cache.prefix = PrefixCache(cache, grid=16, snapshot_slots=cache.snapshot_slots)
+    sim = Sim(s)
+    a = sim.add(40, max_new=2)
+    sim.run()
+    assert a.finish_reason == "length" and len(cache.prefix.nodes) == 2  # two whole chunks; the 8-token tail is not
+    cache.main.recurrent[0][cache.snapshot_slots] = 3.0  # the snapshots' states, to see them restored
+    b = sim.add(40, max_new=2)
+    sim.step()  # admission
+    assert b.num_cached_tokens == 32 and sim.log[-1] == [(b.request_id, 32, 8, False)]
+    assert b.blocks[:2] == [n.page for n in cache.prefix.match(a, 39).nodes]
+    assert bool((cache.main.recurrent[0][cache.state_at(b.state_slot, 32)] == 3.0).all())
+    c = sim.add(40 - 1, max_new=2)  # a different prompt length: the same first 32 tokens, a hit too
+    sim.step()
+    assert c.num_cached_tokens == 32
+    sim.run()
+    assert cache.num_pages_in_use == 0 and cache.prefix.hits == 2
