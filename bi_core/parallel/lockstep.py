@@ -121,9 +121,13 @@ class Driver:
         cmds, self.pending = self.pending + [message], []
         dist.broadcast_object_list([cmds], src=0, group=self.group.control)
 
-    def send_weights(self, source, names: list[str], device: torch.device) -> None:
-        """``update_weights`` from tensors: their names, shapes and dtypes first, then each tensor
+    def send_update(self, source, names: list[str], device: torch.device) -> None:
+        """``update_weights`` on rank 0, checked there: a checkpoint path (``source`` a str: each
+        rank reads its shard), or tensors: their names, shapes and dtypes first, then each tensor
         broadcast from rank 0 over the device group (NCCL on GPUs), one at a time."""
+        if isinstance(source, str):
+            self.send_now(UpdateWeightsFromPath(source))
+            return
         self.send_now(ReceiveWeights([(n, source.shape(n), source.dtype(n)) for n in names]))
         for n in names:
             dist.broadcast(source.get(n).to(device).contiguous(), src=0, group=self.group.device_group)
@@ -180,8 +184,12 @@ def replay(engine, message: Message, rank: int) -> bool:
             engine.step()
         case UpdateWeightsFromPath(path):
             engine.update_weights(path)
-        case ReceiveWeights(meta):
-            engine.receive_weights(meta)
+        case ReceiveWeights(meta):  # one tensor at a time, each into this rank's shard
+            from bi_core.models.loader import TensorDict, update_weights
+
+            for name, shape, dtype in meta:
+                update_weights(engine.model, TensorDict([(name, receive_tensor(shape, dtype, engine.device))]))
+            engine.after_weight_update()
         case Shutdown():
             return False
         case _:

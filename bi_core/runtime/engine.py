@@ -17,19 +17,18 @@ import torch
 from tqdm import tqdm
 
 from bi_core.config import EngineConfig
-from bi_core.errors import BiEngineError, PromptTooLongError, RequestError
-from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update, update_weights
+from bi_core.errors import BiEngineError, RequestError
+from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
 from bi_core.models.qwen3_5 import check_tensor_parallel
 from bi_core.models.tokenizer import tokenizer_for
-from bi_core.ops.sampling import device_sampled, mix_seed, sample_seed
 from bi_core.parallel import lockstep
 from bi_core.parallel.shard import TPInfo
 from bi_core.policies.apply import applied
 from bi_core.registry import Registry
 from bi_core.runtime.build import build_parts, explain, prepare, resolve_max_model_len, resolve_model
-from bi_core.runtime.detokenize import TextStream
-from bi_core.runtime.prompts import Prompt, as_ints, ids_or_empty, is_one_prompt
-from bi_core.runtime.runner import StepOutput
+from bi_core.runtime.intake import Intake
+from bi_core.runtime.overlap import Overlap
+from bi_core.runtime.prompts import Prompt, ids_or_empty, is_one_prompt
 from bi_core.runtime.sequence import (
     RequestOutput,
     SamplingParams,
@@ -38,19 +37,10 @@ from bi_core.runtime.sequence import (
     Status,
     request_output,
 )
-from bi_core.runtime.step import StepPlan
 from bi_core.runtime.warmup import warm_up
 
 log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "explain", "resolve_model"]  # explain and resolve_model: built in runtime/build.py
-
-
-@attrs.define
-class _Ahead:
-    """A step launched before the previous one was committed, its samples on their way to the host."""
-
-    plan: StepPlan
-    out: StepOutput
 
 
 class LLMEngine:
@@ -72,13 +62,14 @@ class LLMEngine:
         self.model, self.runner, self.scheduler, self.strategy = parts.model, parts.runner, parts.scheduler, parts.strategy
         self.cache, self.max_model_len = self.runner.cache, parts.max_model_len
         self.tokenizer = tokenizer_for(config.model)
+        self.intake = Intake(tokenizer=self.tokenizer, vocab_size=self.args.vocab_size,
+                             max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
+                             seed=config.seed)
         self.eos_ids = self.args.eos_token_ids
-        self.overlap = config.graph.overlap
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
-        self.num_steps = self.num_ahead = 0  # steps run; of them, launched before the previous one was committed
-        self._next_id = 0
-        self._ahead: _Ahead | None = None
+        self.num_steps = 0
+        self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None
         if config.graph.warmup and config.graph.enabled and self.device.type == "cuda":
             self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
@@ -103,7 +94,12 @@ class LLMEngine:
     @property
     def in_flight(self) -> list | None:
         """The scheduled rows of a step launched ahead and not yet committed (overlap), or None."""
-        return self._ahead.plan.scheduled if self._ahead is not None else None
+        return self.overlap.in_flight
+
+    @property
+    def num_ahead(self) -> int:
+        """Steps launched before the previous one was committed (overlap)."""
+        return self.overlap.num_ahead
 
     @property
     def num_prompt_tokens_computed(self) -> int:
@@ -112,13 +108,13 @@ class LLMEngine:
 
     def reset_counters(self) -> None:
         """Forget the warm-up: request ids restart at 0, prompt-token and prefix-cache counts at 0."""
-        self._next_id = self.scheduler.num_prompt_tokens_computed = 0
+        self.intake.next_id = self.scheduler.num_prompt_tokens_computed = 0
         if self.cache.prefix is not None:
             self.cache.prefix.clear(reset_stats=True)
 
     def lockstep_check(self) -> tuple[int, int, int]:
         """What every rank must agree on before a step: (steps run, next request id, requests)."""
-        return self.num_steps, self._next_id, len(self.requests)
+        return self.num_steps, self.intake.next_id, len(self.requests)
 
     def _mirror(self, message) -> None:
         """Tensor parallel, rank 0: the other ranks replay this intake before the next step."""
@@ -127,54 +123,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def _token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{what} is text but this checkpoint has no tokenizer; pass a list of token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = as_ints(prompt, what)
-        if not ids:
-            raise RequestError(f"{what} is empty")
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise RequestError(f"{what} has token ids outside the vocabulary [0, {self.args.vocab_size}): {bad[:5]}")
-        return ids
-
-    def _new_seq(self, ids: list[int], params: SamplingParams, max_total_len: int, seed: int | None = None,
-                 **fields) -> Sequence:
-        rid, self._next_id = self._next_id, self._next_id + 1
-        if seed is None:
-            seed = params.seed if params.seed is not None else mix_seed(self.config.seed, rid)
-        seq = Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed, max_total_len=max_total_len,
-                       weight_version=self.weight_version, **fields)
-        self.requests[rid] = seq
-        return seq
-
     def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
         """Queue one request; raises RequestError / PromptTooLongError for a bad one. With ``text``
         (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
-        ids = self._token_ids(prompt)
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
-                                     f"{self.max_model_len} including at least one generated token")
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        limit = self.config.scheduler.max_num_seqs
-        if params.n > limit:  # the samples of a prompt are admitted together
-            raise RequestError(f"n={params.n} samples exceed scheduler.max_num_seqs={limit} (the samples of a "
-                               "prompt run together); lower n or raise scheduler.max_num_seqs")
-        max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        seq = self._new_seq(ids, params, max_total, score_top=params.prompt_logprobs or 0)
-        seq.group = [seq]
-        for i in range(1, params.n):  # the other samples wait attached to the leader until it forks them
-            f = self._new_seq(ids, params, max_total, seed=sample_seed(seq.seed, i), sample_index=i, leader=seq,
-                              score_top=seq.score_top)
-            seq.followers.append(f)
-            seq.group.append(f)
-        if (text or params.stop) and self.tokenizer is not None:
-            for member in seq.group:
-                member.text = TextStream(self.tokenizer, params.stop)
+        seq = self.intake.request(prompt, params, text=text, weight_version=self.weight_version)
+        self.requests.update((s.request_id, s) for s in seq.group)
         self.scheduler.add(seq)
         self._mirror(lockstep.AddRequest(prompt, params, text))
         return seq
@@ -183,15 +136,9 @@ class LLMEngine:
                           logprobs: int = 0) -> Sequence:
         """Queue one scoring request: the logprob of each continuation token after the prompt
         (see ``score``). Steps run it alongside generation requests."""
-        ids, cont = self._token_ids(prompt), self._token_ids(continuation, "continuation")
-        if not 0 <= logprobs <= 20:
-            raise RequestError(f"logprobs must be in 0..20, got {logprobs!r}")
-        total = len(ids) + len(cont)
-        if total > self.max_model_len:
-            raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
-                                     f"is {self.max_model_len}")
-        seq = self._new_seq(ids + cont, SamplingParams(max_new_tokens=1), total, score_from=len(ids), exact=exact,
-                            score_top=logprobs)
+        seq = self.intake.score_request(prompt, continuation, exact=exact, logprobs=logprobs,
+                                        weight_version=self.weight_version)
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         self._mirror(lockstep.AddScoreRequest(prompt, continuation, exact, logprobs))
         return seq
@@ -219,21 +166,18 @@ class LLMEngine:
         if self._driver is not None:
             self._driver.send_now(lockstep.Step(self.lockstep_check()))
         self.num_steps += 1
-        ahead, self._ahead = self._ahead, None
         with torch.inference_mode(), applied(self.policy):
-            if ahead is not None and any(r.seq.status is Status.RUNNING for r in ahead.plan.forward.rows):
-                plan, out = ahead.plan, ahead.out
-            else:  # nothing launched ahead, or every row's request ended (stop token, abort)
+            ahead = self.overlap.take()
+            if ahead is not None:
+                plan, out = ahead
+            else:
                 scheduled = self.scheduler.schedule()
                 if not scheduled:
                     raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
                 plan = self.strategy.plan(scheduled)
                 out = self.runner.execute(plan.forward)
-            landing = None
-            if self.overlap and self.strategy.plans_ahead and self._flies(plan, out):
-                landing = self.runner.land(out.samples)
-                self._ahead = self._launch_ahead(plan, out)
-            commit = self.strategy.commit(plan, out, landing.wait() if landing is not None else None)
+            landed = self.overlap.launch_next(plan, out)  # the next step, when it can be planned now
+            commit = self.strategy.commit(plan, out, landed.wait() if landed is not None else None)
             self.scheduler.update(commit)
             self.strategy.after_update(plan, commit, out)
             forked = self.scheduler.fork(commit.forks) if commit.forks else []
@@ -246,55 +190,17 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         return done
 
-    def _flies(self, plan: StepPlan, out: StepOutput) -> bool:
-        """Whether a step's device samples are all its commit needs, so they can be copied to the
-        host behind it: a graph replay (uniform rows), every row sampled on the device, for
-        requests that want nothing more (no filtering, top-N logprobs, n-sample fork or hook)."""
-        rows = plan.forward.rows
-        return (out.samples is not None and out.graph is not None and self.runner.on_logits is None
-                and all(r.sample for r in rows)
-                and not any(r.seq.followers for r in rows) and device_sampled([r.seq for r in rows]))
-
-    def _launch_ahead(self, plan: StepPlan, out: StepOutput) -> _Ahead | None:
-        """Overlapped decode (``graph.overlap``): plan, stage and launch the decode step after
-        ``plan`` before its tokens reach the host, so the device never waits for the host's
-        planning and bookkeeping. The next step is exactly what ``schedule`` would return after
-        this one (``Scheduler.plan_decode`` refuses otherwise: requests waiting, pages short,
-        ...), except that a sequence this step ends with a stop token still runs one wasted row
-        in it; that row's output is dropped, and its pages and state slot, released when this
-        step is committed, are reused only by work queued after it. Requests added between steps
-        are admitted one step later. Every row computes what it would alone, so outputs are the
-        same bits with or without overlap (tests/strategies/test_overlap.py)."""
-        continuing, ending = [], []
-        for r in plan.forward.rows:
-            if r.seq.status is Status.RUNNING:
-                (ending if r.seq.at_length(1) else continuing).append(r.seq)
-        scheduled = self.scheduler.plan_decode(continuing, ending)
-        if scheduled is None:
-            return None
-        nxt = self.strategy.plan_ahead(scheduled, plan, out)
-        if nxt is None:
-            return None
-        self.runner.wait_inputs()  # the running step's staged inputs are on the device: host buffers are free
-        self.num_ahead += 1
-        return _Ahead(nxt, self.runner.execute(nxt.forward))
-
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, weights, *, abort_unfinished: bool = False) -> int:
-        """Copy new weights into the model's parameters in place (CUDA graphs stay valid).
-
-        ``weights``: a checkpoint directory, a ``{name: tensor}`` mapping (e.g. a trainer's
-        ``state_dict``, or ``engine.model.state_dict()``) or ``(name, tensor)`` pairs, named as
-        Hugging Face names them or as the engine's own parameters; any subset of the model's
-        tensors, on any device. Dtypes: a tensor must be in the engine's dtype (``model.dtype``)
-        or in float32, which is rounded to it as ``.to()`` rounds (fp32 master weights into a
-        bfloat16 engine); any other dtype (bfloat16 into a float32 engine, float16) is refused.
-        A checkpoint directory is read as at load (float32/bfloat16/float16, cast). Every name,
-        shape and dtype is checked before anything changes: a refused update copies nothing and
-        aborts nothing. Call it between steps with no request unfinished (results would mix two
-        models), or ``abort_unfinished=True`` to abort them. Cached prefixes are dropped. Returns
-        the number of tensors copied."""
+        """Copy new weights into the model's parameters in place (CUDA graphs stay valid); returns
+        how many tensors were copied. ``weights``: a checkpoint directory, a ``{name: tensor}``
+        mapping (a trainer's ``state_dict``) or ``(name, tensor)`` pairs, Hugging Face or engine
+        names, any subset, any device; each in the engine's dtype or float32 (rounded as ``.to()``
+        rounds), anything else refused. Every name, shape and dtype is checked before anything
+        changes (a refused update copies and aborts nothing). Unfinished requests would mix two
+        models: they are an error, or aborted with ``abort_unfinished=True``. Cached prefixes are
+        dropped."""
         if self.requests and not abort_unfinished:
             raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
                                "mix two models. Finish them, or pass abort_unfinished=True")
@@ -304,22 +210,13 @@ class LLMEngine:
         for rid in list(self.requests):
             self.abort(rid)
         if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
-            if is_path:
-                self._driver.send_now(lockstep.UpdateWeightsFromPath(str(weights)))  # each rank reads its shard
-            else:
-                self._driver.send_weights(source, [st.name for st in steps], self.device)
+            self._driver.send_update(str(weights) if is_path else source, [st.name for st in steps], self.device)
         count = apply_update(self.model, source, steps)
-        self._after_update()
+        self.after_weight_update()
         return count
 
-    def receive_weights(self, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        """Tensor-parallel rank > 0: rank 0's ``update_weights`` tensors, received one at a time
-        (rank 0 checked them all first) and copied into this rank's shard."""
-        for name, shape, dtype in meta:
-            update_weights(self.model, TensorDict([(name, lockstep.receive_tensor(shape, dtype, self.device))]))
-        self._after_update()
-
-    def _after_update(self) -> None:
+    def after_weight_update(self) -> None:
+        """New weights are in (every rank): cached prefixes are stale, results get a new version."""
         if self.cache.prefix is not None:
             self.cache.prefix.clear()
         if self.device.type == "cuda":

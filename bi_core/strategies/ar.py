@@ -4,7 +4,7 @@ A step whose samples fly (a CUDA graph replay, every row sampled on the device) 
 next decode step planned and launched before its tokens reach the host: ``plan_ahead`` stages
 each row's *source row* in the running step's samples instead of a token id, and the graph
 runner gathers the tokens on the device (``runtime.batch.gather_ids``). The engine loop decides
-when (``LLMEngine._launch_ahead``); see its docstring for what stays true."""
+when (``runtime/overlap.py``, whose docstring says what stays true)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""Request intake: prompts tokenized and checked, request ids and seeds given, a prompt's n
+samples grouped under their leader. Pure bookkeeping: nothing here touches the caches."""
+
+from __future__ import annotations
+
+from bi_core.errors import PromptTooLongError, RequestError
+from bi_core.ops.sampling import mix_seed, sample_seed
+from bi_core.runtime.detokenize import TextStream
+from bi_core.runtime.prompts import Prompt, as_ints
+from bi_core.runtime.sequence import SamplingParams, Sequence
+
+
+class Intake:
+    def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, seed: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.max_model_len, self.max_num_seqs, self.seed = max_model_len, max_num_seqs, seed
+        self.next_id = 0  # the next request id (every tensor-parallel rank agrees on it)
+
+    def token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{what} is text but this checkpoint has no tokenizer; pass a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = as_ints(prompt, what)
+        if not ids:
+            raise RequestError(f"{what} is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{what} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return ids
+
+    def request(self, prompt: Prompt, params: SamplingParams, *, text: bool, weight_version: int) -> Sequence:
+        """A generation request's leader (its n samples in ``group``); raises for a bad one."""
+        ids = self.token_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
+                                     f"{self.max_model_len} including at least one generated token")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+        if params.n > self.max_num_seqs:  # the samples of a prompt are admitted together
+            raise RequestError(f"n={params.n} samples exceed scheduler.max_num_seqs={self.max_num_seqs} (the "
+                               "samples of a prompt run together); lower n or raise scheduler.max_num_seqs")
+        max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        seq = self._new(ids, params, max_total, weight_version, score_top=params.prompt_logprobs or 0)
+        seq.group = [seq]
+        for i in range(1, params.n):  # the other samples wait attached to the leader until it forks them
+            f = self._new(ids, params, max_total, weight_version, seed=sample_seed(seq.seed, i), sample_index=i,
+                          leader=seq, score_top=seq.score_top)
+            seq.followers.append(f)
+            seq.group.append(f)
+        if (text or params.stop) and self.tokenizer is not None:
+            for member in seq.group:
+                member.text = TextStream(self.tokenizer, params.stop)
+        return seq
+
+    def score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool, logprobs: int,
+                      weight_version: int) -> Sequence:
+        """A scoring request: prompt + continuation, the continuation's logprobs wanted."""
+        ids, cont = self.token_ids(prompt), self.token_ids(continuation, "continuation")
+        if not 0 <= logprobs <= 20:
+            raise RequestError(f"logprobs must be in 0..20, got {logprobs!r}")
+        total = len(ids) + len(cont)
+        if total > self.max_model_len:
+            raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
+                                     f"is {self.max_model_len}")
+        return self._new(ids + cont, SamplingParams(max_new_tokens=1), total, weight_version, score_from=len(ids),
+                         exact=exact, score_top=logprobs)
+
+    def _new(self, ids: list[int], params: SamplingParams, max_total_len: int, weight_version: int,
+             seed: int | None = None, **fields) -> Sequence:
+        rid, self.next_id = self.next_id, self.next_id + 1
+        if seed is None:
+            seed = params.seed if params.seed is not None else mix_seed(self.seed, rid)
+        return Sequence(request_id=rid, prompt_ids=ids, params=params, seed=seed, max_total_len=max_total_len,
+                        weight_version=weight_version, **fields)
