@@ -5,13 +5,14 @@
 2. End to end: tokens/s of AR vs MTP with drafts forced right with probability r per position
    (random weights accept nothing by themselves); outputs are checked equal to AR's.
 
-python3 benchmarks/mtp_bench.py [num_layers] [num_spec]"""
+python3 benchmarks/mtp_bench.py [--layers N] [--num-spec 3] [--preset qwen3.5-35b-a3b]
+                                [--draft-vocab-size 32768]   (MTP drafts over a pruned vocabulary)"""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
-import sys
 import time
 
 import torch
@@ -20,11 +21,13 @@ from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.tools.bench import time_decode_steps
 
 
-def config(strategy: str, layers: int | None, n: int) -> EngineConfig:
-    random_cfg = {"preset": "qwen3.5-35b-a3b", "seed": 0}
+def config(strategy: str, layers: int | None, n: int, preset: str = "qwen3.5-35b-a3b",
+           draft_vocab_size: int | None = None) -> EngineConfig:
+    random_cfg = {"preset": preset, "seed": 0}
     if layers:
         random_cfg["num_hidden_layers"] = layers
-    strat = {"name": "mtp", "num_speculative_tokens": n} if strategy == "mtp" else {"name": "ar"}
+    strat = {"name": "mtp", "num_speculative_tokens": n, "draft_vocab_size": draft_vocab_size} \
+        if strategy == "mtp" else {"name": "ar"}
     return EngineConfig.from_dict({
         "model": {"random": random_cfg, "dtype": "bfloat16", "device": "cuda", "max_model_len": 2048},
         "backend": "cuda_hopper_invariant", "policy": {"batch_invariant": True}, "graph": {"enabled": True},
@@ -54,11 +57,17 @@ def forced(truth: dict[int, list[int]], rate: float, rng: random.Random):
 
 
 def main() -> None:
-    layers = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "full" else None
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, help="cut the preset to this many layers (default: all)")
+    ap.add_argument("--num-spec", type=int, default=3)
+    ap.add_argument("--preset", default="qwen3.5-35b-a3b")
+    ap.add_argument("--draft-vocab-size", type=int, help="MTP drafts over this many token ids (default: all)")
+    a = ap.parse_args()
+    layers, n = a.layers, a.num_spec
     gen_tokens, batches = 64, (1, 8, 64)
-    print(f"{torch.cuda.get_device_name()}; layers {layers or 40}; N={n}")
-    ar = build_engine(config("ar", layers, n))
+    print(f"{torch.cuda.get_device_name()}; {a.preset}; layers {layers or 'all'}; N={n}; "
+          f"draft vocabulary {a.draft_vocab_size or 'full'}")
+    ar = build_engine(config("ar", layers, n, a.preset))
     ar_ms = {b: step_ms(ar, b) for b in batches}
     truth, ar_tps = {}, {}
     for b in (1, 8):
@@ -73,7 +82,7 @@ def main() -> None:
     del ar
     gc.collect()
     torch.cuda.empty_cache()
-    mtp = build_engine(config("mtp", layers, n))
+    mtp = build_engine(config("mtp", layers, n, a.preset, a.draft_vocab_size))
     never = lambda seq, d: [(t + 1) % 248320 for t in d]  # noqa: E731 - every draft rejected
     for b in batches:
         v = step_ms(mtp, b, hook=never)
@@ -84,7 +93,7 @@ def main() -> None:
     for b in (1, 8):
         for rate in (0.0, 0.5, 0.8, 1.0):
             params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
-            first = mtp._next_id
+            first = mtp.intake.next_id
             t = {first + i: tok for i, tok in enumerate(truth[b])}
             mtp.strategy.draft_hook = forced(t, rate, random.Random(0))
             torch.cuda.synchronize()
@@ -96,7 +105,7 @@ def main() -> None:
             acc = sum(o.num_accepted_draft_tokens for o in out) / max(1, sum(o.num_draft_tokens for o in out))
             print(f"end-to-end B={b} accept-rate {rate:.1f}: MTP {tps:8.1f} tok/s vs AR {ar_tps[b]:8.1f} tok/s "
                   f"(x{tps / ar_tps[b]:.2f}); accepted {acc:.2f} of drafts; tokens == AR: {same}", flush=True)
-    print(f"graph replays: model {mtp.runner.num_replays}, MTP head {mtp.strategy.runner.num_replays}")
+    print(f"graph replays: model {mtp.runner.main_graphs.num_replays}, MTP head {mtp.runner.mtp_graphs.num_replays}")
 
 
 if __name__ == "__main__":

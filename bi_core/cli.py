@@ -11,7 +11,7 @@ import attrs
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
 
-SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench", "serve")
+SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench", "serve", "draft-vocab")
 INVARIANT_HELP = (
     "override policy.batch_invariant. Invariant mode makes every request's tokens and logprobs bitwise "
     "independent of the batch; it runs only on SM90 (Hopper) GPUs with the cuda_hopper_invariant backend, "
@@ -58,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override serve.host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="override serve.port (default 8000)")
     serve.add_argument("--api-key", help="override serve.api_key: require 'Authorization: Bearer <key>'")
+    dv = sub.add_parser("draft-vocab", help="an MTP draft vocabulary: token ids by frequency in text files "
+                        "(for strategy.draft_vocab)")
+    dv.add_argument("--config", required=True, help="engine YAML file (its tokenizer counts)")
+    dv.add_argument("--size", type=int, default=32768, help="ids to keep (most frequent first)")
+    dv.add_argument("--out", required=True, help="file to write (a JSON list of token ids)")
+    dv.add_argument("texts", nargs="+", help="text files (one document each; .jsonl: one JSON string, or object "
+                    "with a 'text' field, per line)")
     bench = sub.add_parser("bench", help="decode latency, throughput, prefill; several configs side by side")
     bench.add_argument("--config", action="append", required=True, help="repeat to compare configs in one run")
     bench.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None, help=INVARIANT_HELP)
@@ -214,6 +221,45 @@ def _as_dict(o) -> dict:
     return d
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from bi_core.models.tokenizer import tokenizer_for
+    from bi_core.strategies.draft_vocab import count_table
+
+    config = EngineConfig.from_yaml(args.config)
+    tokenizer = tokenizer_for(config.model)
+    if tokenizer is None:
+        raise BiEngineError(f"{args.config}: this model has no tokenizer to count with (model.path / model.tokenizer)")
+    if args.size < 1:
+        raise BiEngineError(f"--size: expected a positive int, got {args.size}")
+
+    def texts():
+        for name in args.texts:
+            path = Path(name)
+            try:
+                content = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise BiEngineError(f"{name}: cannot read it as text: {e}") from None
+            if path.suffix != ".jsonl":
+                yield content
+                continue
+            for n, line in enumerate(content.splitlines(), 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise BiEngineError(f"{name}:{n}: not JSON: {e.msg}") from None
+                    yield row["text"] if isinstance(row, dict) and "text" in row else str(row)
+
+    table = count_table(tokenizer, texts(), args.size)
+    Path(args.out).write_text(json.dumps(table))
+    print(f"{len(table)} token ids by frequency -> {args.out} (strategy.draft_vocab; strategy.draft_vocab_size "
+          f"at most {len(table)})")
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from bi_core.runtime.engine import explain
 
@@ -249,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"run": cmd_run, "explain": cmd_explain, "plugins": cmd_plugins, "verify": cmd_verify,
-                    "bench": cmd_bench, "serve": cmd_serve}
+                    "bench": cmd_bench, "serve": cmd_serve, "draft-vocab": cmd_draft_vocab}
         return commands[args.command](args)
     except BiEngineError as e:
         print(f"bi-engine: error: {e}", file=sys.stderr)

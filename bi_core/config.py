@@ -291,6 +291,12 @@ class ParallelConfig:
 class StrategyConfig:
     name: str = _field(_str, "ar", doc="ar | mtp | a plugin strategy")
     num_speculative_tokens: int | None = _field(_optional(_int(1, 4)), None)
+    draft_vocab_size: int | None = _field(_optional(_int(1)), None,
+                                          doc="MTP drafts choose among this many token ids (a pruned lm_head); "
+                                              "None = the whole vocabulary")
+    draft_vocab: str | None = _field(_optional(_str), None,
+                                     doc="file of token ids, most frequent first (whitespace-separated or a JSON "
+                                         "list); default: the lowest ids (a byte-level BPE's earliest merges)")
 
 
 @attrs.frozen(kw_only=True)

@@ -267,6 +267,8 @@ class Qwen35Model(nn.Module):
             "linear", LinearSpec(**factory.base, in_features=args.hidden_size, out_features=self.embed_tokens.shape[0]))
         self.sampler = factory.build("sampling", SamplingSpec(**factory.base, vocab_size=args.vocab_size))
         self.mtp = MtpHead(args, factory, par, dtype, device) if with_mtp and args.mtp_num_hidden_layers else None
+        self.draft_ids: torch.Tensor | None = None  # MTP drafts among these ids only (set_draft_vocab)
+        self.draft_weight: torch.Tensor | None = None
         impls = {id(m.attn): m.attn for m in self.modules() if isinstance(m, Attention)}
         self._step_planners = [i for i in impls.values() if hasattr(i, "prepare")]
 
@@ -307,7 +309,24 @@ class Qwen35Model(nn.Module):
         """The MTP head on rows (next token, main hidden of the previous position): (its output
         ``[T, H]``, the greedy draft token of each ``ctx.logits_indices`` row)."""
         m = self.mtp(self.embed(input_ids), hidden, ctx, caches)
-        return m, torch.argmax(self.compute_logits(_logits_rows(m, ctx)), dim=-1)
+        rows = _logits_rows(m, ctx)
+        if self.draft_ids is None:
+            return m, torch.argmax(self.compute_logits(rows), dim=-1)
+        return m, self.draft_ids[torch.argmax(self._draft_head.forward(rows, self.draft_weight), dim=-1)]
+
+    def set_draft_vocab(self, ids: torch.Tensor, head) -> None:
+        """MTP drafts choose among ``ids`` only (``strategies/draft_vocab.py``): their lm_head rows
+        are copied once (again after a weight update: ``refresh_draft_head``) and multiplied by
+        ``head``, a linear op of that many outputs. One rank only (the lm_head is whole)."""
+        self.draft_ids, self._draft_head = ids, head
+        self.draft_weight = torch.empty((len(ids), self.args.hidden_size), dtype=self.dtype, device=self.device)
+        self.refresh_draft_head()
+
+    def refresh_draft_head(self) -> None:
+        """Copy the draft vocabulary's lm_head rows again (in place: captured graphs keep reading it)."""
+        if self.draft_ids is not None:
+            full = self.lm_head.weight if self.lm_head is not None else self.embed_tokens
+            self.draft_weight.copy_(full.detach().index_select(0, self.draft_ids))
 
 
 def local_args(args: ModelArgs, world: int) -> ModelArgs:

@@ -61,6 +61,11 @@ def check_config(config: EngineConfig, policy: Policy, registry: Registry, devic
         )
     if strategy.num_speculative_tokens is not None and not registry.strategies[strategy.name].is_speculative:
         raise ConfigError("strategy.num_speculative_tokens", f"only for speculative strategies, not {strategy.name!r}")
+    for key in ("draft_vocab_size", "draft_vocab"):
+        if getattr(strategy, key) is not None and not registry.strategies[strategy.name].is_speculative:
+            raise ConfigError(f"strategy.{key}", f"only for speculative strategies, not {strategy.name!r}")
+    if strategy.draft_vocab is not None and strategy.draft_vocab_size is None:
+        raise ConfigError("strategy.draft_vocab", "set strategy.draft_vocab_size too (how many of its ids to use)")
     if config.cache.kv_cache_dtype != "auto":
         if policy.batch_invariant:
             raise PolicyError("cache.kv_cache_dtype: a quantized KV cache is refused in batch-invariant mode "

@@ -91,6 +91,8 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     else:
         init_random_weights(model, config.model.random.seed)
     model.eval()
+    if config.strategy.draft_vocab_size is not None and model.mtp is not None:
+        _prune_draft_vocab(config, model, factory, args, tp)
     strategy_cls = registry.strategies[config.strategy.name]
     lookahead, decode_tokens = strategy_cls.lookahead_for(config), strategy_cls.decode_tokens_for(config)
     chunk_size = resolve_chunk_size(config.scheduler, decode_tokens, config.cache.block_size)
@@ -121,6 +123,20 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
                           lookahead=lookahead, decode_tokens=decode_tokens, exact_step_tokens=exact_step_tokens,
                           eos_ids=args.eos_token_ids)
     return Parts(model, runner, scheduler, strategy_cls(config, runner), max_model_len, has_mtp)
+
+
+def _prune_draft_vocab(config: EngineConfig, model: Qwen35Model, factory: OpFactory, args: ModelArgs,
+                      tp: TPInfo) -> None:
+    from bi_core.ops import LinearSpec
+    from bi_core.strategies.draft_vocab import as_tensor, draft_table
+
+    if tp.world > 1:
+        raise ConfigError("strategy.draft_vocab_size", "not with parallel.tensor_parallel_size > 1 yet (each rank "
+                          "holds a slice of the lm_head); leave it unset")
+    table = draft_table(config.strategy.draft_vocab_size, args.vocab_size, args.eos_token_ids,
+                        config.strategy.draft_vocab)
+    head = factory.build("linear", LinearSpec(**factory.base, in_features=args.hidden_size, out_features=len(table)))
+    model.set_draft_vocab(as_tensor(table, factory.base["device"]), head)
 
 
 def prefix_caching(config: EngineConfig, strategy_cls, chunk: int) -> bool:

@@ -217,6 +217,7 @@ class LLMEngine:
 
     def after_weight_update(self) -> None:
         """New weights are in (every rank): cached prefixes are stale, results get a new version."""
+        self.model.refresh_draft_head()
         if self.cache.prefix is not None:
             self.cache.prefix.clear()
         if self.device.type == "cuda":

@@ -100,7 +100,7 @@ def test_unknown_subcommand_is_named(capsys):
 
     assert main(["foo"]) == 2
     assert capsys.readouterr().err.strip() == ("bi-engine: error: 'foo' is not a command; expected one of run, "
-                                               "explain, plugins, verify, bench, serve (or run's options, e.g. "
+                                               "explain, plugins, verify, bench, serve, draft-vocab (or run's options, e.g. "
                                                "bi-engine --config FILE)")
 
 
