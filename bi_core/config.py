@@ -215,6 +215,8 @@ class ModelConfig:
     device: str = _field(_str, "auto", doc="auto | cpu | cuda | cuda:N")
     tokenizer: str | None = _field(_optional(_str), None, doc="tokenizer directory (default: model.path)")
     max_model_len: int | None = _field(_optional(_int(1)), None, doc="default: max_position_embeddings")
+    enable_return_routed_experts: bool = _field(_bool, False, doc="record every MoE layer's top-k expert ids so "
+                                                "requests can ask for them (SamplingParams.return_routed_experts)")
 
     def __attrs_post_init__(self) -> None:
         if (self.path is None) == (self.random is None):

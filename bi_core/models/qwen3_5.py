@@ -184,6 +184,7 @@ class SparseMoE(nn.Module):
         self.topk = factory.build("topk", TopKSpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok))
         self.experts = factory.build("moe", MoESpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok,
                                                     hidden_size=h, intermediate_size=i, shared_expert=self.shared))
+        self.route_log: torch.Tensor | None = None  # [max tokens, k]: this layer's expert ids land here (routing replay)
 
     @torch.no_grad()
     def zero_padding(self) -> None:
@@ -200,6 +201,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         weights, ids = self.topk.forward(logits[:, : self.num_experts])
+        if self.route_log is not None:
+            self.route_log[: ids.shape[0]].copy_(ids)
         shared = logits[:, self.num_experts] if self.shared else None
         return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared))
 
@@ -313,6 +316,16 @@ class Qwen35Model(nn.Module):
         if self.draft_ids is None:
             return m, torch.argmax(self.compute_logits(rows), dim=-1)
         return m, self.draft_ids[torch.argmax(self._draft_head.forward(rows, self.draft_weight), dim=-1)]
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def log_routing(self, buffer: torch.Tensor | None) -> None:
+        """Every main-model MoE layer copies its top-k expert ids into its row of ``buffer``
+        ``[moe layers, max tokens, k]`` (inside CUDA graphs too); None stops it. The MTP head's
+        layer is not logged (its routing is not the model's)."""
+        for i, moe in enumerate(self.moe_layers()):
+            moe.route_log = buffer[i] if buffer is not None else None
 
     def set_draft_vocab(self, ids: torch.Tensor, head) -> None:
         """MTP drafts choose among ``ids`` only (``strategies/draft_vocab.py``): their lm_head rows

@@ -119,6 +119,11 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
         scratch_slot=cache.scratch_slot, state_ring=cache.state_ring, query_lens=strategy_cls.graph_query_lens(config))
     runner = ModelRunner(model, cache, lambda s: factory.build("graph_runner", s), spec,
                          with_mtp_graphs=strategy_cls.uses_mtp_head)
+    if config.model.enable_return_routed_experts:
+        if not args.is_moe:
+            raise ConfigError("model.enable_return_routed_experts", "this model has no MoE layers (a dense Qwen3.5)")
+        most = max(config.scheduler.max_num_batched_tokens, spec.max_batch_size * max(spec.query_lens))
+        runner.record_routing(most)
     scheduler = Scheduler(config.scheduler, cache, chunk_size=chunk_size, exact_rebuild=policy.exact_preemption,
                           lookahead=lookahead, decode_tokens=decode_tokens, exact_step_tokens=exact_step_tokens,
                           eos_ids=args.eos_token_ids)
@@ -142,6 +147,12 @@ def _prune_draft_vocab(config: EngineConfig, model: Qwen35Model, factory: OpFact
 def prefix_caching(config: EngineConfig, strategy_cls, chunk: int) -> bool:
     """Whether prefix caching is on; raises when it was asked for where it cannot be exact."""
     wanted = config.cache.prefix_caching
+    if config.model.enable_return_routed_experts:
+        if wanted is True:
+            raise ConfigError("cache.prefix_caching", "not with model.enable_return_routed_experts: a cached prefix's "
+                              "tokens do not run through the router, so their routed experts would be missing; use "
+                              "auto or false")
+        return False
     if strategy_cls.is_speculative:
         if wanted is True:
             raise ConfigError("cache.prefix_caching", f"not with strategy {strategy_cls.name}: the MTP head's KV at a "

@@ -15,6 +15,7 @@ class Intake:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.max_num_seqs, self.seed = max_model_len, max_num_seqs, seed
         self.next_id = 0  # the next request id (every tensor-parallel rank agrees on it)
+        self.routed_experts = False  # whether the model logs its routing (model.enable_return_routed_experts)
 
     def token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -38,6 +39,9 @@ class Intake:
                                      f"{self.max_model_len} including at least one generated token")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+        if params.return_routed_experts and not self.routed_experts:
+            raise RequestError("return_routed_experts needs the engine started with "
+                               "model.enable_return_routed_experts: true (a MoE model)")
         if params.n > self.max_num_seqs:  # the samples of a prompt are admitted together
             raise RequestError(f"n={params.n} samples exceed scheduler.max_num_seqs={self.max_num_seqs} (the "
                                "samples of a prompt run together); lower n or raise scheduler.max_num_seqs")

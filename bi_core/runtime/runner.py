@@ -72,6 +72,7 @@ class StepOutput:
     samples: torch.Tensor | None
     offsets: list[int]
     graph: GraphShape | None = None
+    routed: torch.Tensor | None = None  # [moe layers, tokens, k] expert ids, when a row asked for them
 
 
 @attrs.define
@@ -99,6 +100,14 @@ class ModelRunner:
         self.on_logits: Callable | None = None  # debugging hook: called with (sequences, logits) before sampling
         self._landing: list[torch.Tensor] = []  # two host buffers for samples in flight, used in turn
         self._turn = 0
+        self.routing: torch.Tensor | None = None  # [moe layers, max tokens, k]: the step's expert ids
+
+    def record_routing(self, max_tokens: int) -> None:
+        """Have every MoE layer log its top-k expert ids (routing replay): before graphs are captured."""
+        layers = len(self.model.moe_layers())
+        self.routing = torch.zeros((layers, max_tokens, self.model.args.num_experts_per_tok), dtype=torch.int64,
+                                   device=self.device)
+        self.model.log_routing(self.routing)
 
     # ------------------------------------------------------------------ forwards
 
@@ -111,7 +120,11 @@ class ModelRunner:
         else:
             outs = graphs.run(self._mtp_step, input_ids, ctx, self.model.prepare_step, extra=fwd.hidden)
         samples = outs[2] if len(outs) > 2 else None
-        return StepOutput(outs[0], outs[1], samples, ctx.cu_seqlens_host[:-1], ctx.graph)
+        routed = None
+        if self.routing is not None and fwd.head == "model" and any(r.seq.params.return_routed_experts
+                                                                    for r in fwd.rows):
+            routed = self.routing[:, : fwd.num_tokens].clone()  # before the next step writes the buffer
+        return StepOutput(outs[0], outs[1], samples, ctx.cu_seqlens_host[:-1], ctx.graph, routed)
 
     def _host_batch(self, fwd: Forward):
         rows = fwd.rows

@@ -198,6 +198,8 @@ class Scheduler:
             assert seq.num_computed == c.start, f"request {seq.request_id}: a commit from {c.start}, " \
                                                 f"but {seq.num_computed} tokens are computed"
             seq.num_computed = end = c.start + c.computed
+            if c.routed is not None:
+                seq.record_routing(c.start, c.routed)
             seq.num_draft_tokens += c.drafts
             seq.num_accepted_draft_tokens += c.accepted
             seq.num_verify_steps += 1 if c.drafts else 0
@@ -236,6 +238,7 @@ class Scheduler:
                 f.blocks = self.cache.blocks.share(leader.blocks[:shared]) + f.blocks
                 f.leader, f.num_computed = None, prompt_len
                 f.scored_logprobs, f.scored_top = list(leader.scored_logprobs), list(leader.scored_top)
+                f.routed, f.num_routed = list(leader.routed), leader.num_routed  # the prompt ran once
                 f.append(token, lp, top, self.eos_ids)
             forked += fs
         return forked

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 import attrs
+import numpy as np
 
 from bi_core.errors import RequestError
 from bi_core.runtime.detokenize import TextStream
@@ -35,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)  # ends when the text contains one
     ignore_eos: bool = False
+    # the top-k expert ids of every MoE layer for each position that ran through the model
+    # (routing replay; needs model.enable_return_routed_experts)
+    return_routed_experts: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be a positive int, got {self.n!r}")
@@ -71,6 +75,9 @@ class RequestOutput:
     sample_index: int = 0  # which of the prompt's n samples this is
     num_cached_tokens: int = 0  # prompt tokens whose KV and state came from the prefix cache
     samples: list[RequestOutput] | None = None  # with n > 1: all n samples of the prompt, in order
+    # with SamplingParams.return_routed_experts: int16 [positions, moe layers, top_k], one row per
+    # position that ran through the model (the prompt, then every generated token but the last)
+    routed_experts: np.ndarray | None = None
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -136,6 +143,18 @@ class Sequence:
     prefix_node: object = None
     prefix_end: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    routed: list[np.ndarray] = attrs.field(factory=list)  # routing replay: [n, layers, k] blocks, in position order
+    num_routed: int = 0  # positions they cover, from 0
+
+    def record_routing(self, start: int, rows: np.ndarray) -> None:
+        """The expert ids of positions ``start...`` (a recompute after preemption replaces what
+        it had from ``start`` on: the same ids on an invariant backend)."""
+        if start < self.num_routed:
+            self.routed = [np.concatenate(self.routed)[:start]] if start else []
+            self.num_routed = start
+        assert start == self.num_routed, f"routing of position {start} recorded after {self.num_routed} positions"
+        self.routed.append(rows)
+        self.num_routed += len(rows)
 
     @property
     def all_ids(self) -> list[int]:
@@ -256,4 +275,5 @@ def request_output(s: Sequence, tokenizer) -> RequestOutput:
         num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_draft_tokens=s.num_draft_tokens,
         num_verify_steps=s.num_verify_steps, weight_version=s.weight_version,
         prompt_logprobs=[None, *s.scored_top] if s.params.prompt_logprobs is not None else None,
-        sample_index=s.sample_index, num_cached_tokens=s.num_cached_tokens)
+        sample_index=s.sample_index, num_cached_tokens=s.num_cached_tokens,
+        routed_experts=np.concatenate(s.routed) if s.params.return_routed_experts and s.routed else None)

@@ -4,6 +4,7 @@ commit that says what the step did to each sequence (applied by ``Scheduler.upda
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from bi_core.runtime.runner import Forward, Sampled
 from bi_core.runtime.sequence import Sequence
@@ -57,6 +58,7 @@ class SeqCommit:
     recurrent: bool = False
     drafts: int = 0
     accepted: int = 0
+    routed: np.ndarray | None = None  # [computed, moe layers, k] expert ids, when the request asked for them
 
 
 @attrs.frozen

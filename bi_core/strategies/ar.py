@@ -49,13 +49,14 @@ class ARStrategy(Strategy):
             sampled = dict(zip(sampling, drawn))
         else:
             sampled = {}
-        commits = []
-        for i, r in enumerate(rows):
+        commits, routed = [], self.routing(out)
+        for i, (r, offset) in enumerate(zip(rows, out.offsets)):
             if r.sample and i not in sampled:
                 continue  # ended while the step flew: its row was wasted
             tokens = [sampled[i]] if i in sampled else []
             chunk = not plan.ahead and not r.seq.is_decoding  # (no sequence state moved since the plan)
-            commits.append(SeqCommit(r.seq, r.start, len(r.tokens), tokens, chunk=chunk, recurrent=r.recurrent))
+            commits.append(SeqCommit(r.seq, r.start, len(r.tokens), tokens, chunk=chunk, recurrent=r.recurrent,
+                                     routed=routed(r, offset, len(r.tokens))))
         leaders = [(rows[i].seq, k) for k, i in enumerate(sampling) if rows[i].seq.followers]
         return StepCommit(commits, scores, self.forks(leaders, out))
 

@@ -79,6 +79,18 @@ class Strategy(abc.ABC):
 
     # ------------------------------------------------------------------ shared by the strategies
 
+    @staticmethod
+    def routing(out: StepOutput):
+        """A function (row, offset, n) -> the expert ids of ``n`` tokens from flat row ``offset``,
+        [n, layers, k] int16 on the host, or None when the row's request did not ask for them."""
+        host = out.routed.to("cpu", torch.int16).permute(1, 0, 2).numpy() if out.routed is not None else None
+
+        def of(row, offset: int, n: int):
+            if host is None or not row.seq.params.return_routed_experts:
+                return None
+            return host[offset:offset + n].copy()
+        return of
+
     def forks(self, leaders: list[tuple[object, int]], out: StepOutput) -> list[Fork]:
         """Each leader's waiting samples with their first tokens, sampled from the logits row its
         own first token came from (``row``), each with its own seed (the sampler is

@@ -143,7 +143,7 @@ class MTPStrategy(Strategy):
         flat_seqs = [r.seq for r in sampling for _ in r.logits_rows]
         sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
                                      out.samples) if flat_seqs else []
-        commits, leaders, cursor = [], [], 0
+        commits, leaders, cursor, routed = [], [], 0, self.routing(out)
         for r, drafts, offset in zip(rows, plan.drafts, out.offsets):
             seq, got = r.seq, sampled[cursor:cursor + len(r.logits_rows)] if r.sample else []
             if seq.followers and got:  # a leader's last prompt chunk: its samples fork from this row
@@ -152,12 +152,13 @@ class MTPStrategy(Strategy):
             if seq.is_decoding:  # a verify row (no sequence state moved since the plan)
                 accepted = accepted_drafts(drafts, [t for t, _, _ in got])
                 commits.append(SeqCommit(seq, r.start, accepted + 1, got[: accepted + 1], drafts=len(drafts),
-                                         accepted=accepted))
+                                         accepted=accepted, routed=routed(r, offset, accepted + 1)))
                 # got[j] is the token at start + j + 1 for j <= accepted; later rows only fill the step
                 head = [t for t, _, _ in got] + [0] * (len(r.tokens) - len(got))
                 plan.head.append(_Head(seq, r.start, head, offset, accepted))
                 continue
-            commits.append(SeqCommit(seq, r.start, len(r.tokens), got[:1], chunk=True, recurrent=r.recurrent))
+            commits.append(SeqCommit(seq, r.start, len(r.tokens), got[:1], chunk=True, recurrent=r.recurrent,
+                                     routed=routed(r, offset, len(r.tokens))))
             if seq.score_from is None:  # a scoring request never drafts: no head rows
                 end = r.start + 1 + len(r.tokens)
                 head = seq.ids(r.start + 1, min(end, seq.num_tokens)) + [t for t, _, _ in got[:1]]
