@@ -120,6 +120,7 @@ class CacheManager:
         self.mtp = ModelCaches(k=[kv[2 * n_main]], v=[kv[2 * n_main + 1]], conv=[], recurrent=[]) if with_mtp else None
         self.blocks = BlockAllocator(self.num_blocks)
         self.slots = SlotAllocator(num_slots)
+        self.num_slots = num_slots
         self.prefix = None  # a PrefixCache when cache.prefix_caching is on (set by the engine)
 
     def reclaim(self, pages: int) -> bool:
@@ -186,6 +187,30 @@ class CacheManager:
         s, d = self._index(src), self._index(dst)
         for t in (*self.main.conv, *self.main.recurrent):
             t[d] = t[s]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor (KV pages, GDN conv and recurrent states; main model and MTP head)."""
+        return [t for caches in filter(None, (self.main, self.mtp))
+                for t in (*caches.k, *caches.v, *caches.conv, *caches.recurrent)]
+
+    def release(self) -> None:
+        """Free the cache memory (sleep): every tensor keeps its shape, its storage goes; nothing
+        may hold pages (the prefix cache is cleared first)."""
+        assert self.num_pages_in_use == 0 and self.slots.num_free == self.num_slots, "release with pages in use"
+        if self.prefix is not None:
+            self.prefix.clear()
+        for t in self.tensors():
+            t.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Allocate the cache memory again (wake): states zeroed, as at start."""
+        for t in self.tensors():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.zero_()
+
+    @property
+    def released(self) -> bool:
+        return any(t.untyped_storage().size() == 0 and t.numel() for t in self.tensors())
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)

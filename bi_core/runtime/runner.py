@@ -8,6 +8,7 @@ scheduler (``Scheduler.update``)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Literal
 
@@ -95,8 +96,12 @@ class ModelRunner:
         """``build_graphs(spec)``: the selected graph-runner op (eager or CUDA graphs)."""
         self.model, self.cache, self.spec = model, cache, spec
         self.device = spec.device
+        self._build_graphs, self._with_mtp_graphs = build_graphs, with_mtp_graphs
         self.main_graphs = build_graphs(spec)
         self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp")) if with_mtp_graphs else None
+        self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
+        self.sleep_level = 0
+        self._host_weights: list[torch.Tensor] | None = None
         self.on_logits: Callable | None = None  # debugging hook: called with (sequences, logits) before sampling
         self._landing: list[torch.Tensor] = []  # two host buffers for samples in flight, used in turn
         self._turn = 0
@@ -176,6 +181,67 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         return Landing(samples, host, ready)
+
+    # ------------------------------------------------------------------ sleep / wake (RL: a colocated trainer)
+
+    def sleep(self, level: int) -> None:
+        """Release device memory: the cache tensors and the CUDA graphs (their pools and static
+        buffers), and the weights: level 1 copies them to (pinned) host memory, level 2 drops them
+        (a weight update refills them after ``wake_up(["weights"])``). Tensors keep their shapes;
+        their storage goes. Call with no request unfinished."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleeping:
+            raise RuntimeError(f"already asleep ({', '.join(sorted(self.sleeping))}); wake_up first")
+        self._drop_graphs()
+        self.cache.release()
+        pinned = self.device.type == "cuda"
+        self._host_weights = None
+        if level == 1:
+            self._host_weights = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).copy_(p.detach())
+                                  for p in self._weights()]
+        for t in self._weights():
+            t.untyped_storage().resize_(0)
+        self.sleeping = {"weights", "kv_cache"}
+        self.sleep_level = level
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate again what ``sleep`` released: ``tags`` "weights" (level 1: copied back from
+        host memory; level 2: uninitialised until a weight update fills them) and/or "kv_cache"
+        (zeroed caches); None = both. CUDA graphs are captured again by the caller once both are
+        back (their addresses changed)."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        bad = sorted(set(tags) - {"weights", "kv_cache"})
+        if bad:
+            raise ValueError(f"wake_up tags must be among weights, kv_cache; got {bad}")
+        if "weights" in tags and "weights" in self.sleeping:
+            for i, t in enumerate(self._weights()):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+                if self._host_weights is not None:
+                    t.copy_(self._host_weights[i])
+            self._host_weights = None
+            self.model.refresh_draft_head()
+            self.sleeping.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+            self.cache.restore()
+            self.sleeping.discard("kv_cache")
+        if not self.sleeping:
+            self.main_graphs = self._build_graphs(self.spec)
+            if self._with_mtp_graphs:
+                self.mtp_graphs = self._build_graphs(attrs.evolve(self.spec, name="mtp"))
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The device tensors a weight update writes (parameters), and the draft head's rows."""
+        tensors = [p for p in self.model.parameters()]
+        return tensors + ([self.model.draft_weight] if self.model.draft_weight is not None else [])
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph (their memory pools go with the last reference)."""
+        self.main_graphs = self.mtp_graphs = None
+        gc.collect()
 
     # ------------------------------------------------------------------ sampling and scoring
 

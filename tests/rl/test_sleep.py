@@ -1,0 +1,66 @@
+"""Sleep / wake (RL with a colocated trainer): the runner releases the cache tensors, the graphs
+and the weights (level 1: to host memory; level 2: dropped, refilled by a weight update) and
+allocates them again; outputs after a wake are bitwise the ones before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from bi_core import EngineConfig, SamplingParams, build_engine
+
+PARAMS = SamplingParams(max_new_tokens=8, temperature=0.7, seed=3, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], list(range(5, 40))]
+
+
+def config(**over) -> EngineConfig:
+    return EngineConfig.from_dict(tiny_config(model={"random": {"preset": "tiny-moe", "seed": 1}}, **over))
+
+
+def storage_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_level_1_releases_everything_and_wakes_to_the_same_outputs():
+    eng = build_engine(config())
+    before = eng.generate(PROMPTS, PARAMS)
+    runner = eng.runner
+    held = storage_bytes(runner._weights()) + storage_bytes(eng.cache.tensors())
+    runner.sleep(1)
+    assert runner.sleeping == {"weights", "kv_cache"} and eng.cache.released
+    assert storage_bytes(runner._weights()) + storage_bytes(eng.cache.tensors()) == 0 < held
+    runner.wake_up(["weights"])  # in two steps, as a trainer that updates weights first would
+    assert runner.sleeping == {"kv_cache"} and runner.main_graphs is None
+    runner.wake_up(["kv_cache"])
+    assert not runner.sleeping and runner.main_graphs is not None
+    after = eng.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert [o.token_logprobs for o in after] == [o.token_logprobs for o in before]
+
+
+def test_level_2_drops_the_weights_until_an_update_refills_them():
+    cfg = config()
+    eng = build_engine(cfg)
+    before = eng.generate(PROMPTS, PARAMS)
+    eng.runner.sleep(2)
+    assert eng.runner._host_weights is None
+    eng.runner.wake_up(["weights"])
+    eng.model.embed_tokens.data.fill_(0.0)  # stand-in for whatever the fresh allocation holds
+    eng.update_weights(build_engine(cfg).model.state_dict())
+    eng.runner.wake_up(["kv_cache"])
+    after = eng.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+
+
+def test_bad_calls():
+    eng = build_engine(config())
+    with pytest.raises(ValueError, match="sleep level"):
+        eng.runner.sleep(3)
+    eng.runner.sleep(1)
+    with pytest.raises(RuntimeError, match="already asleep"):
+        eng.runner.sleep(1)
+    with pytest.raises(ValueError, match="wake_up tags"):
+        eng.runner.wake_up(["kv"])
+    eng.runner.wake_up()
+    torch.testing.assert_close(eng.model.embed_tokens.abs().sum() > 0, torch.tensor(True))
