@@ -94,3 +94,35 @@ def test_update_weights_in_place_with_graphs(tmp_path):
     fresh = build(path_b).generate(ps, params)
     assert not all(same(x, y) for x, y in zip(after, before))  # the update changed something
     assert all(same(x, y) for x, y in zip(after, fresh))
+
+
+def test_sleep_releases_device_memory_and_wakes_bitwise():
+    """Level 1: caches, graphs and weights leave the GPU (weights to pinned host memory); after a
+    wake the graphs are captured again on first use and the outputs are the same bits."""
+    eng = engine()
+    ps = prompts(6, seed=7, vocab=VOCAB)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    before = eng.generate(ps, params)
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    eng.runner.sleep(1)
+    free1 = torch.cuda.mem_get_info()[0]
+    weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    assert free1 - free0 > weights  # at least the weights came off (plus caches and graph pools)
+    eng.runner.wake_up()
+    after = eng.generate(ps, params)
+    assert all(same(a, b) for a, b in zip(after, before))
+    assert eng.runner.main_graphs.num_replays[1] > 0  # graphs were captured again and replayed
+
+
+def test_routed_experts_are_batch_invariant_with_graphs():
+    cfg = gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True)
+    cfg = cfg.replace(model={"enable_return_routed_experts": True})
+    ps = prompts(8, seed=8, vocab=VOCAB)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=6, ignore_eos=True, return_routed_experts=True)
+    batched = build_engine(cfg).generate(ps, params)
+    alone_eng = build_engine(cfg)
+    for p, b in zip(ps, batched):
+        a = alone_eng.generate([p], params)[0]
+        assert same(a, b) and (a.routed_experts == b.routed_experts).all()
+        assert b.routed_experts.shape == (len(p) + len(b.token_ids) - 1, 4, 8)
