@@ -1,7 +1,8 @@
 """``bi-engine serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
 
 Two processes: this one runs the HTTP front (``app.py``: routes, OpenAI formats, errors;
-``protocol.py``: request models; ``metrics.py``: Prometheus; ``client.py``: the engine process's
+``protocol.py``: request models; ``native.py``: SGLang's ``/generate``; ``control.py``: the RL
+control routes of vLLM and SGLang; ``metrics.py``: Prometheus; ``client.py``: the engine process's
 handle), and the engine process runs the engine loop (``loop.py``), so HTTP work never holds the
 engine's GIL; ``messages.py`` holds the messages between the two. Needs the ``serve`` extra:
 ``pip install "bi-engine[serve]"``."""
@@ -69,7 +70,7 @@ def run_server(config: EngineConfig) -> int:
     s = config.serve
     check_port(s.host, s.port)
     size_http_threads()
-    metrics = Metrics()
+    metrics = Metrics(model_name_for(config), config.model.max_model_len)
     core = EngineClient(config, metrics)  # returns once the engine is built and warmed up
     try:
         app = create_app(core, s, model_name_for(config), tokenizer_for(config.model), metrics)

@@ -1,12 +1,15 @@
-"""The HTTP front: a FastAPI app with OpenAI's endpoints over the engine process (``client.py``).
+"""The HTTP front: a FastAPI app with OpenAI's endpoints over the engine process (``client.py``),
+SGLang's native ``/generate`` (``native.py``) and the RL control routes of vLLM and SGLang
+(``control.py``: pause, sleep, weight sync, ...).
 
 Every response carries ``X-Batch-Invariant: true|false``: whether the engine behind it makes a
-request's tokens and logprobs independent of the other requests it shares steps with."""
+request's tokens and logprobs independent of the other requests it shares steps with. Every
+generation response says which weights made it (``weight_version``: OpenAI responses in a top-level
+``metadata`` object, as SGLang's; ``/generate`` in ``meta_info``)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -20,9 +23,9 @@ from bi_core.config import ServeConfig
 from bi_core.errors import CheckpointError, PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
-from bi_core.serve import formats
+from bi_core.serve import control, formats, native
 from bi_core.serve.client import Delta, EngineClient, Overloaded, Unavailable
-from bi_core.serve.errors import ApiError, error_response, install_error_handlers
+from bi_core.serve.errors import ApiError, error_response, install_error_handlers, output_failure
 from bi_core.serve.metrics import Metrics
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -36,6 +39,7 @@ class _Choice:
     index: int
     prompt_tokens: int
     request_id: int
+    weight_version: int = 0  # the engine's when it added the request (its output says which finished it)
     output: RequestOutput | None = None
     text_sent: int = 0
 
@@ -51,8 +55,33 @@ class Server:
         info = core.info
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
         self.vocab_size, self.max_num_seqs = info.vocab_size, info.max_num_seqs
+        self.tensor_parallel_size = info.tensor_parallel_size
         self.shutting_down = False
         self.created = int(time.time())
+        self.requests: dict[str, list[_Choice]] = {}  # unfinished requests by the ids clients know them by
+
+    def track(self, named: dict[str, list[_Choice]]) -> None:
+        """Let ``/abort_request`` (SGLang) and ``/abort_requests`` (vLLM) find these choices by name."""
+        self.requests.update(named)
+
+    def untrack(self, names: list[str]) -> None:
+        for name in names:
+            self.requests.pop(name, None)
+
+    async def call(self, kind: type, **fields):
+        """A control call to the engine process: its value once the engine did it. Errors are
+        ApiErrors: 400 for a bad argument, 409 for a conflicting call, 503 when the engine takes no
+        more calls, 500 when it failed."""
+        from bi_core.serve.client import ControlError
+
+        try:
+            return await asyncio.wrap_future(self.core.control(kind, **fields))
+        except ControlError as e:
+            status, type_ = {"invalid": (400, "invalid_request_error"), "conflict": (409, "invalid_request_error"),
+                             "unavailable": (503, "service_unavailable")}.get(e.reason, (500, "server_error"))
+            raise ApiError(status, str(e), type_) from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -79,7 +108,7 @@ class Server:
         def emit(choice: int, delta: Delta) -> None:  # on the event loop
             queue.put_nowait((choice, delta))
         try:
-            rids = await asyncio.wrap_future(self.core.submit(jobs, emit, aloop.call_soon_threadsafe))
+            added = await asyncio.wrap_future(self.core.submit(jobs, emit, aloop.call_soon_threadsafe))
         except Overloaded as e:
             raise ApiError(503, str(e), "service_unavailable", retry_after_s=RETRY_AFTER_S) from None
         except Unavailable as e:
@@ -89,7 +118,8 @@ class Server:
         except RequestError as e:  # all the HTTP side leaves to the engine: whether n samples fit at once
             raise ApiError(400, str(e), param="n" if jobs[0][1].n > 1 else prompt_param) from None
         n = jobs[0][1].n
-        return queue, [_Choice(i, len(jobs[i // n][0]), rid) for i, rid in enumerate(rids)]
+        return queue, [_Choice(i, len(jobs[i // n][0]), rid, added.weight_version)
+                       for i, rid in enumerate(added.request_ids)]
 
     def abort(self, choices: list[_Choice]) -> None:
         self.core.abort([c.request_id for c in choices if c.output is None])
@@ -108,7 +138,7 @@ class Server:
         finally:
             watcher.cancel()
         for c in choices:
-            if (failure := _failure(c.output)) is not None:
+            if (failure := output_failure(c.output, self.shutting_down)) is not None:
                 raise failure
 
 
@@ -123,13 +153,11 @@ async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
     queue.put_nowait(_GONE)
 
 
-def _failure(o: RequestOutput) -> ApiError | None:
-    """The error a choice ended with: the engine failed, or the server shut down before it finished."""
-    if o.finish_reason == "error":
-        return ApiError(500, o.error or "the engine failed", "server_error")
-    if o.finish_reason == "abort":
-        return ApiError(503, o.error or "the request was aborted", "service_unavailable")
-    return None
+def weight_metadata(choices: list[_Choice]) -> dict:
+    """SGLang's top-level ``metadata`` of an OpenAI response: the weight version of its first choice
+    (the version that finished it; before it finished, the one it started with)."""
+    c = choices[0]
+    return {"weight_version": c.output.weight_version if c.output is not None else c.weight_version}
 
 
 def _max_new_tokens(server: Server, ids: list[int], requested: int | None, param: str, prompt_param: str) -> int:
@@ -158,10 +186,6 @@ def _encode(server: Server, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt")
     return ids
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 def _usage(choices: list[_Choice], n: int) -> dict:
@@ -228,11 +252,16 @@ async def _respond(server: Server, req, request: Request, jobs: list, choice, *,
     """Run the jobs; a stream of chunks, or one response whose choices ``choice`` formats."""
     queue, choices = await server.start(jobs, "messages" if chat else "prompt")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    server.track({rid: choices})
     if req.stream:
         return _stream(server, queue, choices, req, rid, chat=chat)
-    await server.wait(queue, choices, request)
+    try:
+        await server.wait(queue, choices, request)
+    finally:
+        server.untrack([rid])
     return formats.envelope("chat.completion" if chat else "text_completion", rid, server.model_name,
-                            [choice(c) for c in choices], usage=_usage(choices, req.n))
+                            [choice(c) for c in choices], usage=_usage(choices, req.n),
+                            metadata=weight_metadata(choices))
 
 
 def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, rid: str, chat: bool):
@@ -249,13 +278,14 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, r
             lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, offset, as_ids)
                   if req.logprobs is not None and delta is not None and delta.token_ids else None)
             body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-        return formats.envelope(kind, rid, server.model_name, [body])
+        extra = {"metadata": weight_metadata([choices[index]])} if finish is not None else {}
+        return formats.envelope(kind, rid, server.model_name, [body], **extra)
 
     async def events():
         try:
             if chat:
                 for c in choices:
-                    yield _sse(formats.envelope(kind, rid, server.model_name, [
+                    yield formats.sse(formats.envelope(kind, rid, server.model_name, [
                         {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]))
             while any(c.output is None for c in choices):
@@ -263,18 +293,21 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, r
                 c = choices[index]
                 if delta.finished:
                     c.output = delta.output
-                    if (failure := _failure(c.output)) is not None:  # an error event, then [DONE]
-                        yield _sse(failure.body)
+                    # an engine failure, or the shutdown's abort: an error event, then [DONE]
+                    if (failure := output_failure(c.output, server.shutting_down)) is not None:
+                        yield formats.sse(failure.body)
                         break
                 if delta.text or delta.finished or (delta.token_ids and req.logprobs):
-                    yield _sse(chunk(c.index, delta, delta.text, c.output.finish_reason if c.output else None,
+                    yield formats.sse(chunk(c.index, delta, delta.text, c.output.finish_reason if c.output else None,
                                      c.text_sent))
                     c.text_sent += len(delta.text)
             else:
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    yield _sse(formats.envelope(kind, rid, server.model_name, [], usage=_usage(choices, req.n)))
-            yield _sse("[DONE]")
+                    yield formats.sse(formats.envelope(kind, rid, server.model_name, [], usage=_usage(choices, req.n),
+                                                metadata=weight_metadata(choices)))
+            yield formats.sse("[DONE]")
         finally:  # the client went away (or we are done): unfinished requests stop at the next step
+            server.untrack([rid])
             server.abort(choices)
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -294,7 +327,11 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     app = FastAPI(title="bi-engine", lifespan=lifespan)
     app.state.server = server
     _install_middleware(app, server)
-    install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                 **native.REQUEST_MODELS, **control.REQUEST_MODELS},
+                           success_style=control.SUCCESS_STYLE)
+    native.install(app, server)
+    control.install(app, server)
 
     @app.get("/health")
     async def health():
@@ -323,15 +360,18 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     return app
 
 
+OPEN_PATHS = ("/health", "/metrics")  # no API key needed (probes and scrapers), as SGLang's: /health_generate too
+
+
 def _install_middleware(app: FastAPI, server: Server) -> None:
     @app.middleware("http")
     async def mode_auth_and_shutdown(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
+        if not request.url.path.startswith(OPEN_PATHS):
             key = server.config.api_key
             if key is not None and request.headers.get("authorization") != f"Bearer {key}":
                 response = error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                                    "authentication_error", code="invalid_api_key"))
-            elif server.shutting_down and request.method == "POST":
+            elif server.shutting_down and request.method in ("POST", "PUT"):
                 response = error_response(ApiError(503, "the server is shutting down", "service_unavailable"))
             else:
                 response = await call_next(request)

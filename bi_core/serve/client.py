@@ -4,7 +4,8 @@ aborts, and hands each step's deltas to the requests that asked for them.
 Two threads of this process touch the pipe: a sender (so a handler never blocks on a full pipe
 while the engine is inside a step) and a receiver (which turns one ``Out`` message into one
 hand-over per consumer, e.g. one ``call_soon_threadsafe`` per asyncio loop per step). The
-messages are the classes of ``messages.py``."""
+messages are the classes of ``messages.py``. Control calls (``control``) resolve a future once the
+engine answered, so a long one (a weight sync) holds no thread of this process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import multiprocessing as mp
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import attrs
 
@@ -25,6 +26,8 @@ from bi_core.serve.messages import (
     Abort,
     Add,
     Added,
+    ControlDone,
+    ControlFailed,
     EngineInfo,
     Out,
     Ready,
@@ -63,6 +66,14 @@ class Overloaded(Unavailable):
     """Too many requests wait for admission: worth retrying soon."""
 
 
+class ControlError(BiEngineError):
+    """A control call failed; ``reason`` is messages.ControlFailure (invalid, conflict, unavailable, error)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 @attrs.define(eq=False)
 class _Stream:
     emit: Callable[[int, Delta], None]  # (choice index, delta)
@@ -73,6 +84,22 @@ class _Stream:
 def _deliver(items: list[tuple[Callable, int, Delta]]) -> None:
     for emit, sample, delta in items:
         emit(sample, delta)
+
+
+@attrs.frozen
+class AddedRequest:
+    """What a submission resolves to: its choices' request ids, and the weights they started with."""
+
+    request_ids: list[int]
+    weight_version: int
+
+
+def _settle(fut: Future, value: object = None, exception: BaseException | None = None) -> None:
+    """Resolve ``fut`` unless its caller cancelled it (stopped waiting)."""
+    try:
+        fut.set_exception(exception) if exception is not None else fut.set_result(value)
+    except InvalidStateError:
+        pass
 
 
 class EngineClient:
@@ -128,7 +155,8 @@ class EngineClient:
         """Queue a request of one or more ``(prompt, params)`` jobs, all in one message (the engine
         adds them before its next step, all or none). Its choices are the jobs' samples in order
         (job j's sample i is choice ``j * params.n + i``). The future resolves to the choices'
-        request ids, or to an error (RequestError / PromptTooLongError: a bad request;
+        request ids and weight version (``AddedRequest``), or to an error (RequestError /
+        PromptTooLongError: a bad request;
         Overloaded / Unavailable: try later) so the caller can answer before streaming anything.
         ``emit(choice, delta)`` reports each choice's progress: on the receiver thread, or through
         ``post`` (e.g. an asyncio loop's ``call_soon_threadsafe``) on the consumer's, one hand-over
@@ -140,6 +168,18 @@ class EngineClient:
         key = next(self._keys)
         self._futures[key], self._streams[key] = fut, _Stream(emit, post)
         self._outbox.put(Add(key, jobs))
+        return fut
+
+    def control(self, kind: type, **fields) -> Future:
+        """Send a control call (a class of ``messages.CONTROL``, its fields but ``key``); the future
+        resolves to its value once the engine did it, or to ControlError / Unavailable."""
+        fut: Future = Future()
+        if not self.accepting:
+            fut.set_exception(Unavailable(self.failure or "the server is shutting down"))
+            return fut
+        key = next(self._keys)
+        self._futures[key] = fut
+        self._outbox.put(kind(key, **fields))
         return fut
 
     def abort(self, request_ids: list[int]) -> None:
@@ -190,7 +230,7 @@ class EngineClient:
                 self.failure = self.failure or "internal error: an unexpected message from the engine process (see the log)"
                 return self._lost()
 
-    def _dispatch(self, msg: Added | Refused | Out | Stopped) -> bool:
+    def _dispatch(self, msg: Added | Refused | ControlDone | ControlFailed | Out | Stopped) -> bool:
         """One message from the engine process (after Ready); True once it said it stopped. Any
         other type raises UnexpectedMessage."""
         match msg:
@@ -199,22 +239,30 @@ class EngineClient:
                     self.failure = failure
                 self._hand_over(deltas)
                 self.metrics.apply(counts)
-            case Added(key, request_ids):
+            case Added(key, request_ids, weight_version):
                 self._streams[key].unfinished = set(range(len(request_ids)))
-                self._futures.pop(key).set_result(request_ids)
+                try:
+                    self._futures.pop(key).set_result(AddedRequest(request_ids, weight_version))
+                except InvalidStateError:  # its caller stopped waiting (e.g. a timeout while it was held)
+                    self.abort(request_ids)
             case Refused(key, reason, message):
                 self._streams.pop(key, None)
                 error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError,
                          "overloaded": Overloaded}.get(reason, Unavailable)
-                self._futures.pop(key).set_exception(error(message))
+                _settle(self._futures.pop(key), exception=error(message))
+            case ControlDone(key, value):
+                _settle(self._futures.pop(key), value)
+            case ControlFailed(key, reason, message):
+                _settle(self._futures.pop(key), exception=ControlError(reason, message))
             case Stopped():  # an add sent after the engine's loop ended gets no answer: refuse it here
                 for key in list(self._futures):
                     self._streams.pop(key, None)
-                    self._futures.pop(key).set_exception(Unavailable("the server is shutting down"))
+                    _settle(self._futures.pop(key), exception=Unavailable("the server is shutting down"))
                 self._stopped.set()
                 return True
             case _:
-                raise UnexpectedMessage(msg, "the HTTP process", (Added, Refused, Out, Stopped))
+                raise UnexpectedMessage(msg, "the HTTP process", (Added, Refused, ControlDone, ControlFailed, Out,
+                                                                  Stopped))
         return False
 
     def _hand_over(self, deltas: list[WireDelta]) -> None:
@@ -240,7 +288,7 @@ class EngineClient:
         self.failure = self.failure or f"the engine process exited unexpectedly (code {self.proc.exitcode})"
         for key, fut in list(self._futures.items()):
             self._futures.pop(key, None)
-            fut.set_exception(Unavailable(self.failure))
+            _settle(fut, exception=Unavailable(self.failure))
         out = RequestOutput(request_id=-1, prompt_token_ids=[], token_ids=[], text=None, token_logprobs=[],
                             logprobs=None, finish_reason="error", error=self.failure)
         for key, stream in list(self._streams.items()):

@@ -1,5 +1,7 @@
 """OpenAI-shaped errors: ``ApiError``, the ``param`` a validation error names (OpenAI's
-``messages[0].content`` form), and the app's exception handlers."""
+``messages[0].content`` form), and the app's exception handlers. Routes whose SGLang counterparts
+answer ``{"success": false, "message": ...}`` (weight updates) answer that too, alongside OpenAI's
+``error`` object, so clients of either shape read the failure."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bi_core.errors import RequestError
+from bi_core.runtime.sequence import RequestOutput
 from bi_core.serve import formats
 
 
@@ -26,8 +29,21 @@ class ApiError(Exception):
         self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+def output_failure(o: RequestOutput, shutting_down: bool) -> ApiError | None:
+    """The error a choice ended with: the engine failed, or the server shut down before it finished.
+    A request aborted by a control call (a pause in mode abort, an abort route, a weight update)
+    is no error: its tokens so far come back with ``finish_reason: "abort"``, as vLLM and SGLang
+    answer it (an RL trainer keeps partial rollouts)."""
+    if o.finish_reason == "error":
+        return ApiError(500, o.error or "the engine failed", "server_error")
+    if o.finish_reason == "abort" and shutting_down:
+        return ApiError(503, o.error or "the request was aborted", "service_unavailable")
+    return None
+
+
+def error_response(e: ApiError, success_style: bool = False) -> JSONResponse:
+    body = {"success": False, "message": e.body["error"]["message"], **e.body} if success_style else e.body
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def _model_in(annotation) -> type[BaseModel] | None:
@@ -59,11 +75,17 @@ def param_of(model: type[BaseModel] | None, loc: Sequence[str | int]) -> tuple[s
     return param or None, None
 
 
+def _loc(err: dict) -> list:
+    """Where the error is, without FastAPI's source prefix (the body or the query string)."""
+    loc = list(err.get("loc", ()))
+    return loc[1:] if loc and loc[0] in ("body", "query") else loc
+
+
 def validation_error(model: type[BaseModel] | None, errors: list[dict]) -> ApiError:
     err = errors[0] if errors else {}
     if err.get("type") == "json_invalid":
         return ApiError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'parse error')}")
-    loc = [x for x in err.get("loc", ()) if x != "body"]
+    loc = _loc(err)
     if not loc:  # the body as a whole: not an object (or not sent as JSON)
         return ApiError(400, "the request body must be a JSON object (Content-Type: application/json); "
                              f"{err.get('msg', 'invalid body')}")
@@ -72,27 +94,32 @@ def validation_error(model: type[BaseModel] | None, errors: list[dict]) -> ApiEr
         return ApiError(400, f"{param}: {err.get('msg', 'invalid value')}", param=param)
     forms = []  # every member's error names the member: list them all
     for e in errors:
-        p, m = param_of(model, [x for x in e.get("loc", ()) if x != "body"])
+        p, m = param_of(model, _loc(e))
         if p == param and m is not None and m not in forms:
             forms.append(m)
     return ApiError(400, f"{param}: invalid value; expected one of: {', '.join(forms)}", param=param)
 
 
-def install_error_handlers(app: FastAPI, models: dict[str, type[BaseModel]]) -> None:
-    """``models``: the request model of each route path (to name a validation error's param)."""
+def install_error_handlers(app: FastAPI, models: dict[str, type[BaseModel]],
+                           success_style: frozenset[str] = frozenset()) -> None:
+    """``models``: the request model of each route path (to name a validation error's param);
+    ``success_style``: the paths whose errors also carry SGLang's ``success: false`` and ``message``."""
+
+    def respond(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e, request.url.path in success_style)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return error_response(e)
+        return respond(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
-        return error_response(validation_error(models.get(request.url.path), list(e.errors())))
+        return respond(request, validation_error(models.get(request.url.path), list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return error_response(ApiError(e.status_code, str(e.detail), "invalid_request_error"))
+        return respond(request, ApiError(e.status_code, str(e.detail), "invalid_request_error"))
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, e: RequestError):
-        return error_response(ApiError(400, str(e)))
+        return respond(request, ApiError(400, str(e)))

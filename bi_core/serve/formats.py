@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from bi_core.models.tokenizer import Tokenizer
+
+
+def sse(obj: dict | list | str) -> str:
+    """One server-sent event: ``data: <json>`` (or the literal, e.g. ``[DONE]``)."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -16,32 +16,58 @@ The messages are the classes of ``messages.py`` (each says who sends it and when
 
 A request's prompts join the running batch together at the next step (continuous batching as in
 ``generate``); an abort frees the requests' KV pages and state slots before the next step. After
-``Stop``, what is still unfinished at the deadline is aborted, each with a last delta saying why."""
+``Stop``, what is still unfinished at the deadline is aborted, each with a last delta saying why.
+
+Control calls (``messages.CONTROL``: pause, resume, sleep, wake, abort, weight sync, ...) run between
+steps, in the order they came, and are answered once the engine did them: the deltas of what the call
+changed go out first (requests it aborted end with ``finish_reason="abort"``; a pause in mode
+``wait`` runs the started requests to their end inside the engine's call, so their last tokens come
+together when it returns), then ``ControlDone`` (or ``ControlFailed``). A call that blocks (a weight
+sync waits for the trainer's broadcast) blocks this loop: what comes meanwhile waits in the pipe.
+While generation is paused or the engine sleeps, new requests are held here, as vLLM's frontend holds
+them: their ``Added`` comes when they are added, at resume or wake-up (so a weight update meanwhile
+finds no request in the engine, and they run wholly on the new weights)."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import attrs
 
-from bi_core.errors import BiEngineError, PromptTooLongError
+from bi_core.errors import BiEngineError, CheckpointError, ConfigError, PromptTooLongError, RequestError
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Sequence, Status
 from bi_core.serve.messages import (
     TO_ENGINE,
     Abort,
+    AbortRequests,
     Add,
     Added,
+    ControlDone,
+    ControlFailed,
+    DestroyWeightsUpdateGroup,
     EngineInfo,
+    GetWeightVersion,
+    InitWeightsUpdateGroup,
+    IsPaused,
+    IsSleeping,
     Out,
+    PauseGeneration,
     Ready,
     Refused,
+    ResetPrefixCache,
+    ResumeGeneration,
+    Sleep,
     StartFailed,
     Stop,
     Stopped,
     UnexpectedMessage,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    WakeUp,
     WireDelta,
 )
 from bi_core.serve.metrics import StepCounter
@@ -49,6 +75,8 @@ from bi_core.serve.threads import size_engine_threads
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
+# a control call's error from a bad argument (answered 400); any other exception is the engine's failure (500)
+INVALID_ARGUMENT = (RequestError, ConfigError, CheckpointError, ValueError)
 
 
 @attrs.define(eq=False)
@@ -56,8 +84,18 @@ class _Tracked:
     seq: Sequence
     key: int  # the HTTP side's id of the submission
     choice: int  # which of the submission's choices (its prompts' samples, in order)
+    arrival: float  # time.monotonic() when it was added
     tokens_sent: int = 0
     text_sent: int = 0
+    last_token: float | None = None  # when its previous delta with tokens went out
+
+
+class _Failed(Exception):
+    """A control call refused by the loop itself (its reason: messages.ControlFailure)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class EngineLoop:
@@ -73,18 +111,42 @@ class EngineLoop:
         self.shutdown_timeout_s = 0.0
         self.failure: str | None = None  # set when a step raised: the engine may be unusable
         self._out: list[WireDelta] = []
+        # the engine's pause and sleep state, read from it after every call that may change it
+        self.paused = self.sleeping = False
+        self.resume_on_wake = False  # Sleep paused generation: waking up fully resumes it
+        self.held: list[Add] = []  # requests that came while paused or asleep: added when that ends
+        self._controls: dict[type, Callable] = {
+            PauseGeneration: self._pause, ResumeGeneration: self._resume,
+            IsPaused: lambda m: bool(self.engine.is_paused()), AbortRequests: self._abort_requests,
+            ResetPrefixCache: lambda m: bool(self.engine.reset_prefix_cache()), Sleep: self._sleep,
+            WakeUp: self._wake_up, IsSleeping: lambda m: bool(self.engine.is_sleeping()),
+            GetWeightVersion: lambda m: int(self.engine.weight_version),
+            InitWeightsUpdateGroup: self._init_weights_update_group,
+            UpdateWeightsFromDistributed: self._update_weights_from_distributed,
+            DestroyWeightsUpdateGroup: lambda m: self.engine.destroy_weights_update_group(m.group_name),
+            UpdateWeightsFromDisk: self._update_weights_from_disk,
+        }
 
     def run(self) -> None:
         while True:
-            busy = self.engine.scheduler.has_work() and self.failure is None
-            self._drain(0.0 if busy else IDLE_WAIT_S)
+            self._drain(0.0 if self._can_step() else IDLE_WAIT_S)
             if self.stopping and (not self.tracked or time.monotonic() >= self.deadline):
                 self._abort_at_shutdown()
                 self._flush()
                 return
-            if self.engine.scheduler.has_work() and self.failure is None:
+            if self._can_step():
                 self._step()
             self._flush()
+
+    def _can_step(self) -> bool:
+        """Step while there is work, unless the engine failed, sleeps, or is paused."""
+        return (self.engine.scheduler.has_work() and self.failure is None and not self.sleeping
+                and not self.paused)
+
+    @property
+    def holding(self) -> bool:
+        """New requests wait here: generation is paused, or the engine sleeps."""
+        return self.paused or self.sleeping
 
     def _drain(self, wait_s: float) -> None:
         try:
@@ -95,20 +157,30 @@ class EngineLoop:
         except (EOFError, OSError):  # the HTTP process is gone: abort everything and end
             self.stopping, self.deadline = True, 0.0
 
-    def _command(self, msg: Add | Abort | Stop) -> None:
+    def _command(self, msg) -> None:
         """One message from the HTTP process; any other type raises UnexpectedMessage (a bug: the
         engine process ends, and the HTTP side fails what was waiting on it)."""
         match msg:
             case Add(key, jobs):
+                if self.holding and not self.stopping and self.failure is None:
+                    if len(self.engine.scheduler.waiting) + len(self.held) >= self.max_waiting:
+                        return self.channel.send(Refused(key, "overloaded", f"too many waiting requests "
+                                                         f"({self.max_waiting}); retry later"))
+                    return self.held.append(msg)
                 self._add(key, jobs)
             case Abort(request_ids):
                 for rid in request_ids:
                     self._abort(rid)
             case Stop(timeout_s):
                 deadline = time.monotonic() + timeout_s
+                if self.paused or self.sleeping:  # nothing runs until a resume that will not come: end now
+                    deadline = time.monotonic()
                 if not self.stopping or deadline < self.deadline:
                     self.deadline, self.shutdown_timeout_s = deadline, timeout_s
                 self.stopping = True
+                self._refuse_held("the server is shutting down")
+            case _ if type(msg) in self._controls:
+                self._control(msg)
             case _:
                 raise UnexpectedMessage(msg, "the engine process", TO_ENGINE)
 
@@ -129,23 +201,128 @@ class EngineLoop:
             reason = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid"
             where = f"prompt {len(seqs)}: " if len(jobs) > 1 else ""
             return self.channel.send(Refused(key, reason, f"{where}{e}"))
-        ids = []
+        ids, now = [], time.monotonic()
         for seq in seqs:
             for member in seq.group:  # the prompt's n samples, each its own choice
-                self.tracked[member.request_id] = _Tracked(member, key, len(ids))
+                self.tracked[member.request_id] = _Tracked(member, key, len(ids), now)
                 ids.append(member.request_id)
             self.counter.counts.prompt_tokens += len(seq.prompt_ids)
-        self.channel.send(Added(key, ids))
+        self.channel.send(Added(key, ids, int(self.engine.weight_version)))
 
-    def _abort(self, request_id: int, error: str | None = None) -> None:
-        t = self.tracked.pop(request_id, None)
-        if t is None:
+    def _refuse_held(self, why: str) -> None:
+        for msg in self.held:
+            self.channel.send(Refused(msg.key, "unavailable", why))
+        self.held.clear()
+
+    def _release_held(self) -> None:
+        """Generation runs again: add the requests held meanwhile, in the order they came."""
+        if self.holding:
             return
+        held, self.held = self.held, []
+        for msg in held:
+            self._add(msg.key, msg.jobs)
+
+    def _abort(self, request_id: int, error: str | None = None) -> bool:
+        t = self.tracked.get(request_id)
+        if t is None:
+            return False
         # a sample not yet forked was aborted with its leader: it still gets its last delta
         if self.engine.abort(request_id) or t.seq.finish_reason == "abort":
-            self.counter.finished("abort")
-            out = self.engine.output_of(t.seq)
-            self._out.append((t.key, t.choice, [], [], [], "", attrs.evolve(out, error=error) if error else out))
+            if error is not None:
+                t.seq.error = error
+            self._emit(request_id, t, time.monotonic())
+            return True
+        return False
+
+    # ------------------------------------------------------------------ control calls
+
+    def _control(self, msg) -> None:
+        """Run one control call; the deltas of what it changed go out before its answer."""
+        try:
+            answer = ControlDone(msg.key, self._controls[type(msg)](msg))
+        except _Failed as e:
+            answer = ControlFailed(msg.key, e.reason, str(e))
+        except INVALID_ARGUMENT as e:
+            answer = ControlFailed(msg.key, "invalid", str(e))
+        except Exception as e:  # noqa: BLE001 - the engine's failure: its traceback to the log, its message back
+            log.exception("control call %s failed", type(msg).__name__)
+            answer = ControlFailed(msg.key, "error", f"{type(msg).__name__} failed: {type(e).__name__}: {e}")
+        self._sweep()
+        self._flush()
+        self.channel.send(answer)
+        self._release_held()
+
+    def _refresh(self, sleep: bool = False) -> None:
+        """Read the engine's pause state (and with ``sleep`` its sleep state) after a call that may change it."""
+        self.paused = bool(self.engine.is_paused())
+        if sleep:
+            self.sleeping = bool(self.engine.is_sleeping())
+
+    def _sweep(self) -> None:
+        """The deltas of what a control call changed: tokens a pause in mode wait generated, the
+        last deltas of the requests it ended (aborted by a pause, an abort, an update)."""
+        now = time.monotonic()
+        for rid, t in list(self.tracked.items()):
+            self._emit(rid, t, now)
+
+    def _pause(self, m: PauseGeneration) -> str:
+        try:
+            self.engine.pause_generation(mode=m.mode, clear_cache=m.clear_cache)
+        finally:
+            self._refresh()
+        return "paused"
+
+    def _resume(self, m: ResumeGeneration) -> str:
+        self.engine.resume_generation()
+        self.resume_on_wake = False
+        self._refresh()
+        return "resumed"
+
+    def _abort_requests(self, m: AbortRequests) -> int:
+        if m.request_ids is None:
+            return int(self.engine.abort_all())
+        return sum(self._abort(rid) for rid in m.request_ids)
+
+    def _sleep(self, m: Sleep) -> None:
+        """vLLM's sleep: pause in ``m.mode`` unless paused (waking up fully resumes), then sleep."""
+        if m.level not in (1, 2):
+            raise _Failed("invalid", f"level must be 1 (weights to host memory) or 2 (weights dropped), got {m.level}")
+        paused_here = not self.paused
+        if paused_here:
+            self.engine.pause_generation(mode=m.mode, clear_cache=False)
+        try:
+            self.engine.sleep(level=m.level)
+        except BaseException:
+            if paused_here:  # as it was before the call
+                self.engine.resume_generation()
+            raise
+        finally:
+            self._refresh(sleep=True)
+        self.resume_on_wake = self.resume_on_wake or paused_here
+
+    def _wake_up(self, m: WakeUp) -> None:
+        self.engine.wake_up(tags=m.tags)
+        self._refresh(sleep=True)
+        if not self.sleeping and self.resume_on_wake:
+            self.engine.resume_generation()
+            self.resume_on_wake = False
+            self._refresh()
+
+    def _init_weights_update_group(self, m: InitWeightsUpdateGroup) -> None:
+        self.engine.init_weights_update_group(m.master_address, m.master_port, m.rank_offset, m.world_size,
+                                              group_name=m.group_name, backend=m.backend)
+
+    def _update_weights_from_distributed(self, m: UpdateWeightsFromDistributed) -> dict:
+        if m.abort_all:
+            self.engine.abort_all()
+            self._sweep()
+        n = self.engine.update_weights_from_distributed(m.names, m.dtypes, m.shapes, group_name=m.group_name,
+                                                        flush_cache=m.flush_cache, weight_version=m.weight_version)
+        return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
+
+    def _update_weights_from_disk(self, m: UpdateWeightsFromDisk) -> dict:
+        n = self.engine.update_weights(m.path, abort_unfinished=m.abort_all)
+        return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
 
     def _abort_at_shutdown(self) -> None:
         if not self.tracked:
@@ -158,23 +335,26 @@ class EngineLoop:
 
     def _step(self) -> None:
         before = sum(len(t.seq.output_ids) for t in self.tracked.values())
+        prompt_before = self.engine.num_prompt_tokens_computed
         t0 = time.perf_counter()
         try:
             self.engine.step()
         except Exception as e:  # noqa: BLE001 - report to every waiting client, keep serving /health
             log.exception("engine step failed")
             self.failure = f"engine step failed: {e}"
+            now = time.monotonic()
             for rid, t in list(self.tracked.items()):
                 t.seq.finish("error", self.failure)
-                self._emit(rid, t)
+                self._emit(rid, t, now)
             return
         dt = time.perf_counter() - t0
-        generated = sum(len(t.seq.output_ids) for t in self.tracked.values()) - before
+        generated = sum(len(t.seq.output_ids) for t in self.tracked.values()) - before  # counted as sent (_emit)
+        now = time.monotonic()
         for rid, t in list(self.tracked.items()):
-            self._emit(rid, t)
-        self.counter.step(dt, generated)
+            self._emit(rid, t, now)
+        self.counter.step(dt, generated, self.engine.num_prompt_tokens_computed - prompt_before)
 
-    def _emit(self, rid: int, t: _Tracked) -> None:
+    def _emit(self, rid: int, t: _Tracked, now: float) -> None:
         seq, new = t.seq, len(t.seq.output_ids)
         done = seq.status is Status.FINISHED
         if new == t.tokens_sent and not done:
@@ -185,10 +365,18 @@ class EngineLoop:
                           seq.token_logprobs[t.tokens_sent:new],
                           seq.top_logprobs[t.tokens_sent:new] if seq.params.logprobs is not None else [],
                           text[t.text_sent:upto], self.engine.output_of(seq) if done else None))
+        counts = self.counter.counts
+        if new > t.tokens_sent:
+            (counts.ttft.append(now - t.arrival) if t.last_token is None else counts.itl.append(now - t.last_token))
+            counts.generated += new - t.tokens_sent
+            t.last_token = now
         t.tokens_sent, t.text_sent = new, max(t.text_sent, upto)
         if done:
             del self.tracked[rid]
             self.counter.finished(seq.finish_reason or "unknown")
+            counts.e2e.append(now - t.arrival)
+            counts.request_prompt_tokens.append(len(seq.prompt_ids))
+            counts.request_generation_tokens.append(new)
 
     def _flush(self) -> None:
         """This iteration's deltas and counts (and the engine's state, if it changed) in one message."""
@@ -220,7 +408,7 @@ def engine_main(config, channel) -> None:
         return
     try:
         channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
-                                      config.scheduler.max_num_seqs)))
+                                      config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size)))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests).run()
     finally:
         engine.close()

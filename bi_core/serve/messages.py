@@ -3,9 +3,10 @@
 dispatches on the class (``match``); a message of any other type is a bug and raises
 ``UnexpectedMessage``.
 
-HTTP -> engine: ``Add``, ``Abort``, ``Stop``. Engine -> HTTP: ``Ready`` or ``StartFailed`` once at
-start, ``Added`` or ``Refused`` per ``Add``, ``Out`` per loop iteration that produced anything,
-``Stopped`` once at the end."""
+HTTP -> engine: ``Add``, ``Abort``, ``Stop``, and the control calls (``CONTROL``: pause, sleep, weight
+sync, ...), each with a ``key``. Engine -> HTTP: ``Ready`` or ``StartFailed`` once at start, ``Added``
+or ``Refused`` per ``Add``, ``ControlDone`` or ``ControlFailed`` per control call (after the deltas
+it caused), ``Out`` per loop iteration that produced anything, ``Stopped`` once at the end."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 WireDelta = tuple[int, int, list[int], list[float], list[dict[int, float]], str, "RequestOutput | None"]
 
 RefusalReason = Literal["unavailable", "overloaded", "prompt_too_long", "invalid"]
+PauseMode = Literal["abort", "wait", "keep"]  # vLLM's: abort the requests in flight, let them finish, or freeze them
+# why a control call failed: a bad argument (400), a call that conflicts with another (409), the engine takes
+# no more calls (503), or the engine raised anything else (500)
+ControlFailure = Literal["invalid", "conflict", "unavailable", "error"]
 
 _short = reprlib.Repr()  # an unexpected message in an error: its start
 _short.maxother = _short.maxstring = 200
@@ -47,6 +52,7 @@ class EngineInfo:
     batch_invariant: bool
     vocab_size: int
     max_num_seqs: int
+    tensor_parallel_size: int = 1
 
 
 # ---------------------------------------------------------------------- HTTP process -> engine process
@@ -74,6 +80,123 @@ class Stop:
     timeout_s: float
 
 
+# ---------------------------------------------------------------------- control calls (HTTP -> engine)
+# Each is answered by ControlDone (its value) or ControlFailed, after the deltas of the requests it ended.
+
+
+@attrs.frozen
+class PauseGeneration:
+    """HTTP -> engine: pause generation (mode: abort, wait or keep the requests in flight); answered once paused."""
+
+    key: int
+    mode: PauseMode
+    clear_cache: bool
+
+
+@attrs.frozen
+class ResumeGeneration:
+    """HTTP -> engine: resume generation (kept requests go on, requests held while paused are added); answered after."""
+
+    key: int
+
+
+@attrs.frozen
+class IsPaused:
+    """HTTP -> engine: whether generation is paused; answered with a bool."""
+
+    key: int
+
+
+@attrs.frozen
+class AbortRequests:
+    """HTTP -> engine: abort these requests (None: all the engine has); answered with how many were aborted."""
+
+    key: int
+    request_ids: list[int] | None
+
+
+@attrs.frozen
+class ResetPrefixCache:
+    """HTTP -> engine: drop the prefix cache; answered with the engine's bool (False: it did not)."""
+
+    key: int
+
+
+@attrs.frozen
+class Sleep:
+    """HTTP -> engine: pause (mode) unless paused, then release memory (level 1: weights to host, 2: dropped)."""
+
+    key: int
+    level: int
+    mode: PauseMode
+
+
+@attrs.frozen
+class WakeUp:
+    """HTTP -> engine: restore the tagged memory (None: all); fully awake, generation resumes if Sleep paused it."""
+
+    key: int
+    tags: list[str] | None
+
+
+@attrs.frozen
+class IsSleeping:
+    """HTTP -> engine: whether any memory is released; answered with a bool."""
+
+    key: int
+
+
+@attrs.frozen
+class GetWeightVersion:
+    """HTTP -> engine: the engine's weight version; answered with an int."""
+
+    key: int
+
+
+@attrs.frozen
+class InitWeightsUpdateGroup:
+    """HTTP -> engine: join the trainer's process group (blocks until every rank joined); answered after."""
+
+    key: int
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str | None
+
+
+@attrs.frozen
+class UpdateWeightsFromDistributed:
+    """HTTP -> engine: receive these tensors from the trainer's broadcast; answered with the count and new version."""
+
+    key: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    flush_cache: bool
+    weight_version: int | None
+    abort_all: bool  # abort every unfinished request first
+
+
+@attrs.frozen
+class DestroyWeightsUpdateGroup:
+    """HTTP -> engine: leave the trainer's process group; answered after."""
+
+    key: int
+    group_name: str
+
+
+@attrs.frozen
+class UpdateWeightsFromDisk:
+    """HTTP -> engine: load weights from a checkpoint directory; answered with {num_tensors, weight_version}."""
+
+    key: int
+    path: str
+    abort_all: bool  # abort unfinished requests (else they make the update fail)
+
+
 # ---------------------------------------------------------------------- engine process -> HTTP process
 
 
@@ -97,6 +220,7 @@ class Added:
 
     key: int
     request_ids: list[int]
+    weight_version: int = 0  # the engine's weights when it added them
 
 
 @attrs.frozen
@@ -118,9 +242,29 @@ class Out:
 
 
 @attrs.frozen
+class ControlDone:
+    """Engine -> HTTP, per control call done: its value (JSON-able), sent after the deltas of what it ended."""
+
+    key: int
+    value: object
+
+
+@attrs.frozen
+class ControlFailed:
+    """Engine -> HTTP, per control call that failed: why (the HTTP status's kind) and a message for the client."""
+
+    key: int
+    reason: ControlFailure
+    message: str
+
+
+@attrs.frozen
 class Stopped:
     """Engine -> HTTP, last: the loop ended (after Stop, or the pipe closed) and the engine is closed."""
 
 
-TO_ENGINE = (Add, Abort, Stop)
-FROM_ENGINE = (Ready, StartFailed, Added, Refused, Out, Stopped)
+CONTROL = (PauseGeneration, ResumeGeneration, IsPaused, AbortRequests, ResetPrefixCache, Sleep, WakeUp, IsSleeping,
+           GetWeightVersion, InitWeightsUpdateGroup, UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup,
+           UpdateWeightsFromDisk)
+TO_ENGINE = (Add, Abort, Stop, *CONTROL)
+FROM_ENGINE = (Ready, StartFailed, Added, Refused, ControlDone, ControlFailed, Out, Stopped)

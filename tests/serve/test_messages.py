@@ -16,19 +16,35 @@ from bi_core.serve import messages
 from bi_core.serve.client import EngineClient
 from bi_core.serve.loop import EngineLoop
 from bi_core.serve.messages import (
+    CONTROL,
     FROM_ENGINE,
     TO_ENGINE,
     Abort,
+    AbortRequests,
     Add,
     Added,
+    ControlDone,
+    ControlFailed,
+    DestroyWeightsUpdateGroup,
     EngineInfo,
+    GetWeightVersion,
+    InitWeightsUpdateGroup,
+    IsPaused,
+    IsSleeping,
     Out,
+    PauseGeneration,
     Ready,
     Refused,
+    ResetPrefixCache,
+    ResumeGeneration,
+    Sleep,
     StartFailed,
     Stop,
     Stopped,
     UnexpectedMessage,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    WakeUp,
 )
 from bi_core.serve.metrics import Counts
 
@@ -39,10 +55,29 @@ EXAMPLES = [
             ([4], SamplingParams())]),
     Abort([3, 4]),
     Stop(20.0),
-    Ready(EngineInfo(max_model_len=512, batch_invariant=True, vocab_size=256, max_num_seqs=64)),
+    PauseGeneration(2, "keep", False),
+    ResumeGeneration(3),
+    IsPaused(4),
+    AbortRequests(5, [3, 4]),
+    AbortRequests(6, None),
+    ResetPrefixCache(7),
+    Sleep(8, 1, "abort"),
+    WakeUp(9, ["weights"]),
+    WakeUp(10, None),
+    IsSleeping(11),
+    GetWeightVersion(12),
+    InitWeightsUpdateGroup(13, "127.0.0.1", 29500, 1, 2, "weight_update_group", None),
+    UpdateWeightsFromDistributed(14, ["model.norm.weight"], ["float32"], [[64]], "weight_update_group", True, 3,
+                                 False),
+    DestroyWeightsUpdateGroup(15, "weight_update_group"),
+    UpdateWeightsFromDisk(16, "/ckpt", True),
+    Ready(EngineInfo(max_model_len=512, batch_invariant=True, vocab_size=256, max_num_seqs=64, tensor_parallel_size=2)),
     StartFailed("cannot read the checkpoint"),
-    Added(0, [3, 4, 5]),
+    Added(0, [3, 4, 5], 2),
     Refused(1, "overloaded", "too many waiting requests (8); retry later"),
+    ControlDone(14, {"num_tensors": 1, "weight_version": 3}),
+    ControlDone(4, True),
+    ControlFailed(13, "invalid", "init_weights_update_group: master_port 0 is not a TCP port"),
     Out([(0, 0, [5], [-0.5], [{5: -0.5}], "h", None), (0, 1, [6], [-1.0], [], "i", OUTPUT)],
         Counts(step_seconds=[0.01], generated=2, finished={"stop": 1}, state={"running": 1.0}), None),
     Out([], Counts(), "engine step failed: boom"),
@@ -114,17 +149,19 @@ def test_the_engine_loop_dispatches_on_the_message_class():
                          ids=["old-tuple-add", "old-tuple-stop", "engine-side-message", "none"])
 def test_the_engine_loop_refuses_an_unexpected_message(msg):
     loop = EngineLoop(None, _Channel(msg), max_waiting=4)
+    expected = ", ".join(k.__name__ for k in TO_ENGINE)
+    assert expected.startswith("Add, Abort, Stop, PauseGeneration, ")
     with pytest.raises(UnexpectedMessage, match=r"the engine process got an unexpected message on the engine pipe, "
-                                                rf"of type {type(msg).__name__}: .*\(expected one of Add, Abort, Stop\)"):
+                                                rf"of type {type(msg).__name__}: .*\(expected one of {expected}\)"):
         loop._drain(0.0)  # not taken for a closed pipe: the engine process ends with this error
     assert not loop.stopping
 
 
-@pytest.mark.parametrize("msg", [("out", [], Counts(), None), Add(0, []), Ready(EXAMPLES[3].info)],
+@pytest.mark.parametrize("msg", [("out", [], Counts(), None), Add(0, []), Ready(next(m for m in EXAMPLES if isinstance(m, Ready)).info)],
                          ids=["old-tuple-out", "http-side-message", "second-ready"])
 def test_the_http_side_refuses_an_unexpected_message(msg):
     client = EngineClient.__new__(EngineClient)  # no engine process: the dispatcher raises before using one
     with pytest.raises(UnexpectedMessage, match=r"the HTTP process got an unexpected message on the engine pipe, "
-                                                rf"of type {type(msg).__name__}: .*\(expected one of Added, Refused, Out, "
-                                                r"Stopped\)"):
+                                                rf"of type {type(msg).__name__}: .*\(expected one of Added, Refused, "
+                                                r"ControlDone, ControlFailed, Out, Stopped\)"):
         client._dispatch(msg)

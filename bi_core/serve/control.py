@@ -1,0 +1,436 @@
+"""The routes an RL trainer drives a rollout server with: vLLM's names first (its RLHF and dev-mode
+routes), SGLang's as aliases, each answered once the engine did it, with the body those projects
+answer. Bad input gets one OpenAI-shaped error naming the parameter (SGLang's weight routes also
+carry ``success: false`` and ``message``, as SGLang answers). Long calls (a weight sync waits for
+the trainer's broadcast) wait on a future, holding no thread of the HTTP process.
+
+vLLM: ``POST /pause?mode=abort|wait|keep`` -> ``{"status": "paused"}``, ``POST /resume`` ->
+``{"status": "resumed"}``, ``GET /is_paused`` -> ``{"is_paused": bool}``, ``POST /sleep?level=1|2&mode=``
+and ``POST /wake_up?tags=weights&tags=kv_cache`` (empty 200), ``GET /is_sleeping``,
+``POST /reset_prefix_cache`` (empty 200), ``POST /abort_requests`` ``{"request_ids": [...]}`` (none:
+all) -> ``{"status": "aborted", "aborted": n}``, ``GET /get_world_size``, ``GET /weight_info``,
+``POST /init_weight_transfer_engine`` ``{"init_info": {...}}`` and ``POST /update_weights``
+``{"update_info": {...}}`` (the NCCL backend's fields).
+
+SGLang: ``POST /pause_generation`` ``{"mode": "abort"|"in_place"}``, ``POST /continue_generation``,
+``POST /abort_request`` ``{"rid", "abort_all"}``, ``GET|POST /flush_cache``,
+``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/update_weights_from_disk`` (``{"success", "message"}``),
+``GET|POST /release_memory_occupation`` and ``/resume_memory_occupation`` ``{"tags"}``,
+``GET /get_weight_version``, ``GET /get_model_info`` (and ``/model_info``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field, field_validator
+
+from bi_core.serve.errors import ApiError
+from bi_core.serve.messages import (
+    AbortRequests,
+    DestroyWeightsUpdateGroup,
+    GetWeightVersion,
+    InitWeightsUpdateGroup,
+    IsPaused,
+    IsSleeping,
+    PauseGeneration,
+    PauseMode,
+    ResetPrefixCache,
+    ResumeGeneration,
+    Sleep,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    WakeUp,
+)
+from bi_core.serve.protocol import STRICT
+
+WAKE_TAGS = ("weights", "kv_cache")  # vLLM's wake_up tags; SGLang's memory-occupation tags, as far as they go
+DEFAULT_GROUP = "weight_update_group"
+
+
+# ---------------------------------------------------------------------------------- request bodies
+
+
+class AbortRequestsBody(BaseModel):
+    """vLLM's ``/abort_requests``."""
+
+    model_config = STRICT
+    request_ids: list[str] | None = None
+
+
+class AbortRequestBody(BaseModel):
+    """SGLang's ``AbortReq``."""
+
+    model_config = STRICT
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGenerationBody(BaseModel):
+    """SGLang's ``PauseGenerationReqInput``: in_place keeps the requests (vLLM's keep)."""
+
+    model_config = STRICT
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+class ContinueGenerationBody(BaseModel):
+    model_config = STRICT
+
+
+class MemoryOccupationBody(BaseModel):
+    """SGLang's ``Release/ResumeMemoryOccupationReqInput``."""
+
+    model_config = STRICT
+    tags: list[str] | None = None
+
+
+class InitWeightsUpdateGroupBody(BaseModel):
+    """SGLang's ``InitWeightsUpdateGroupReqInput``. ``backend`` null lets the engine choose (NCCL on
+    GPUs, gloo on CPUs); SGLang's default is nccl."""
+
+    model_config = STRICT
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=2)
+    group_name: str = DEFAULT_GROUP
+    backend: Literal["nccl", "gloo"] | None = None
+
+
+class UpdateWeightsFromDistributedBody(BaseModel):
+    """SGLang's ``UpdateWeightsFromDistributedReqInput`` (``weight_version`` an integer here: the
+    engine numbers its versions; a string of digits is read as one)."""
+
+    model_config = STRICT
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    load_format: str | None = None
+
+    _no_load_format = field_validator("load_format")(lambda cls, v: _only_none(v, "load formats are not supported"))
+
+
+class DestroyWeightsUpdateGroupBody(BaseModel):
+    model_config = STRICT
+    group_name: str = DEFAULT_GROUP
+
+
+class UpdateWeightsFromDiskBody(BaseModel):
+    """SGLang's ``UpdateWeightFromDiskReqInput``: the engine numbers the new weights itself (its
+    version + 1), so ``weight_version`` is refused; the prefix cache is always dropped."""
+
+    model_config = STRICT
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    flush_cache: bool = True
+
+    _no_load_format = field_validator("load_format")(lambda cls, v: _only_none(v, "load formats are not supported"))
+    _no_version = field_validator("weight_version")(lambda cls, v: _only_none(
+        v, "the engine numbers the weights of a disk update itself (its version + 1)"))
+
+    @field_validator("flush_cache")
+    @classmethod
+    def _always_flush(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("a weight update always drops the prefix cache (its entries were computed with the old "
+                             "weights)")
+        return v
+
+
+class NcclInitInfo(BaseModel):
+    """vLLM's ``NCCLWeightTransferInitInfo``."""
+
+    model_config = STRICT
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=2)
+
+
+class InitWeightTransferBody(BaseModel):
+    model_config = STRICT
+    init_info: NcclInitInfo
+
+
+class NcclUpdateInfo(BaseModel):
+    """vLLM's ``NCCLWeightTransferUpdateInfo``. The tensors come packed in buckets, as
+    ``bi_core.rl.WeightSender`` sends them; one broadcast per tensor (``packed: false``) is not read."""
+
+    model_config = STRICT
+    names: list[str] = Field(min_length=1)
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool = True
+
+    @field_validator("packed")
+    @classmethod
+    def _packed(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("the trainer must send packed buckets (bi_core.rl.WeightSender); one broadcast per "
+                             "tensor is not read")
+        return v
+
+
+class UpdateWeightsBody(BaseModel):
+    model_config = STRICT
+    update_info: NcclUpdateInfo
+
+
+REQUEST_MODELS = {
+    "/abort_requests": AbortRequestsBody, "/abort_request": AbortRequestBody, "/pause_generation": PauseGenerationBody,
+    "/continue_generation": ContinueGenerationBody, "/release_memory_occupation": MemoryOccupationBody,
+    "/resume_memory_occupation": MemoryOccupationBody, "/init_weights_update_group": InitWeightsUpdateGroupBody,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
+    "/update_weights_from_disk": UpdateWeightsFromDiskBody, "/init_weight_transfer_engine": InitWeightTransferBody,
+    "/update_weights": UpdateWeightsBody,
+}
+# SGLang answers these {"success": bool, "message": str}, failures included
+SUCCESS_STYLE = frozenset({"/init_weights_update_group", "/update_weights_from_distributed",
+                           "/destroy_weights_update_group", "/update_weights_from_disk"})
+
+
+def _only_none(v, why: str):
+    if v is not None:
+        raise ValueError(f"{why}; leave it out (null)")
+    return v
+
+
+def _weight_version(v: int | str | None) -> int | None:
+    if isinstance(v, str):
+        if not v.isdigit():
+            raise ApiError(400, f"weight_version must be an integer (the engine's versions are integers), got {v!r}",
+                           param="weight_version")
+        return int(v)
+    if v is not None and v < 0:
+        raise ApiError(400, f"weight_version must be >= 0, got {v}", param="weight_version")
+    return v
+
+
+def _check_lengths(names: list[str], dtypes: list[str], shapes: list[list[int]], dtype_param: str) -> None:
+    if len(dtypes) != len(names):
+        raise ApiError(400, f"{dtype_param} has {len(dtypes)} entries for {len(names)} names", param=dtype_param)
+    if len(shapes) != len(names):
+        raise ApiError(400, f"shapes has {len(shapes)} entries for {len(names)} names", param="shapes")
+
+
+def _tags(tags: list[str] | None) -> list[str] | None:
+    if tags is not None:
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad or not tags:
+            raise ApiError(400, f"tags must be a non-empty list of {', '.join(WAKE_TAGS)} (or left out: all); got "
+                                f"{tags}", param="tags")
+    return tags
+
+
+def install(app: FastAPI, server) -> None:
+    call = server.call
+
+    # ------------------------------------------------------------------ pause / resume / abort (vLLM)
+
+    @app.post("/pause")
+    async def pause(mode: Annotated[PauseMode | None, Query()] = None,
+                    clear_cache: Annotated[bool | None, Query()] = None,
+                    wait_for_inflight_requests: Annotated[bool, Query()] = False):
+        """vLLM's pause: abort the requests in flight, wait for them, or keep them frozen until
+        /resume; new requests wait. ``clear_cache`` (default true, false with keep) drops the
+        prefix cache once paused. ``wait_for_inflight_requests`` is vLLM's older spelling of wait."""
+        if wait_for_inflight_requests:
+            if mode not in (None, "wait"):
+                raise ApiError(400, f"wait_for_inflight_requests=true means mode=wait; got mode={mode}", param="mode")
+            mode = "wait"
+        mode = mode or "abort"
+        if clear_cache and mode == "keep":
+            raise ApiError(400, "clear_cache cannot be used with mode=keep: the kept requests go on from their "
+                                "cache", param="clear_cache")
+        await call(PauseGeneration, mode=mode, clear_cache=mode != "keep" if clear_cache is None else clear_cache)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await call(ResumeGeneration)
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": await call(IsPaused)}
+
+    @app.post("/abort_requests")
+    async def abort_requests(body: AbortRequestsBody | None = None):
+        """vLLM's: abort these requests (by the ids their responses carry), or all of them."""
+        ids = body.request_ids if body is not None else None
+        if not ids:
+            return {"status": "aborted", "aborted": await call(AbortRequests, request_ids=None)}
+        missing = [i for i in ids if i not in server.requests]
+        if missing:
+            raise ApiError(404, f"no unfinished request with id {missing[0]!r} (finished already, or never sent)",
+                           param="request_ids", code="request_not_found")
+        engine_ids = sorted({c.request_id for i in ids for c in server.requests[i] if c.output is None})
+        await call(AbortRequests, request_ids=engine_ids)
+        return {"status": "aborted", "aborted": len(ids)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: Annotated[bool, Query()] = False,
+                                 reset_external: Annotated[bool, Query()] = False):
+        if reset_running_requests:
+            raise ApiError(400, "reset_running_requests is not supported: pause (or abort) the running requests "
+                                "first", param="reset_running_requests")
+        if reset_external:
+            raise ApiError(400, "this engine has no external (connector) cache", param="reset_external")
+        if not await call(ResetPrefixCache):
+            raise ApiError(400, "the engine did not reset its prefix cache (requests are running, or prefix caching "
+                                "is off)")
+        return Response(status_code=200)
+
+    # ------------------------------------------------------------------ sleep / wake (vLLM)
+
+    @app.post("/sleep")
+    async def sleep(level: Annotated[int, Query()] = 1, mode: Annotated[PauseMode, Query()] = "abort"):
+        """vLLM's sleep: pause (mode, unless paused), then release the KV cache and the GDN state,
+        and move the weights to host memory (level 1) or drop them (level 2)."""
+        if level not in (1, 2):
+            raise ApiError(400, f"level must be 1 (weights to host memory) or 2 (weights dropped), got {level}",
+                           param="level")
+        await call(Sleep, level=level, mode=mode)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None):
+        await call(WakeUp, tags=_tags(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": await call(IsSleeping)}
+
+    # ------------------------------------------------------------------ facts (vLLM)
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: Annotated[bool, Query()] = True):
+        return {"world_size": server.tensor_parallel_size}  # no data parallelism: the same with or without it
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": await call(GetWeightVersion)}
+
+    # ------------------------------------------------------------------ weight transfer (vLLM, NCCL backend)
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(body: InitWeightTransferBody):
+        i = body.init_info
+        await call(InitWeightsUpdateGroup, master_address=i.master_address, master_port=i.master_port,
+                   rank_offset=i.rank_offset, world_size=i.world_size, group_name=DEFAULT_GROUP, backend=None)
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsBody):
+        u = body.update_info
+        _check_lengths(u.names, u.dtype_names, u.shapes, "dtype_names")
+        await call(UpdateWeightsFromDistributed, names=u.names, dtypes=u.dtype_names, shapes=u.shapes,
+                   group_name=DEFAULT_GROUP, flush_cache=True, weight_version=None, abort_all=False)
+        return {"message": "Weights updated"}
+
+    # ------------------------------------------------------------------ SGLang's names
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationBody | None = None):
+        mode = body.mode if body is not None else "abort"
+        if mode == "retract":
+            raise ApiError(400, "mode retract (requests back to the queue, their cache recomputed) is not supported: "
+                                "use in_place (they keep their cache and go on after /continue_generation) or abort",
+                           param="mode")
+        await call(PauseGeneration, mode="keep" if mode == "in_place" else "abort", clear_cache=False)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(body: ContinueGenerationBody | None = None):
+        await call(ResumeGeneration)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequestBody):
+        """SGLang's: abort the request with this ``rid`` (its ``meta_info.id``, or the rid it was sent
+        with; an OpenAI response's id), or all with ``abort_all``."""
+        if body.abort_all:
+            await call(AbortRequests, request_ids=None)
+            return Response(status_code=200)
+        if not body.rid:
+            raise ApiError(400, "give the rid of the request to abort, or abort_all: true", param="rid")
+        choices = server.requests.get(body.rid)
+        if choices is None:
+            raise ApiError(404, f"no unfinished request with id {body.rid!r} (finished already, or never sent)",
+                           param="rid", code="request_not_found")
+        await call(AbortRequests, request_ids=[c.request_id for c in choices if c.output is None])
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        done = await call(ResetPrefixCache)
+        return PlainTextResponse("Cache flushed.\n" if done else "Cache not flushed: the engine did not reset its "
+                                 "prefix cache (requests are running, or prefix caching is off).\n",
+                                 status_code=200 if done else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupBody):
+        await call(InitWeightsUpdateGroup, master_address=body.master_address, master_port=body.master_port,
+                   rank_offset=body.rank_offset, world_size=body.world_size, group_name=body.group_name,
+                   backend=body.backend)
+        return {"success": True, "message": f"Succeeded to initialize the weights update group {body.group_name!r}."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody):
+        _check_lengths(body.names, body.dtypes, body.shapes, "dtypes")
+        version = _weight_version(body.weight_version)
+        done = await call(UpdateWeightsFromDistributed, names=body.names, dtypes=body.dtypes, shapes=body.shapes,
+                          group_name=body.group_name, flush_cache=body.flush_cache, weight_version=version,
+                          abort_all=body.abort_all_requests)
+        return {"success": True, "message": f"Succeeded to update parameter online from distributed: "
+                                            f"{done['num_tensors']} tensors, weight version {done['weight_version']}.",
+                "weight_version": done["weight_version"]}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody | None = None):
+        group = body.group_name if body is not None else DEFAULT_GROUP
+        await call(DestroyWeightsUpdateGroup, group_name=group)
+        return {"success": True, "message": f"Succeeded to destroy the weights update group {group!r}."}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskBody):
+        done = await call(UpdateWeightsFromDisk, path=body.model_path, abort_all=body.abort_all_requests)
+        return {"success": True, "message": f"Succeeded to update model weights: {done['num_tensors']} tensors, "
+                                            f"weight version {done['weight_version']}.",
+                "num_paused_requests": 0, "weight_version": done["weight_version"]}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(body: MemoryOccupationBody | None = None):
+        """SGLang's: release the KV cache and the weights (kept in host memory: vLLM's sleep level 1)."""
+        tags = _tags(body.tags if body is not None else None)
+        if tags is not None and set(tags) != set(WAKE_TAGS):
+            raise ApiError(400, f"release tags {tags}: this engine releases the KV cache and the weights together "
+                                f"(leave tags out, or give {list(WAKE_TAGS)}); /resume_memory_occupation can restore "
+                                "them one at a time", param="tags")
+        await call(Sleep, level=1, mode="abort")
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(body: MemoryOccupationBody | None = None):
+        await call(WakeUp, tags=_tags(body.tags if body is not None else None))
+        return JSONResponse(None)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": await call(GetWeightVersion)}
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info():
+        return {"model_path": server.model_name, "tokenizer_path": None, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": await call(GetWeightVersion)}
