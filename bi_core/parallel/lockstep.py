@@ -10,7 +10,10 @@ sampled tokens are the same on every rank (the logits are gathered whole to ever
 sampled with the same keys), so every rank makes the same decisions and issues the same
 collectives without any per-step plan being shipped. What travels is typed (``AddRequest``,
 ``AddScoreRequest``, ``Abort``, ``Step``, ``UpdateWeightsFromPath``, ``ReceiveWeights``,
-``Shutdown``): the scheduler's intake plus the step, never method names. This is SGLang's arrangement (a scheduler
+``ResetPrefixCache``, ``HoldAdmissions``/``ReleaseAdmissions`` around a pause's drain, the
+weight-sync calls ``InitWeightsUpdateGroup``/``UpdateWeightsFromTrainer``/
+``DestroyWeightsUpdateGroup``, ``Shutdown``): the scheduler's intake plus the step, never method
+names. This is SGLang's arrangement (a scheduler
 per TP rank, requests broadcast from rank 0); it keeps AR, MTP, n-sample forks, prefix caching
 and scoring working unchanged under TP. Each step also carries rank 0's step count and request
 counters, so a rank that drifted stops with an error instead of deadlocking silently."""
@@ -92,11 +95,61 @@ class ReceiveWeights:
 
 
 @attrs.frozen
+class ResetPrefixCache:
+    """``LLMEngine.reset_prefix_cache`` on rank 0 (also ``pause_generation(clear_cache=True)``)."""
+
+
+@attrs.frozen
+class HoldAdmissions:
+    """``pause_generation(mode='wait')`` on rank 0 starts draining: queued requests not started are held back."""
+
+
+@attrs.frozen
+class ReleaseAdmissions:
+    """The drain is over: the held requests are queued again."""
+
+
+@attrs.frozen
+class InitWeightsUpdateGroup:
+    """``init_weights_update_group`` on rank 0, checked there: every rank joins the trainer's group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+
+
+@attrs.frozen
+class UpdateWeightsFromTrainer:
+    """``update_weights_from_distributed`` on rank 0: every rank checks, takes part in the handshake
+    and receives the buckets from the trainer (not from rank 0)."""
+
+    names: list
+    dtypes: list
+    shapes: list
+    group_name: str
+    flush_cache: bool
+    weight_version: int | None
+
+
+@attrs.frozen
+class DestroyWeightsUpdateGroup:
+    """``destroy_weights_update_group`` on rank 0."""
+
+    group_name: str
+
+
+@attrs.frozen
 class Shutdown:
     """Rank 0's engine is closing."""
 
 
-Message = AddRequest | AddScoreRequest | Abort | Step | UpdateWeightsFromPath | ReceiveWeights | Shutdown
+Message = (AddRequest | AddScoreRequest | Abort | Step | UpdateWeightsFromPath | ReceiveWeights | ResetPrefixCache
+           | HoldAdmissions | ReleaseAdmissions | InitWeightsUpdateGroup | UpdateWeightsFromTrainer
+           | DestroyWeightsUpdateGroup | Shutdown)
 
 
 class Driver:
@@ -190,11 +243,35 @@ def replay(engine, message: Message, rank: int) -> bool:
             for name, shape, dtype in meta:
                 update_weights(engine.model, TensorDict([(name, receive_tensor(shape, dtype, engine.device))]))
             engine.after_weight_update()
+        case ResetPrefixCache():
+            engine.reset_prefix_cache()
+        case HoldAdmissions():
+            engine.rollout.hold_admissions()
+        case ReleaseAdmissions():
+            engine.rollout.release_admissions()
+        case InitWeightsUpdateGroup() | UpdateWeightsFromTrainer() | DestroyWeightsUpdateGroup():
+            weight_sync(engine, message, rank)
         case Shutdown():
             return False
         case _:
             raise BiEngineError(f"tensor-parallel rank {rank}: unexpected message from rank 0: {message!r}")
     return True
+
+
+def weight_sync(engine, message: Message, rank: int) -> None:
+    """A weight-sync call on this rank. Its failure is logged and the lock-step goes on: rank 0
+    raises its own (a refusal is the same on every rank; a transfer that fails on one rank fails
+    the confirmation on all, and rank 0 then refuses requests until a complete update lands)."""
+    try:
+        match message:
+            case InitWeightsUpdateGroup(address, port, offset, world, name, backend, timeout_s):
+                engine.init_weights_update_group(address, port, offset, world, name, backend, timeout_s)
+            case UpdateWeightsFromTrainer(names, dtypes, shapes, name, flush_cache, version):
+                engine.update_weights_from_distributed(names, dtypes, shapes, name, flush_cache, version)
+            case DestroyWeightsUpdateGroup(name):
+                engine.destroy_weights_update_group(name)
+    except BiEngineError as e:  # a refusal (a RequestError, CheckpointError) is rank 0's to report
+        log.log(logging.WARNING if type(e) is BiEngineError else logging.INFO, "tensor-parallel rank %d: %s", rank, e)
 
 
 def receive_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

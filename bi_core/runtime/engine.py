@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
 import attrs
 import torch
@@ -18,13 +17,15 @@ from tqdm import tqdm
 
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError, RequestError
-from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
 from bi_core.models.qwen3_5 import check_tensor_parallel
 from bi_core.models.tokenizer import tokenizer_for
 from bi_core.parallel import lockstep
 from bi_core.parallel.shard import TPInfo
 from bi_core.policies.apply import applied
 from bi_core.registry import Registry
+from bi_core.rl.api import RolloutAPI
+from bi_core.rl.control import PauseControl
+from bi_core.rl.receiver import WeightSync
 from bi_core.runtime.build import build_parts, explain, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
 from bi_core.runtime.overlap import Overlap
@@ -43,7 +44,10 @@ log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "explain", "resolve_model"]  # explain and resolve_model: built in runtime/build.py
 
 
-class LLMEngine:
+class LLMEngine(RolloutAPI):
+    """Requests and the step loop here; weight updates, weight sync from a trainer and pause/resume in
+    ``bi_core.rl.api.RolloutAPI``."""
+
     def __init__(self, config: EngineConfig, registry: Registry | None = None, *, tp_rank: int = 0) -> None:
         """``tp_rank``: set only by a tensor-parallel worker process (``bi_core.parallel.lockstep``);
         users build rank 0, which starts the other ranks itself."""
@@ -65,9 +69,11 @@ class LLMEngine:
         self.intake = Intake(tokenizer=self.tokenizer, vocab_size=self.args.vocab_size,
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                              seed=config.seed)
+        self.intake.routed_experts = self.runner.routing is not None
         self.eos_ids = self.args.eos_token_ids
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
+        self.rollout, self.weight_sync = PauseControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
         self.num_steps = 0
         self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None
@@ -116,16 +122,17 @@ class LLMEngine:
         """What every rank must agree on before a step: (steps run, next request id, requests)."""
         return self.num_steps, self.intake.next_id, len(self.requests)
 
-    def _mirror(self, message) -> None:
-        """Tensor parallel, rank 0: the other ranks replay this intake before the next step."""
+    def _mirror(self, message, now: bool = False) -> None:
+        """Tensor parallel, rank 0: the other ranks replay this before the next step (``now``: at once)."""
         if self._driver is not None:
-            self._driver.record(message)
+            self._driver.send_now(message) if now else self._driver.record(message)
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
         """Queue one request; raises RequestError / PromptTooLongError for a bad one. With ``text``
         (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
+        self.weight_sync.check_serving()
         seq = self.intake.request(prompt, params, text=text, weight_version=self.weight_version)
         self.requests.update((s.request_id, s) for s in seq.group)
         self.scheduler.add(seq)
@@ -136,6 +143,7 @@ class LLMEngine:
                           logprobs: int = 0) -> Sequence:
         """Queue one scoring request: the logprob of each continuation token after the prompt
         (see ``score``). Steps run it alongside generation requests."""
+        self.weight_sync.check_serving()
         seq = self.intake.score_request(prompt, continuation, exact=exact, logprobs=logprobs,
                                         weight_version=self.weight_version)
         self.requests[seq.request_id] = seq
@@ -159,10 +167,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step loop
 
+    def has_work(self) -> bool:
+        """Whether ``step()`` would run anything: unfinished requests and not paused."""
+        return not self.rollout.paused and self.scheduler.has_work()
+
     def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished in it."""
-        if not self.scheduler.has_work():
-            return []
+        """One engine step; returns the sequences that finished in it (none while paused)."""
+        return self._step() if self.has_work() else []
+
+    def _step(self) -> list[Sequence]:
         if self._driver is not None:
             self._driver.send_now(lockstep.Step(self.lockstep_check()))
         self.num_steps += 1
@@ -190,40 +203,6 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         return done
 
-    # ------------------------------------------------------------------ weights
-
-    def update_weights(self, weights, *, abort_unfinished: bool = False) -> int:
-        """Copy new weights into the model's parameters in place (CUDA graphs stay valid); returns
-        how many tensors were copied. ``weights``: a checkpoint directory, a ``{name: tensor}``
-        mapping (a trainer's ``state_dict``) or ``(name, tensor)`` pairs, Hugging Face or engine
-        names, any subset, any device; each in the engine's dtype or float32 (rounded as ``.to()``
-        rounds), anything else refused. Every name, shape and dtype is checked before anything
-        changes (a refused update copies and aborts nothing). Unfinished requests would mix two
-        models: they are an error, or aborted with ``abort_unfinished=True``. Cached prefixes are
-        dropped."""
-        if self.requests and not abort_unfinished:
-            raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
-                               "mix two models. Finish them, or pass abort_unfinished=True")
-        is_path = isinstance(weights, (str, Path))
-        source = CheckpointIndex(weights) if is_path else TensorDict(weights)
-        steps = check_update(self.model, source)  # raises before any request is aborted or any rank is sent to
-        for rid in list(self.requests):
-            self.abort(rid)
-        if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
-            self._driver.send_update(str(weights) if is_path else source, [st.name for st in steps], self.device)
-        count = apply_update(self.model, source, steps)
-        self.after_weight_update()
-        return count
-
-    def after_weight_update(self) -> None:
-        """New weights are in (every rank): cached prefixes are stale, results get a new version."""
-        self.model.refresh_draft_head()
-        if self.cache.prefix is not None:
-            self.cache.prefix.clear()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.weight_version += 1
-
     # ------------------------------------------------------------------ batch API
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -234,6 +213,7 @@ class LLMEngine:
         str, or a flat sequence of ids (``[1, 2, 3]``, a 1-D array), which gives a list of one
         result. A request that cannot be served (too long, bad ids) gets ``finish_reason='error'``
         while the others go on."""
+        self.rollout.refuse_if_paused("generate")
         prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
         params = params or SamplingParams()
         per_request = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -259,6 +239,7 @@ class LLMEngine:
         and continuation, faster, equal only to float tolerance. ``logprobs``: also the top-N
         per token. A pair that cannot be scored comes back with ``error`` set. As in ``generate``,
         a lone prompt and continuation (a str, or a flat sequence of ids each) are one pair."""
+        self.rollout.refuse_if_paused("score")
         prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
         continuations = [continuations] if is_one_prompt(continuations) else list(continuations)
         if len(prompts) != len(continuations):
@@ -274,7 +255,7 @@ class LLMEngine:
 
     def _run_all(self, total: int, desc: str, progress: bool) -> None:
         bar = tqdm(total=total, desc=desc, unit="req", disable=not progress)
-        while self.scheduler.has_work():
+        while self.has_work():
             bar.update(len(self.step()))
         bar.close()
 

@@ -1,0 +1,100 @@
+"""The engine's API for RL trainers and weights, mixed into ``LLMEngine`` (``runtime/engine.py``
+holds requests and the step loop): in-process weight updates, weight sync from a trainer process
+(``receiver.py``; the protocol in ``protocol.py``), and generation control around a sync
+(``control.py``). Each method is thin: the machinery lives in those modules, its state in
+``engine.rollout`` (PauseControl) and ``engine.weight_sync`` (WeightSync)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bi_core.errors import RequestError
+from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
+
+
+class RolloutAPI:
+    """Methods of ``LLMEngine`` (they use its model, cache, requests and lock-step driver)."""
+
+    def abort_all(self) -> int:
+        """Abort every unfinished request (``finish_reason='abort'``); returns how many."""
+        rids = list(self.requests)
+        for rid in rids:
+            if rid in self.requests:  # a prompt's samples not yet forked went with their leader
+                self.abort(rid)
+        return len(rids)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, weights, *, abort_unfinished: bool = False) -> int:
+        """Copy new weights into the model's parameters in place (CUDA graphs stay valid); returns
+        how many tensors were copied. ``weights``: a checkpoint directory, a ``{name: tensor}``
+        mapping (a trainer's ``state_dict``) or ``(name, tensor)`` pairs, Hugging Face or engine
+        names, any subset, any device; each in the engine's dtype or float32 (rounded as ``.to()``
+        rounds), anything else refused. Every name, shape and dtype is checked before anything
+        changes (a refused update copies and aborts nothing). Unfinished requests would mix two
+        models: they are an error, or aborted with ``abort_unfinished=True``. Cached prefixes are
+        dropped."""
+        if self.requests and not abort_unfinished:
+            raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
+                               "mix two models. Finish them, or pass abort_unfinished=True")
+        is_path = isinstance(weights, (str, Path))
+        source = CheckpointIndex(weights) if is_path else TensorDict(weights)
+        steps = check_update(self.model, source)  # raises before any request is aborted or any rank is sent to
+        for rid in list(self.requests):
+            self.abort(rid)
+        if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
+            self._driver.send_update(str(weights) if is_path else source, [st.name for st in steps], self.device)
+        count = apply_update(self.model, source, steps)
+        self.after_weight_update()
+        self.weight_sync.landed(st.name for st in steps)
+        return count
+
+    def after_weight_update(self, flush_cache: bool = True, version: int | None = None) -> None:
+        """New weights are in (every rank): cached prefixes are stale (dropped unless ``flush_cache``
+        is False), results get a new version (``version``, else the next)."""
+        self.model.refresh_draft_head()
+        if flush_cache and self.cache.prefix is not None:
+            self.cache.prefix.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.weight_version = self.weight_version + 1 if version is None else version
+
+    # ------------------------------------------------------------------ RL: pause, weight sync (bi_core/rl)
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Stop generating: mode ``abort`` (abort every unfinished request), ``wait`` (run the
+        started ones to their end here, hold the rest) or ``keep`` (freeze them; they go on after
+        ``resume_generation``, bitwise as if never paused); ``clear_cache`` resets the prefix cache."""
+        self.rollout.pause(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.rollout.resume()
+
+    def is_paused(self) -> bool:
+        return self.rollout.paused
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (running requests keep their pages); False if prefix caching is off."""
+        return self.rollout.reset_prefix_cache()
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout_s: float = 300.0) -> None:
+        """Join a trainer's weight-update group: trainer rank 0, engine rank r at ``rank_offset + r``;
+        backend None: nccl on CUDA, gloo on the CPU. Blocks until every member joined (``bi_core.rl.protocol``)."""
+        self.weight_sync.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                    timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: int | None = None) -> int:
+        """Receive tensors broadcast by the trainer (``bi_core.rl.WeightSender``): checked like
+        ``update_weights`` before anything is received, refused while a request has started
+        (pause first); returns how many tensors were copied. ``weight_version``: the new version
+        (else the next)."""
+        return self.weight_sync.receive(names, dtypes, shapes, group_name, flush_cache, weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.weight_sync.destroy_group(group_name)

@@ -1,0 +1,85 @@
+"""Generation control around a weight sync: pause, resume, abort everything, reset the prefix cache
+(vLLM's ``pause_generation(mode, clear_cache)`` semantics, in a synchronous engine).
+
+Modes:
+- ``abort``: every unfinished request ends now, ``finish_reason='abort'``.
+- ``wait``: the requests that have started run to their end (steps run inside the call); the
+  queued ones that have not started are held back meanwhile (admitted after ``resume``).
+- ``keep``: everything stays where it is; after ``resume`` the requests go on from where they
+  were, nothing lost or recomputed: the same bits as an uninterrupted run.
+
+While paused ``step()`` runs nothing and returns []; requests may still be added (they wait);
+``generate``/``score`` raise (they would wait forever). ``clear_cache`` drops the prefix cache
+(the KV pages and states of running requests are theirs, so ``keep`` still loses nothing).
+
+Tensor parallel: the pause itself needs no message (the other ranks step only when rank 0 says
+so); what changes scheduling does: the aborts (``Abort``), holding and releasing the queued
+requests around a ``wait`` drain (``HoldAdmissions``/``ReleaseAdmissions``) and the prefix-cache
+reset (``ResetPrefixCache``)."""
+
+from __future__ import annotations
+
+from bi_core.errors import RequestError
+from bi_core.parallel import lockstep
+from bi_core.rl.receiver import started
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class PauseControl:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.paused = False
+        self.mode: str | None = None  # the last pause's mode, while paused
+        self._held: list = []  # queued requests held back during a ``wait`` drain
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause_generation: mode {mode!r} is not one of {', '.join(map(repr, PAUSE_MODES))}")
+        if mode == "abort":
+            self.engine.abort_all()
+        elif mode == "wait":
+            self._drain()
+        self.paused, self.mode = True, mode
+        if clear_cache:
+            self.reset_prefix_cache()
+
+    def resume(self) -> None:
+        self.paused, self.mode = False, None
+
+    def refuse_if_paused(self, what: str) -> None:
+        if self.paused:
+            raise RequestError(f"{what}: the engine is paused (pause_generation(mode={self.mode!r})); it would wait "
+                               "forever. Call resume_generation() first")
+
+    def reset_prefix_cache(self) -> bool:
+        prefix = self.engine.cache.prefix
+        if prefix is None:
+            return False
+        self.engine._mirror(lockstep.ResetPrefixCache())
+        prefix.clear()
+        return True
+
+    def _drain(self) -> None:
+        """Run the started requests to their end, the queued ones held back."""
+        e = self.engine
+        e._mirror(lockstep.HoldAdmissions())
+        self.hold_admissions()
+        try:
+            while e.scheduler.has_work():
+                e._step()
+        finally:
+            e._mirror(lockstep.ReleaseAdmissions())
+            self.release_admissions()
+
+    def hold_admissions(self) -> None:
+        """Take the queued requests that have not started out of the scheduler's queue (a preempted
+        request is queued too, but it has started: it stays, to finish)."""
+        waiting = self.engine.scheduler.waiting
+        self._held = [s for s in waiting if not started(s)]
+        for s in self._held:
+            waiting.remove(s)
+
+    def release_admissions(self) -> None:
+        self.engine.scheduler.waiting.extend(self._held)  # admission order is by request id, not queue order
+        self._held = []

@@ -1,0 +1,207 @@
+"""The engine's side of weight sync from a trainer (the protocol: ``bi_core.rl.protocol``).
+
+Each engine rank (tensor parallel: every rank, told by rank 0 through the lock-step) joins the
+group, checks an update's metadata against its model, takes part in the handshake, receives the
+buckets and copies each into its model as it lands (its own shard of every full tensor, as
+``update_weights`` does), then confirms.
+
+Unfinished requests: an update is refused while any request has started (a token computed: its
+tokens would mix two models), as ``update_weights`` refuses; RL users pause first, with mode
+``abort`` or ``wait`` (a request kept by mode ``keep`` has started, so it blocks an update).
+Requests queued but not started (added while paused, or held by mode ``wait``) stay queued and
+run wholly on the new weights; their ``weight_version`` becomes the new one.
+
+A failure after some buckets were copied leaves the model part old, part new: the engine then
+refuses new requests (``check_serving``) until an update that rewrites those tensors lands."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+
+import torch
+
+from bi_core.errors import BiEngineError, CheckpointError, RequestError
+from bi_core.models.loader import TensorDict, apply_update, check_update
+from bi_core.parallel import lockstep
+from bi_core.rl.protocol import (
+    GO,
+    REFUSED,
+    WeightGroup,
+    bucket_layout,
+    fingerprint,
+    nbytes,
+    no_go,
+    parse_dtype,
+    parse_shape,
+    resolve_backend,
+    view,
+)
+from bi_core.runtime.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+WHAT = "update_weights_from_distributed"
+
+
+def started(seq: Sequence) -> bool:
+    """Whether a request has computed anything (a prompt chunk, a token, a score)."""
+    return (seq.status is not Status.WAITING or seq.num_computed > 0 or bool(seq.output_ids)
+            or bool(seq.scored_logprobs))
+
+
+def parse_metadata(names, dtypes, shapes) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
+    if not (isinstance(names, Seq) and isinstance(dtypes, Seq) and isinstance(shapes, Seq)) or isinstance(names, str):
+        raise RequestError("names, dtypes and shapes must be lists")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise RequestError(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: one of each per tensor")
+    if not names:
+        raise RequestError("no tensors to update (names is empty)")
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise RequestError(f"names must be strings, got {bad[:3]!r}")
+    seen, dup = set(), []
+    for n in names:
+        if n in seen:
+            dup.append(n)
+        seen.add(n)
+    if dup:
+        raise RequestError(f"names repeat: {dup[:5]}")
+    return list(names), [parse_dtype(d) for d in dtypes], [parse_shape(s) for s in shapes]
+
+
+class WeightSync:
+    """The weight-update groups this engine rank belongs to, and whether its weights are whole."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.groups: dict[str, WeightGroup] = {}
+        self.stale: set[str] = set()  # tensors an incomplete update wrote (engine names, normalised)
+        self.stale_reason = ""
+
+    # ------------------------------------------------------------------ serving
+
+    def check_serving(self) -> None:
+        """RequestError while an incomplete update left the model part old, part new."""
+        if self.stale:
+            raise RequestError(f"the engine's weights are incomplete: {self.stale_reason}; requests are refused "
+                               f"until an update that rewrites those {len(self.stale)} tensor(s) lands "
+                               "(update_weights_from_distributed or update_weights)")
+
+    def landed(self, names) -> None:
+        """A complete update wrote ``names``."""
+        self.stale.difference_update(names)
+
+    def _broke(self, err: BiEngineError, applied: list[str], done: int, total: int) -> None:
+        if applied:
+            self.stale.update(applied)
+            self.stale_reason = f"a weight update from the trainer failed after {done} of {total} bucket(s) " \
+                                f"were copied into the model ({err})"
+            log.error("%s", self.stale_reason)
+
+    # ------------------------------------------------------------------ the group
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str | None, timeout_s: float) -> None:
+        e = self.engine
+        ints = {"master_port": master_port, "rank_offset": rank_offset, "world_size": world_size}
+        bad = [k for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool)]
+        if bad or not isinstance(master_address, str) or not isinstance(group_name, str) or not group_name:
+            raise RequestError("init_weights_update_group: master_address and group_name must be non-empty "
+                               f"strings and {', '.join(ints)} ints")
+        if not 0 < master_port < 65536:
+            raise RequestError(f"init_weights_update_group: master_port {master_port} is not a TCP port")
+        if rank_offset < 1 or rank_offset + e.tp.world > world_size:
+            raise RequestError(f"init_weights_update_group: the trainer is rank 0, so this engine's {e.tp.world} "
+                               f"rank(s) need rank_offset >= 1 and rank_offset + {e.tp.world} <= world_size; got "
+                               f"rank_offset={rank_offset}, world_size={world_size}")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise RequestError(f"init_weights_update_group: timeout_s must be a positive number, got {timeout_s!r}")
+        if group_name in self.groups:
+            raise RequestError(f"init_weights_update_group: group '{group_name}' exists already "
+                               "(destroy_weights_update_group first)")
+        backend = resolve_backend(backend, e.device)
+        e._mirror(lockstep.InitWeightsUpdateGroup(master_address, master_port, rank_offset, world_size, group_name,
+                                                  backend, float(timeout_s)), now=True)
+        self.groups[group_name] = WeightGroup(group_name, master_address, master_port, rank_offset + e.tp.rank,
+                                              world_size, backend, e.device, float(timeout_s))
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self._group(group_name, "destroy_weights_update_group")
+        self.engine._mirror(lockstep.DestroyWeightsUpdateGroup(group_name), now=True)
+        del self.groups[group_name]
+        group.close()
+
+    def _group(self, group_name: str, what: str) -> WeightGroup:
+        if group_name not in self.groups:
+            raise RequestError(f"{what}: no weight-update group '{group_name}' (init_weights_update_group first; "
+                               f"groups now: {sorted(self.groups) or 'none'})")
+        return self.groups[group_name]
+
+    # ------------------------------------------------------------------ an update
+
+    def receive(self, names, dtypes, shapes, group_name: str, flush_cache: bool, weight_version: int | None) -> int:
+        """One update from the trainer (``protocol`` steps 2-5); returns how many tensors were copied."""
+        e = self.engine
+        group = self._group(group_name, WHAT)  # no handshake without the group: the trainer's request fails
+        meta, steps, refusal = self._check(names, dtypes, shapes, weight_version)
+        e._mirror(lockstep.UpdateWeightsFromTrainer(names, dtypes, shapes, group_name, flush_cache, weight_version),
+                  now=True)
+        rows = group.handshake([REFUSED if refusal else GO, 0, fingerprint(*meta) if meta else 0])
+        if refusal is not None:
+            raise refusal
+        why = no_go(rows)
+        if why is not None:
+            raise RequestError(f"{WHAT}: the handshake said no: {why}; nothing was changed")
+        names, dtypes, shapes = meta
+        layout = bucket_layout([nbytes(s, d) for s, d in zip(shapes, dtypes)], rows[0][1])
+        by_name = {st.name: st for st in steps}
+        applied: list[str] = []
+        failure = None
+        for i, bucket in enumerate(layout):
+            buf = torch.empty(bucket.size, dtype=torch.uint8, device=group.device)
+            try:
+                group.broadcast(buf, f"{WHAT}: receiving bucket {i + 1} of {len(layout)} from the trainer")
+            except BiEngineError as err:
+                self._broke(err, applied, i, len(layout))
+                raise
+            if failure is None:
+                part = TensorDict([(names[j], view(buf, off, n, shapes[j], dtypes[j])) for j, off, n in bucket.entries])
+                mine = [by_name[n] for n in part.names() if n in by_name]
+                applied += [st.name for st in mine]
+                try:
+                    apply_update(e.model, part, mine)
+                except (RuntimeError, BiEngineError) as err:
+                    failure = BiEngineError(f"{WHAT}: copying bucket {i + 1} of {len(layout)} into the model: {err}")
+        try:
+            worst = group.confirm(GO if failure is None else REFUSED)
+            if worst != GO:
+                raise failure or BiEngineError(f"{WHAT}: another member of weight-update group '{group_name}' "
+                                               "could not copy the update into its model")
+        except BiEngineError as err:
+            self._broke(err, applied, len(layout), len(layout))
+            raise
+        e.after_weight_update(flush_cache=flush_cache, version=weight_version)
+        for seq in e.requests.values():  # queued, not started (checked): they run wholly on the new weights
+            seq.weight_version = e.weight_version
+        self.landed(by_name)
+        return len(steps)
+
+    def _check(self, names, dtypes, shapes, weight_version):
+        """(metadata, copy steps, None), or (metadata or None, None, the refusal): nothing raised, so
+        that a refusal still takes part in the handshake."""
+        meta = None
+        try:
+            meta = parse_metadata(names, dtypes, shapes)
+            if weight_version is not None and (not isinstance(weight_version, int) or isinstance(weight_version, bool)
+                                               or weight_version < 0):
+                raise RequestError(f"weight_version must be an int >= 0 or None, got {weight_version!r}")
+            begun = [rid for rid, s in self.engine.requests.items() if started(s)]
+            if begun:
+                raise RequestError(f"{len(begun)} request(s) have started (e.g. request {begun[0]}); their tokens "
+                                   "would mix two models. Pause with mode 'abort' or 'wait' first (a request kept "
+                                   "by mode 'keep' has started), or let them finish")
+            source = TensorDict([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in zip(*meta)])
+            return meta, check_update(self.engine.model, source), None
+        except BiEngineError as err:
+            kind = RequestError if isinstance(err, RequestError) else CheckpointError
+            return meta, None, kind(f"{WHAT}: {str(err).removeprefix('update_weights: ')}")
