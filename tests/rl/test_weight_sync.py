@@ -334,3 +334,16 @@ def test_tp_messages_replay_the_weight_sync_calls():
     assert all(ls.replay(eng, m, rank=1) for m in msgs)
     assert eng.calls == [("init", "h", 1, 1, 3, "g", "gloo", 5.0), ("update", ["a"], ["float32"], [[2]], "g", True, 3),
                          ("destroy", "g")]
+
+
+def test_the_example_rl_loop_runs(monkeypatch, capsys):
+    """examples/rl_loop.py: a trainer process driving an engine process through generate ->
+    pause -> weight sync -> resume -> generate; every round's rollouts carry its weight version."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "examples"))
+    import rl_loop
+
+    assert rl_loop.main(steps=2) == [0, 1, 2]
+    out = capsys.readouterr().out
+    assert "synced 53 tensors -> weight_version 2" in out and "round 2: weight_version=2" in out
