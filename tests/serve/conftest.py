@@ -57,13 +57,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def families(server) -> dict:
+    """/metrics parsed: {sample name: [(labels, value), ...]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def labeled(server_or_scrape, name: str, **labels) -> float:
+    """One sample's value, by name and labels, from /metrics (or from one ``families`` scrape);
+    a sample the server does not export fails the test."""
+    scrape = server_or_scrape if isinstance(server_or_scrape, dict) else families(server_or_scrape)
+    samples = scrape.get(name, [])
+    found = [v for lab, v in samples if all(lab.get(k) == v2 for k, v2 in labels.items())]
+    assert len(found) == 1, f"/metrics has {len(found)} samples {name} {labels}: {samples}"
+    return found[0]
+
+
 class ServerProcess:
-    def __init__(self, tmp: Path, *extra: str, config: str = CONFIG) -> None:
+    def __init__(self, tmp: Path, *extra: str, config: str = CONFIG, env: dict | None = None) -> None:
         cfg = tmp / "serve.yaml"
         cfg.write_text(config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = tmp / "server.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "bi_core.cli", "serve", "--config", str(cfg), "--port",

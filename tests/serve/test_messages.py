@@ -87,7 +87,7 @@ EXAMPLES = [
 
 def test_the_examples_cover_every_message_kind():
     kinds = {type(m) for m in EXAMPLES}
-    assert kinds == set(TO_ENGINE) | set(FROM_ENGINE)
+    assert kinds == set(TO_ENGINE) | set(FROM_ENGINE) and set(CONTROL) < set(TO_ENGINE)
     defined = {c for _, c in inspect.getmembers(messages, inspect.isclass)
                if attrs.has(c) and c.__module__ == messages.__name__ and c is not EngineInfo}
     assert defined == kinds  # a new kind must be listed in TO_ENGINE or FROM_ENGINE (and tested here)
