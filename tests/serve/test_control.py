@@ -175,6 +175,9 @@ def test_reset_prefix_cache_drops_cached_prompts(ctl):
 
 
 def test_weight_version_and_world_size(ctl):
+    chat = post(ctl, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["metadata"] == {"weight_version": 0}, chat.text  # SGLang's place
     assert get(ctl, "/get_weight_version").json() == {"weight_version": 0}
     assert get(ctl, "/weight_info").json() == {"weight_version": 0}
     info = get(ctl, "/get_model_info").json()
