@@ -1,0 +1,330 @@
+"""Block-FP8 W8A8 linear layers (the Qwen3.5-*-FP8 checkpoints' format), batch-invariant.
+
+Format (issue 25). A quantized linear stores ``weight`` float8_e4m3fn ``[N, K]`` row-major and
+``weight_scale_inv`` float32 ``[ceil(N/128), ceil(K/128)]``: weight block (nb, kb) dequantizes as
+``wq[nb*128:(nb+1)*128, kb*128:(kb+1)*128].float() * ws[nb, kb]`` (ragged edge blocks included).
+Activations are quantized at run time, per token and group of 128 columns (``quantize_act``).
+
+Arithmetic (every operation below is in float32 and rounds to nearest even):
+
+- Activation group g of row m (columns past K count as 0): ``amax = max |x|`` (exact in any
+  order), ``xs[m, g] = max(amax, 1e-10) / 448`` and ``xq = e4m3(clamp(x / xs, -448, 448))``, both
+  divisions correctly rounded (``div_rn``: Triton's plain ``/`` is the approximate
+  ``div.full.f32`` on the GPU, which no CPU reference reproduces; vLLM's per-token-group
+  quantizer uses ``/``, so its xq/xs can differ from ours in the last place). The rounding to e4m3
+  (ties to even, sign kept, subnormals down to 2**-9) is done in float32 arithmetic
+  (``_round_e4m3``), so the cast to float8 that follows is exact: Triton's CPU interpreter casts
+  float32 to float8 wrongly (no ties-to-even, no carry into the exponent: -124 becomes -64);
+  with the rounding done first the interpreter runs the GPU's code and gets the GPU's bits.
+- GEMM, element (m, n): for each K block kb of 128 in ascending order,
+  ``p = dot(xq[m, kb], wq[n, kb])`` (a 128-deep dot from zero: one tensor-core instruction
+  sequence per block, its products exact), ``t = p * xs[m, kb]``,
+  ``acc = fma(t, ws[n // 128, kb], acc)``, starting from ``acc = 0``; y = ``acc`` rounded to
+  ``out_dtype``. This is the order of vLLM's and SGLang's Triton ``w8a8_block_fp8_matmul``
+  (``acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]``, which Triton's default fp fusion
+  compiles to this fma; written out here so it cannot depend on the fusion setting). DeepGEMM
+  multiplies the scales first (``acc += (xs * ws) * p``), so it can differ from both in the last
+  place. With SPLIT_K > 1 the K blocks are cut into SPLIT_K consecutive ranges of KB/SPLIT_K
+  blocks; each range is the loop above from zero, and the range sums are added in range order
+  (``((s0 + s1) + s2) + ...``), in one program (INLINE) or by the last program of the tile to
+  arrive (a per-tile counter elects it; it orders nothing arithmetic), the same bits either way.
+
+Invariance: quantization reads one row's group only. The GEMM's K order (BLOCK_K = 128, the
+split count and ranges) is fixed by (N, K) alone (``split_k_for``), never by M. The M bucket of
+``fp8_config`` picks BLOCK_M (64 or 128: never below 64, so every batch size runs its in-block
+dots on the same instruction, Hopper's wgmma; BLOCK_M 16 would switch to mma.sync, a different
+fp8 datapath whose agreement with wgmma nobody has measured), BLOCK_N, warps, stages, INLINE and
+whether ``fp8_linear`` quantizes inside the GEMM launch: none of these changes a row's
+operations or their order (the fused quantization is the same ``_quant_group`` code on the
+same (row, group) values). tests/kernels/test_fp8.py checks all of it bitwise under Triton's
+interpreter, with a dot that sums each element in K order (``ordered_dot``): what that proves is
+the kernel's own arithmetic. Whether the GPU's fp8 wgmma gives an element the same bits at every
+position in a tile and for every tile width (BLOCK_N 32..128, 4 or 8 warps) is the hardware's
+side: it held for bf16 on an H200 (docs/batch_invariance.md) and HAS NOT BEEN MEASURED FOR FP8.
+
+Tuning: none. No figure in this file was measured on a GPU; the tile table copies the bf16
+GEMM's reasoning (decode GEMVs need about TARGET_PROGRAMS programs: split-K fixed by (N, K)).
+
+API for the backends (all tensors on one CUDA device, or the CPU under TRITON_INTERPRET=1):
+
+- ``quantize_act(x [M, K] bf16/fp16/fp32, row stride any, unit column stride)``
+  -> ``(xq float8_e4m3fn [M, K] contiguous, xs float32 [M, ceil(K/128)] contiguous)``.
+- ``fp8_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, out=None, config=None)`` -> ``y [M, N]``:
+  xq ``[M, K]`` float8_e4m3fn, xs ``[M, ceil(K/128)]`` float32 (both unit column stride), wq
+  ``[N, K]`` float8_e4m3fn row-major, ws ``[ceil(N/128), ceil(K/128)]`` float32 (unit column
+  stride): the checkpoint's ``weight`` and ``weight_scale_inv`` as stored.
+- ``fp8_linear(x [..., K], wq, ws, out=None, config=None)`` -> ``[..., N]`` in x's dtype: the
+  same bits as ``fp8_gemm(*quantize_act(x), wq, ws, x.dtype)``; up to FUSE_QUANT_MAX_M rows the
+  quantization runs inside the GEMM launch (one launch, no xq/xs round trip).
+- ``fp8_config(m, n, k)``: the tile table (``config`` overrides it, for benchmarks and tests;
+  a different SPLIT_K is a different K order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
+from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_EPS = 1e-10  # floor of a group's amax (vLLM's eps): an all-zero group gets a finite scale
+BLOCK = 128  # activation group width = weight block side = the GEMM's BLOCK_K (the checkpoints' [128, 128])
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs), as in gemm.py
+DECODE_BLOCK_N = 32  # the tile width split counts are planned against (a decode GEMV's)
+MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a weight row, gemm.py's minimum)
+FUSE_QUANT_MAX_M = 64  # fp8_linear quantizes inside the GEMM up to this many rows (not measured)
+SMALL_M_MAX = 64  # rows up to which the decode tiles are used
+QUANT_BLOCK_M = 64  # rows per quantize_act program (a [64, 128] group tile; any value gives the same bits)
+MID_M_MAX = 256  # rows up to which 64-row tiles are used
+
+
+@triton.jit
+def _round_e4m3(v):
+    """``v`` (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, sign
+    kept (-0.0 stays -0.0), as a float32 holding that value exactly. Adding and subtracting
+    1.5 * 2**(e + 20) (e: v's binade, floored at e4m3's smallest normal 2**-6) leaves a float32
+    whose last place is e4m3's step 2**(e - 3) there, so float32's own rounding is e4m3's."""
+    bits = v.to(tl.uint32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = tl.maximum((mag >> 23).to(tl.int32) - 127, -6)
+    magic = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2**(e + 20)
+    r = (mag.to(tl.float32, bitcast=True) + magic) - magic
+    return (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_group(x):
+    """One group of 128 columns per row: ``x [R, 128]`` float32 (columns past K are 0) ->
+    (values: float32 holding e4m3 values, scale [R]). The one copy of this arithmetic: the
+    standalone quantizer and the fused GEMM must give the same bits."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, FP8_EPS), FP8_MAX)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = _round_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    return q, scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    rk = g * BLOCK + tl.arange(0, BLOCK)
+    m_ok = rm < M
+    mask = m_ok[:, None] & (rk < K)[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    x = tl.load(X + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quant_group(x)
+    tl.store(XQ + rows * stride_qm + rk[None, :], q.to(XQ.dtype.element_ty), mask=mask)
+    tl.store(XS + rm.to(tl.int64) * stride_sm + g, scale, mask=m_ok)
+
+
+@triton.jit
+def _k_blocks(A, AS, B, BS, rm, rn, M, N, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn, stride_bsn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_A: tl.constexpr, DOT: tl.constexpr):
+    """K blocks [kb_lo, kb_hi) of a tile in ascending order, from zero: per block a 128-deep dot
+    from zero, times the row scales, fma'd with the column scales into the fp32 accumulator.
+    With QUANT_A, A is the unquantized activation and each block is quantized here first."""
+    rk = tl.arange(0, BLOCK)
+    m_ok = rm < M
+    n_ok = rn < N
+    k0 = kb_lo * BLOCK
+    a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + (k0 + rk)[None, :]
+    b_ptr = B + rn.to(tl.int64)[None, :] * stride_bn + (k0 + rk)[:, None]
+    as_ptr = AS + rm.to(tl.int64) * stride_asm + kb_lo
+    bs_ptr = BS + (rn // BLOCK).to(tl.int64) * stride_bsn + kb_lo
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        k_ok = rk + kb * BLOCK < K
+        a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT_A:
+            q, a_s = _quant_group(a.to(tl.float32))
+            a = q.to(B.dtype.element_ty)  # exact: q holds e4m3 values
+        else:
+            a_s = tl.load(as_ptr, mask=m_ok, other=0.0)
+        b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        b_s = tl.load(bs_ptr, mask=n_ok, other=0.0)
+        part = mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT)
+        acc = tl.fma(part * a_s[:, None], b_s[None, :], acc)
+        a_ptr += BLOCK
+        b_ptr += BLOCK
+        as_ptr += 1
+        bs_ptr += 1
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
+def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_am, stride_asm, stride_bn,
+                     stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                     INLINE: tl.constexpr, QUANT_A: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb_total = tl.cdiv(K, BLOCK)
+    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    c_ptr = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    dt = C.dtype.element_ty
+    if INLINE:  # one program does every range and adds them in range order: no workspace
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            lo = s * KB_PER_SPLIT
+            acc = _k_blocks(A, AS, B, BS, rm, rn, M, N, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am,
+                            stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
+            total = tl.where(s == 0, acc, total + acc)  # range 0 as is (a -0.0 stays -0.0, as in the fix-up)
+        tl.store(c_ptr, total.to(dt), mask=c_mask)
+    else:  # a constexpr branch: without splits the workspace code is never compiled (WS, LOCKS may be C)
+        lo = split * KB_PER_SPLIT
+        acc = _k_blocks(A, AS, B, BS, rm, rn, M, N, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am,
+                        stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
+        if SPLIT_K == 1:
+            tl.store(c_ptr, acc.to(dt), mask=c_mask)
+        else:
+            tile_elems = rm.to(tl.int64)[:, None] * N + rn[None, :]
+            tl.store(WS + split * M * N + tile_elems, acc, mask=c_mask)
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+            arrived = tl.atomic_add(LOCKS + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last program of this tile adds the ranges in range order
+                total = tl.load(WS + tile_elems, mask=c_mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, SPLIT_K):
+                    total += tl.load(WS + s * M * N + tile_elems, mask=c_mask, other=0.0, cache_modifier=".cg")
+                tl.store(c_ptr, total.to(dt), mask=c_mask)
+                tl.atomic_xchg(LOCKS + pid, 0)  # left at zero for the next call (and graph replays)
+
+
+def split_k_for(n: int, k: int) -> int:
+    """The K order's split count: a function of (N, K) alone. Enough ranges that a one-row GEMM
+    fills about TARGET_PROGRAMS programs of DECODE_BLOCK_N columns, each range the same whole
+    number of K blocks and at least MIN_SPLIT_BLOCKS long."""
+    kb, tiles, split = triton.cdiv(k, BLOCK), triton.cdiv(n, DECODE_BLOCK_N), 1
+    while tiles * split < TARGET_PROGRAMS and kb // (2 * split) >= MIN_SPLIT_BLOCKS and kb % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+def fp8_config(m: int, n: int, k: int) -> dict:
+    """SPLIT_K (with BLOCK_K = 128) is the K order, from (N, K) alone. The M bucket (<= 64, <= 256,
+    more rows) picks only what cannot change a row's arithmetic: BLOCK_M 64 or 128 (never less:
+    the in-block dots stay on wgmma at every M), BLOCK_N, warps, stages, INLINE (the same range
+    sums in the same order, in one program) and FUSE_QUANT (the same quantization, in the GEMM's
+    launch). Untuned: the shapes follow gemm.py's reasoning, not a measurement."""
+    split = split_k_for(n, k)
+    if m <= SMALL_M_MAX:  # decode: one row tile, narrow columns, split programs for bandwidth
+        bm, bn, warps, stages = 64, DECODE_BLOCK_N, 4, 4
+    elif m <= MID_M_MAX:
+        bm, bn, warps, stages = 64, 128, 4, 3
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    inline = split > 1 and (tiles >= TARGET_PROGRAMS // 2 or tiles > MAX_LOCKS)
+    if m > SMALL_M_MAX:  # narrow the columns until about TARGET_PROGRAMS programs run
+        per_tile = 1 if inline else split
+        while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * per_tile < TARGET_PROGRAMS:
+            bn //= 2
+    bn = min(bn, max(16, triton.next_power_of_2(n)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "FUSE_QUANT": m <= FUSE_QUANT_MAX_M,
+            "num_warps": warps, "num_stages": stages}
+
+
+def quantize_act(x: torch.Tensor, block_m: int = QUANT_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 quantization: ``x [M, K]`` -> ``(xq float8_e4m3fn [M, K], xs float32
+    [M, ceil(K/128)])`` with ``x ≈ xq * xs`` per group of 128 columns; a row's output depends on
+    that row alone (``block_m`` rows per program: any value gives the same bits)."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "quantize_act: a 2-D activation with unit column stride"
+    m, k = x.shape
+    kb = triton.cdiv(k, BLOCK)
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quant_kernel[(triton.cdiv(m, block_m), kb)](x, xq, xs, m, k, x.stride(0), xq.stride(0), xs.stride(0),
+                                                       BLOCK_M=block_m, num_warps=4, **pdl())
+    return xq, xs
+
+
+def _check_weight(wq: torch.Tensor, ws: torch.Tensor, k: int) -> int:
+    n = wq.shape[0]
+    assert wq.dtype == torch.float8_e4m3fn and wq.dim() == 2 and wq.shape[1] == k and wq.stride(1) == 1, \
+        f"weight: float8_e4m3fn [N, {k}] row-major, got {wq.dtype} {tuple(wq.shape)}"
+    want = (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))
+    assert ws.dtype == torch.float32 and tuple(ws.shape) == want and ws.stride(1) == 1, \
+        f"weight_scale_inv: float32 {want}, got {ws.dtype} {tuple(ws.shape)}"
+    return n
+
+
+def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_a):
+    split = cfg["SPLIT_K"]
+    kb_per_split = triton.cdiv(triton.cdiv(k, BLOCK), split)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    inline = cfg["INLINE"] or (split > 1 and tiles > MAX_LOCKS)  # the same sums: INLINE needs no counters
+    grid_split = 1 if inline else split
+    ws_buf = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if grid_split > 1 else out
+    locks = tile_locks(a.device) if grid_split > 1 else out
+    _fp8_gemm_kernel[(tiles, grid_split)](
+        a, a_scale, wq, ws, out, ws_buf, locks, m, n, k, kb_per_split, a.stride(0), a_scale.stride(0), wq.stride(0),
+        ws.stride(0), out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, INLINE=inline,
+        QUANT_A=quant_a, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl())
+
+
+def _out(m: int, n: int, dtype: torch.dtype, device, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty((m, n), dtype=dtype, device=device)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == dtype, "out: [M, N], unit column stride"
+    return out
+
+
+def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """``y[m, n] = Σ_kb (xq[m, kb] · wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]`` in the module
+    docstring's order: xq ``[M, K]`` float8_e4m3fn, xs ``[M, ceil(K/128)]`` float32, wq ``[N, K]``
+    float8_e4m3fn, ws ``[ceil(N/128), ceil(K/128)]`` float32 -> ``[M, N]`` out_dtype."""
+    m, k = xq.shape
+    assert xq.dtype == torch.float8_e4m3fn and xq.stride(1) == 1, "xq: float8_e4m3fn [M, K], unit column stride"
+    assert xs.dtype == torch.float32 and tuple(xs.shape) == (m, triton.cdiv(k, BLOCK)) and xs.stride(1) == 1, \
+        "xs: float32 [M, ceil(K/128)], unit column stride"
+    n = _check_weight(wq, ws, k)
+    c = _out(m, n, out_dtype, xq.device, out)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    _launch(xq, xs, wq, ws, c, m, n, k, config or fp8_config(m, n, k), quant_a=False)
+    return c
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """``x [..., K]`` (bf16/fp16/fp32) through a block-FP8 linear -> ``[..., N]`` in x's dtype:
+    bitwise ``fp8_gemm(*quantize_act(x), wq, ws, x.dtype)``. Up to FUSE_QUANT_MAX_M rows (the
+    config's FUSE_QUANT) the activation is quantized inside the GEMM's programs (one launch);
+    beyond, every column tile would quantize its rows again, so it runs the two kernels."""
+    shape = x.shape
+    a = x.reshape(-1, shape[-1])
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    m, k = a.shape
+    n = _check_weight(wq, ws, k)
+    c = _out(m, n, x.dtype, x.device, out)
+    if m and n and k:
+        cfg = config or fp8_config(m, n, k)
+        if cfg["FUSE_QUANT"]:
+            _launch(a, a, wq, ws, c, m, n, k, cfg, quant_a=True)  # AS unused: A's scales are computed in-kernel
+        else:
+            xq, xs = quantize_act(a)
+            _launch(xq, xs, wq, ws, c, m, n, k, cfg, quant_a=False)
+    elif m and n:
+        c.zero_()
+    return c.view(*shape[:-1], n)

@@ -1,0 +1,393 @@
+"""Block-FP8 W8A8 kernels (bi_core/kernels/fp8.py), on the CPU through Triton's interpreter or on a GPU.
+
+- Quantization against a pure-torch reference, bitwise, on inputs that separate ties-to-even from
+  other roundings.
+- The GEMM against a float64 product of the dequantized operands, within a stated error bound.
+- Under the interpreter, the GEMM bitwise against a numpy emulation of the documented arithmetic
+  (K blocks in order, scales and fma, split ranges added in order), with ``ordered_dot``.
+- Batch invariance, bitwise: every row alone, in batches of 1..300 rows (crossing the M buckets),
+  permuted, and under every bucket's tiles, split programs vs INLINE, fused vs separate
+  quantization. Negative controls: a split count that follows M, and a batch-wide activation
+  scale, must be caught; constructed inputs where two K orders cannot round alike.
+
+Under the interpreter the in-block dot is modelled (fp32, K order): the GPU's fp8 wgmma
+accumulation is not, and neither is its behaviour across tile shapes (fp8.py's docstring)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it without a GPU
+BLK = 128
+E4M3 = torch.float8_e4m3fn
+
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    value = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(value)
+    return value
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------ references
+
+
+def ref_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and group of 128 columns: s = max(amax, 1e-10) / 448, q = e4m3(clamp(x / s))
+    (torch's float32 division and its float8 cast: both round to nearest even)."""
+    m, k = x.shape
+    kb = cdiv(k, BLK)
+    xp = torch.zeros(m, kb * BLK, dtype=torch.float32, device=x.device)
+    xp[:, :k] = x.float()
+    g = xp.view(m, kb, BLK)
+    s = g.abs().amax(-1).clamp(min=1e-10) / 448.0
+    q = (g / s[..., None]).clamp(-448.0, 448.0).to(E4M3)
+    return q.view(m, kb * BLK)[:, :k], s
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's layout: wq [N, K] e4m3, ws [ceil(N/128), ceil(K/128)], one scale per block."""
+    n, k = w.shape
+    nb, kb = cdiv(n, BLK), cdiv(k, BLK)
+    wp = torch.zeros(nb * BLK, kb * BLK, device=w.device)
+    wp[:n, :k] = w.float()
+    blocks = wp.view(nb, BLK, kb, BLK)
+    ws = blocks.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+    wq = (blocks / ws[:, None, :, None]).clamp(-448, 448).to(E4M3).view(nb * BLK, kb * BLK)
+    return wq[:n, :k].contiguous(), ws
+
+
+def dequant(q: torch.Tensor, s: torch.Tensor, row_block: int) -> torch.Tensor:
+    """float64 q * s, s per (row // row_block, column // 128)."""
+    r, k = q.shape
+    full = s.double().repeat_interleave(row_block, 0)[:r].repeat_interleave(BLK, 1)[:, :k]
+    return q.double() * full
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fma, one rounding (Triton's interpreter's own C helper)."""
+    from triton._C.libtriton import interpreter
+
+    a, b, c = (np.ascontiguousarray(v, dtype=np.float32) for v in np.broadcast_arrays(a, b, c))
+    return interpreter.fma_fp32(a, b, c)
+
+
+def emulate_gemm(xq, xs, wq, ws, split: int) -> torch.Tensor:
+    """fp8.py's documented arithmetic in numpy, the in-block dot summed in K order (the
+    interpreter's ``ordered_dot``): per split range, from zero, for each K block in order
+    ``acc = fma(dot * xs, ws, acc)``; the ranges' sums added in range order."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    kb = cdiv(k, BLK)
+    pad = lambda t: np.pad(t.float().cpu().numpy(), ((0, 0), (0, kb * BLK - k)))  # exact e4m3 values
+    a, w = pad(xq), pad(wq)
+    a_s, w_s = xs.cpu().numpy(), ws.cpu().numpy()[np.arange(n) // BLK]  # [M, KB], [N, KB]
+    per = cdiv(kb, split)
+    total = None
+    for s in range(split):
+        acc = np.zeros((m, n), np.float32)
+        for b in range(s * per, min(kb, (s + 1) * per)):
+            cols = slice(b * BLK, (b + 1) * BLK)
+            prods = a[:, None, cols] * w[None, :, cols]  # [M, N, 128], exact
+            dot = np.cumsum(prods, axis=-1)[..., -1] + np.float32(0)  # a sequential fp32 sum, + the zero acc
+            acc = _fma32(dot * a_s[:, b, None], w_s[None, :, b], acc)
+        total = acc if total is None else total + acc
+    return torch.from_numpy(total)
+
+
+def row_mismatches(fn, num_rows: int, sizes, device, variants=()) -> list[str]:
+    """``fn(rows)`` -> tensor(s), one row per index in ``rows``. The first m rows at each size, a
+    permutation and each variant (other launch shapes of the whole batch) against the whole batch,
+    bitwise; returns what differed (empty: invariant)."""
+    as_tuple = lambda out: out if isinstance(out, tuple) else (out,)
+    every = torch.arange(num_rows, device=device)
+    ref = as_tuple(fn(every))
+    bad = []
+    for j, variant in enumerate(variants):
+        bad += [f"output {i}, variant {j}" for i, (a, b) in enumerate(zip(as_tuple(variant(every)), ref))
+                if not torch.equal(a, b)]
+    for m in sizes:
+        bad += [f"output {i}, first {m} rows" for i, (a, b) in enumerate(zip(as_tuple(fn(every[:m])), ref))
+                if not torch.equal(a, b[:m])]
+    perm = torch.randperm(num_rows, device=device)
+    bad += [f"output {i}, permuted" for i, (a, b) in enumerate(zip(as_tuple(fn(perm)), ref))
+            if not torch.equal(a, b[perm])]
+    return bad
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so -0.0 != 0.0 and NaN == NaN compare as the bits they are."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _ties_group(device) -> torch.Tensor:
+    """128 values with amax 448 (so the scale is exactly 1 and x / s = x): every midpoint
+    between neighbouring positive e4m3 values from the subnormals up (ties), each negated,
+    and a float32 step either side of some, so rounding itself is what is checked."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()  # 0 .. 448, increasing
+    mids = (grid[1:] + grid[:-1]) / 2  # 126 exact midpoints
+    pick = mids[torch.randperm(126)[:60]]
+    near = torch.cat([torch.nextafter(pick[:16], torch.tensor(1e9)), torch.nextafter(pick[16:32], torch.tensor(0.0))])
+    vals = torch.cat([torch.tensor([448.0, -0.0, 2.0**-10, -(2.0**-10), 3 * 2.0**-10]), pick, -pick[:31], near])
+    return vals[:BLK].to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [128, 320])
+def test_quantize_act_bitwise(device, dtype, k):
+    """quantize_act equals the torch reference bit for bit: random groups spanning e4m3's range
+    (subnormals included), an all-zero row, -0.0, a ragged last group (K=320), a strided input,
+    and a group of exact ties (amax 448: scale 1) whose round-half-up differs from ties-to-even."""
+    from bi_core.kernels.fp8 import quantize_act
+
+    rows = 23
+    x = torch.randn(rows, k, device=device) * torch.exp2(torch.randint(-20, 12, (rows, 1), device=device).float())
+    x[:, 5] *= 2.0 ** torch.randint(-12, 6, (rows,), device=device).float()  # a larger spread inside a group
+    x[2] = 0.0
+    x[3, :7] = -0.0
+    ties = _ties_group(device)
+    x[4, :BLK] = ties
+    x[5, :BLK] = -ties
+    wide = torch.full((rows, k + 64), float("nan"), device=device).to(dtype)
+    wide[:, :k] = x.to(dtype)
+    xin = wide[:, :k]  # row stride k + 64
+    xq, xs = quantize_act(xin)
+    rq, rs = ref_quantize_act(xin)
+    assert xq.dtype == E4M3 and xs.dtype == torch.float32 and xs.shape == (rows, cdiv(k, BLK))
+    assert torch.equal(bits(xs), bits(rs))
+    assert torch.equal(bits(xq), bits(rq))
+    assert torch.equal(bits(xq[3, :7]), torch.full((7,), 0x80, dtype=torch.uint8, device=device))  # -0.0 kept
+    # the ties have teeth: rounding them half away from zero would change many of them
+    if dtype == torch.float32:
+        t = x[4, :BLK].double()
+        step = torch.where(t.abs() < 2.0**-6, 2.0**-9, torch.exp2(torch.floor(torch.log2(t.abs().clamp(min=1e-30))) - 3))
+        half_up = (torch.sign(t) * torch.floor(t.abs() / step + 0.5) * step).float()
+        assert (half_up != rq[4, :BLK].float()).sum() > 20
+    empty_q, empty_s = quantize_act(torch.empty(0, k, device=device, dtype=dtype))
+    assert empty_q.shape == (0, k) and empty_s.shape == (0, cdiv(k, BLK))
+
+
+def test_quantize_negative_control(device):
+    """The harness catches a quantizer whose scale spans the batch (per-tensor dynamic, what
+    breaks invariance in the libraries), while quantize_act passes it."""
+    from bi_core.kernels.fp8 import quantize_act
+
+    x = torch.randn(40, 256, device=device) * torch.exp2(torch.randint(-4, 4, (40, 1), device=device).float())
+
+    def per_tensor(rows):
+        a = x[rows]
+        s = a.abs().amax().clamp(min=1e-10) / 448.0
+        return (a / s).clamp(-448, 448).to(E4M3).view(torch.uint8), s.expand(a.shape[0])
+
+    assert row_mismatches(lambda rows: tuple(map(bits, quantize_act(x[rows]))), 40, (1, 7, 16), device) == []
+    assert row_mismatches(per_tensor, 40, (1, 7, 16), device)
+
+
+# ---------------------------------------------------------------------------------- GEMM
+
+GEMM_SHAPES = [(7, 128, 128), (9, 200, 320), (33, 256, 384), (20, 136, 1024)]  # the last: SPLIT_K 2
+
+
+def _weights(n: int, k: int, device):
+    w = torch.randn(n, k, device=device) / k**0.5
+    w[:, : min(k, BLK)] *= 8.0  # blocks of different scales
+    return quantize_weight(w)
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_numerics(device, shape):
+    """fp8_gemm (fp32 and bf16 outputs) against the float64 product of the dequantized operands.
+    Bound, per element: |y - ref| <= (128 + KB + 3) * u * Σ_k |x_k w_k| + r * |ref|. The products
+    of e4m3 values are exact in fp32; each block's 128-term sum, its two scale products and the KB
+    accumulations (and split sums) each add at most one rounding of u relative to the running
+    |sum| <= Σ|x w| (first order); r: the output rounding (fp32: none beyond u; bf16: 2**-7, as
+    the interpreter truncates to bf16 where the GPU rounds). u = 2**-24 for fp32 sums; on the GPU
+    the fp8 wgmma keeps fewer accumulator bits inside a block (about 14 per DeepSeek-V3's report,
+    not measured here), so u = 2**-13 there. The bound must be tight enough to fail a wrong scale
+    (the last K block's weight scales doubled). fp8_linear on the unquantized activation, fused
+    and not, equals quantize_act + fp8_gemm bitwise."""
+    from bi_core.kernels.fp8 import fp8_config, fp8_gemm, fp8_linear, quantize_act
+
+    m, n, k = shape
+    wq, ws = _weights(n, k, device)
+    x = torch.randn(m, k, device=device)
+    xq, xs = quantize_act(x)
+    xd, wd = dequant(xq, xs, 1), dequant(wq, ws, BLK)
+    ref = xd @ wd.T
+    mag = xd.abs() @ wd.abs().T
+    u = 2.0**-24 if device.type == "cpu" else 2.0**-13
+    for out_dtype, r in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-7)):
+        buf = torch.full((m, n + 24), float("nan"), dtype=out_dtype, device=device)
+        y = fp8_gemm(xq, xs, wq, ws, out_dtype, out=buf[:, :n])
+        assert y.data_ptr() == buf.data_ptr() and buf[:, n:].isnan().all()  # wrote its columns only
+        tol = (BLK + cdiv(k, BLK) + 3) * u * mag + r * ref.abs() + 1e-30
+        err = (y.double() - ref).abs()
+        assert (err <= tol).all(), f"{out_dtype}: max err/tol {(err / tol).max().item():.3g}"
+    ws_wrong = ws.clone()
+    ws_wrong[:, -1] *= 2.0  # as if the last K block's scales were read from another block
+    wrong = fp8_gemm(xq, xs, wq, ws_wrong, torch.float32)
+    assert ((wrong.double() - ref).abs() > (BLK + cdiv(k, BLK) + 3) * u * mag).any()
+    assert fp8_config(m, n, k)["SPLIT_K"] == (2 if k == 1024 else 1)
+    xb = x.to(torch.bfloat16)
+    want = fp8_gemm(*quantize_act(xb), wq, ws, torch.bfloat16)
+    for fuse in (True, False):
+        got = fp8_linear(xb, wq, ws, config={**fp8_config(m, n, k), "FUSE_QUANT": fuse})
+        assert torch.equal(bits(got), bits(want))
+    assert fp8_linear(xb[:0], wq, ws).shape == (0, n)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU's in-block fp8 dot is the hardware's, not a K-ordered fp32 sum")
+@pytest.mark.usefixtures("ordered_dot")
+@pytest.mark.parametrize("shape, split", [((9, 200, 320), 1), ((5, 136, 1024), 2), ((5, 136, 960), 3)],
+                         ids=["ragged", "split2", "split3"])
+def test_fp8_gemm_arithmetic_bitwise(device, shape, split):
+    """Under the interpreter, with a K-ordered dot, the GEMM is bit for bit the documented
+    arithmetic (numpy emulation): per block a dot from zero, ``fma(dot * xs, ws, acc)``, blocks in
+    ascending order; split ranges of ceil(KB / SPLIT_K) blocks (3 over K = 960: 3, 3 and a ragged
+    2) added in range order, by the fix-up program or INLINE, with fused quantization too."""
+    from bi_core.kernels.fp8 import fp8_config, fp8_gemm, fp8_linear, quantize_act
+
+    m, n, k = shape
+    wq, ws = _weights(n, k, device)
+    x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-3, 3, (m, 1), device=device).float())
+    xq, xs = quantize_act(x)
+    want = bits(emulate_gemm(xq, xs, wq, ws, split))
+    cfg = {**fp8_config(m, n, k), "SPLIT_K": split}
+    assert torch.equal(bits(fp8_gemm(xq, xs, wq, ws, torch.float32, config={**cfg, "INLINE": False})), want)
+    assert torch.equal(bits(fp8_linear(x, wq, ws, config={**cfg, "INLINE": split > 1, "FUSE_QUANT": True})), want)
+
+
+# ------------------------------------------------------------------------- batch invariance
+
+INV_N, INV_K = 136, 320  # ragged N (two weight-scale rows) and K (a 64-column last group)
+INV_SPLIT = 2  # the K order the invariance tests fix: ranges of 2 and 1 blocks (fp8_config's is 1 here)
+INV_ROWS = 264  # past the 256-row bucket edge
+INV_SIZES = (1, 3, 64, 65, 257)  # each bucket, and both sides of its edges
+VARIANT_ROWS = 24  # the other buckets' launch shapes run on the first rows
+
+
+def test_config_k_order_fixed_by_n_k():
+    """SPLIT_K (the K order: BLOCK_K is always 128) is the same at every M for the model's shapes
+    and the tests'; BLOCK_M is never below 64 (the in-block dots stay on one instruction); the
+    buckets give the invariance test several launch shapes."""
+    from bi_core.kernels.fp8 import fp8_config, split_k_for
+
+    ms = list(range(1, 1100)) + [4096, 16384, 65536, 1 << 20]
+    for n, k in [(2048, 2048), (4096, 2048), (2048, 512), (1024, 2048), (17408, 5120), (5120, 17408),
+                 (248320, 2048), (INV_N, INV_K), (136, 1024), (200, 320)]:
+        cfgs = [fp8_config(m, n, k) for m in ms]
+        assert {c["SPLIT_K"] for c in cfgs} == {split_k_for(n, k)}
+        assert min(c["BLOCK_M"] for c in cfgs) >= 64
+    assert split_k_for(2048, 2048) == 4 and split_k_for(136, 1024) == 2
+    shapes = {tuple(fp8_config(m, INV_N, INV_K)[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "FUSE_QUANT"))
+              for m in INV_SIZES + (INV_ROWS,)}
+    assert len(shapes) >= 3, shapes
+
+
+def invariance_mismatches(fn, num_rows: int, sizes, device, variants=()) -> list[str]:
+    """``fn(rows, cfg)`` -> tensor(s), one row per index in ``rows``, under the tile table
+    (cfg None) or a config override. Against the whole batch under the table, bitwise: the first
+    m rows at each size, a permutation, and the first VARIANT_ROWS rows under each variant
+    config (other buckets' launch shapes). Returns what differed (empty: invariant)."""
+    as_tuple = lambda out: out if isinstance(out, tuple) else (out,)
+    every = torch.arange(num_rows, device=device)
+    ref = as_tuple(fn(every, None))
+    checks = [(f"first {m} rows", every[:m], None) for m in sizes]
+    checks.append(("permuted", torch.randperm(num_rows, device=device), None))
+    checks += [(f"variant {j}", every[:VARIANT_ROWS], cfg) for j, cfg in enumerate(variants)]
+    bad = []
+    for name, rows, cfg in checks:
+        bad += [f"output {i}, {name}" for i, (a, b) in enumerate(zip(as_tuple(fn(rows, cfg)), ref))
+                if not torch.equal(bits(a), bits(b[rows]))]
+    return bad
+
+
+def _inv_inputs(device):
+    wq, ws = _weights(INV_N, INV_K, device)
+    x = torch.randn(INV_ROWS, INV_K, device=device) * torch.exp2(torch.randint(-4, 4, (INV_ROWS, 1), device=device).float())
+    return x, wq, ws
+
+
+def _inv_config(m: int, **over) -> dict:
+    from bi_core.kernels.fp8 import fp8_config
+
+    return {**fp8_config(m, INV_N, INV_K), "SPLIT_K": INV_SPLIT, **over}
+
+
+@pytest.mark.usefixtures("ordered_dot")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rows_invariant(device, dtype):
+    """Each row of fp8_linear (and its quantize_act) is bitwise the same alone, in the first 3..257
+    rows, in all 264, permuted, and under the other buckets' launch shapes: 64 x 32 tiles with
+    quantization fused, 64-row and 128-row tiles with 4 and 8 warps, split programs with a fix-up
+    vs INLINE, fused vs separate quantization (the K order, 2 ranges, fixed throughout). fp32
+    outputs are the ones with teeth (bf16 hides most order changes); bf16 checks the bf16 input
+    and output paths on fewer sizes."""
+    from bi_core.kernels.fp8 import fp8_linear, quantize_act
+
+    x, wq, ws = _inv_inputs(device)
+    xd = x.to(dtype)
+
+    def run(rows, cfg):
+        a = xd[rows]
+        return (fp8_linear(a, wq, ws, config=cfg or _inv_config(a.shape[0])), *quantize_act(a))
+
+    if dtype == torch.float32:
+        sizes = INV_SIZES
+        variants = [_inv_config(1, FUSE_QUANT=False), _inv_config(1, INLINE=True), _inv_config(100),
+                    _inv_config(INV_ROWS, FUSE_QUANT=True), _inv_config(INV_ROWS, BLOCK_N=128, INLINE=True)]
+    else:
+        sizes, variants = (1, 65), [_inv_config(INV_ROWS)]
+    assert invariance_mismatches(run, INV_ROWS, sizes, device, variants) == []
+
+
+@pytest.mark.usefixtures("ordered_dot")
+def test_fp8_negative_control_split_follows_m(device):
+    """A split count that follows M (2 ranges up to 16 rows, 1 beyond, as an M-keyed heuristic
+    would) changes the K order of the rows of a larger batch: the harness must see it (fp32)."""
+    from bi_core.kernels.fp8 import fp8_linear
+
+    x, wq, ws = _inv_inputs(device)
+    x = x[:40]
+    every = torch.arange(40, device=device)
+    gemm = lambda rows, split: fp8_linear(x[rows], wq, ws, config=_inv_config(rows.shape[0], SPLIT_K=split))
+    assert not torch.equal(gemm(every, 1), gemm(every, 2))
+    by_batch = lambda rows, cfg: gemm(rows, 2 if rows.shape[0] <= 16 else 1)
+    assert invariance_mismatches(by_batch, 40, (1,), device)
+
+
+def test_fp8_negative_control_constructed(device):
+    """Inputs on which the two K orders cannot round alike, whatever the dot: row 0, column 0 has
+    block sums 2**24, 0, 1, 1 (one product each, scales 2**12 * 2**12 on block 0). In order:
+    (2**24 + 1) ties to 2**24 twice, giving 2**24; two ranges: 2**24 + (1 + 1) = 2**24 + 2. A
+    batch that switched split counts would return one or the other for the same row."""
+    from bi_core.kernels.fp8 import fp8_config, fp8_gemm
+
+    m, n, k = 3, 128, 512
+    xq = torch.zeros(m, k, device=device)
+    wq = torch.zeros(n, k, device=device)
+    xq[0, [0, 256, 384]] = 1.0
+    wq[0, [0, 256, 384]] = 1.0
+    xq, wq = xq.to(E4M3), wq.to(E4M3)
+    xs = torch.ones(m, 4, device=device)
+    ws = torch.ones(1, 4, device=device)
+    xs[0, 0] = ws[0, 0] = 2.0**12
+    cfg = fp8_config(m, n, k)
+    one = fp8_gemm(xq, xs, wq, ws, torch.float32, config={**cfg, "SPLIT_K": 1})
+    two = fp8_gemm(xq, xs, wq, ws, torch.float32, config={**cfg, "SPLIT_K": 2})
+    assert one[0, 0].item() == 2.0**24 and two[0, 0].item() == 2.0**24 + 2
+    assert torch.equal(one[1:], two[1:]) and torch.equal(one[0, 1:], two[0, 1:])  # zeros elsewhere
