@@ -24,7 +24,7 @@ from bi_core.errors import CheckpointError, PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import control, formats, native
-from bi_core.serve.client import Delta, EngineClient, Overloaded, Unavailable
+from bi_core.serve.client import ControlError, Delta, EngineClient, Overloaded, Unavailable
 from bi_core.serve.errors import ApiError, error_response, install_error_handlers, output_failure
 from bi_core.serve.metrics import Metrics
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -72,8 +72,6 @@ class Server:
         """A control call to the engine process: its value once the engine did it. Errors are
         ApiErrors: 400 for a bad argument, 409 for a conflicting call, 503 when the engine takes no
         more calls, 500 when it failed."""
-        from bi_core.serve.client import ControlError
-
         try:
             return await asyncio.wrap_future(self.core.control(kind, **fields))
         except ControlError as e:
@@ -299,12 +297,12 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, r
                         break
                 if delta.text or delta.finished or (delta.token_ids and req.logprobs):
                     yield formats.sse(chunk(c.index, delta, delta.text, c.output.finish_reason if c.output else None,
-                                     c.text_sent))
+                                            c.text_sent))
                     c.text_sent += len(delta.text)
             else:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield formats.sse(formats.envelope(kind, rid, server.model_name, [], usage=_usage(choices, req.n),
-                                                metadata=weight_metadata(choices)))
+                                                       metadata=weight_metadata(choices)))
             yield formats.sse("[DONE]")
         finally:  # the client went away (or we are done): unfinished requests stop at the next step
             server.untrack([rid])

@@ -59,7 +59,7 @@ def same(items: list[dict], outs: list) -> bool:
 # ------------------------------------------------------------------ the trainer process
 
 
-def trainer_main(url: str, port: int, seed: int, steps: list[tuple[str, str]], conn) -> None:
+def trainer_main(url: str, port: int, seed: int, steps: list[tuple[str, str]], conn, world: int = 2) -> None:
     """A trainer: the seed-``seed`` model's weights, sent step by step through HTTP (``sglang``:
     /update_weights_from_distributed, ``vllm``: /update_weights); each outcome reported."""
     import httpx as client
@@ -88,7 +88,7 @@ def trainer_main(url: str, port: int, seed: int, steps: list[tuple[str, str]], c
         return call
 
     group = "sgl" if steps[0][1] == "sglang" else "weight_update_group"
-    with WeightSender("127.0.0.1", port, 2, group_name=group, timeout_s=60) as sender:
+    with WeightSender("127.0.0.1", port, world, group_name=group, timeout_s=60) as sender:
         for case, route in steps:
             pairs = [("model.layers.0.mlp.nonsense.weight", torch.zeros(4))] if case == "bad_name" else weights
             try:
@@ -99,10 +99,10 @@ def trainer_main(url: str, port: int, seed: int, steps: list[tuple[str, str]], c
             conn.recv()  # the test looked at the server: the next step (or the end)
 
 
-def start_trainer(url: str, port: int, seed: int, steps):
+def start_trainer(url: str, port: int, seed: int, steps, world: int = 2):
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=trainer_main, args=(url, port, seed, steps, theirs))
+    proc = ctx.Process(target=trainer_main, args=(url, port, seed, steps, theirs, world))
     proc.start()
     return proc, ours
 
@@ -170,6 +170,33 @@ def test_weight_sync_from_a_trainer_through_sglangs_then_vllms_routes(sync_serve
             trainer.kill()
     r = httpx.post(f"{url}/destroy_weights_update_group", json={})
     assert r.status_code == 200 and r.json()["success"] is True, r.text
+
+
+def test_weight_sync_into_a_tensor_parallel_server(tmp_path):
+    """Two engine ranks (ranks 1 and 2 of the trainer's group) each take their shard; the server then
+    answers as the trainer's model (tokens; the logprobs to float tolerance: the ranks split the sums)."""
+    pytest.importorskip("bi_core.rl", reason="bi_core.rl (WeightSender) is not in this tree yet")
+    s = ServerProcess(tmp_path, config=CONFIG + "parallel: {tensor_parallel_size: 2}\n", env=ONE_THREAD)
+    port = free_port()
+    trainer, conn = start_trainer(s.url, port, 1, [("good", "sglang")], world=3)
+    try:
+        r = httpx.post(f"{s.url}/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3, "group_name": "sgl"},
+            timeout=120)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        case, (kind, body) = conn.recv()
+        assert kind == "ok" and body["weight_version"] == 1, body
+        conn.send("done")
+        trainer.join(60)
+        got, ref = generate(s), python_api(config(seed=1))
+        assert [i["output_ids"] for i in got] == [o.token_ids for o in ref]
+        for item, o in zip(got, ref):
+            assert np.allclose([e[0] for e in item["meta_info"]["output_token_logprobs"]], o.token_logprobs, atol=1e-4)
+        assert httpx.get(f"{s.url}/get_world_size").json() == {"world_size": 2}
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        assert s.stop() == 0
 
 
 @pytest.mark.parametrize("path,body,param", [
