@@ -79,6 +79,9 @@ FUSE_QUANT_MAX_M = 64  # fp8_linear quantizes inside the GEMM up to this many ro
 SMALL_M_MAX = 64  # rows up to which the decode tiles are used
 QUANT_BLOCK_M = 64  # rows per quantize_act program (a [64, 128] group tile; any value gives the same bits)
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
+_BK = tl.constexpr(BLOCK)  # the kernels' copies (a jitted function reads only constexpr globals)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_EPS = tl.constexpr(FP8_EPS)
 
 
 @triton.jit
@@ -101,9 +104,9 @@ def _quant_group(x):
     (values: float32 holding e4m3 values, scale [R]). The one copy of this arithmetic: the
     standalone quantizer and the fused GEMM must give the same bits."""
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, FP8_EPS), FP8_MAX)
+    scale = tl.math.div_rn(tl.maximum(amax, _FP8_EPS), _FP8_MAX)
     q = tl.math.div_rn(x, scale[:, None])
-    q = _round_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    q = _round_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
     return q, scale
 
 
@@ -112,7 +115,7 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
     pdl_start(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
-    rk = g * BLOCK + tl.arange(0, BLOCK)
+    rk = g * _BK + tl.arange(0, _BK)
     m_ok = rm < M
     mask = m_ok[:, None] & (rk < K)[None, :]
     rows = rm.to(tl.int64)[:, None]
@@ -128,17 +131,17 @@ def _k_blocks(A, AS, B, BS, rm, rn, M, N, K, kb_lo, kb_hi, stride_am, stride_asm
     """K blocks [kb_lo, kb_hi) of a tile in ascending order, from zero: per block a 128-deep dot
     from zero, times the row scales, fma'd with the column scales into the fp32 accumulator.
     With QUANT_A, A is the unquantized activation and each block is quantized here first."""
-    rk = tl.arange(0, BLOCK)
+    rk = tl.arange(0, _BK)
     m_ok = rm < M
     n_ok = rn < N
-    k0 = kb_lo * BLOCK
+    k0 = kb_lo * _BK
     a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + (k0 + rk)[None, :]
     b_ptr = B + rn.to(tl.int64)[None, :] * stride_bn + (k0 + rk)[:, None]
     as_ptr = AS + rm.to(tl.int64) * stride_asm + kb_lo
-    bs_ptr = BS + (rn // BLOCK).to(tl.int64) * stride_bsn + kb_lo
+    bs_ptr = BS + (rn // _BK).to(tl.int64) * stride_bsn + kb_lo
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
-        k_ok = rk + kb * BLOCK < K
+        k_ok = rk + kb * _BK < K
         a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANT_A:
             q, a_s = _quant_group(a.to(tl.float32))
@@ -149,8 +152,8 @@ def _k_blocks(A, AS, B, BS, rm, rn, M, N, K, kb_lo, kb_hi, stride_am, stride_asm
         b_s = tl.load(bs_ptr, mask=n_ok, other=0.0)
         part = mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT)
         acc = tl.fma(part * a_s[:, None], b_s[None, :], acc)
-        a_ptr += BLOCK
-        b_ptr += BLOCK
+        a_ptr += _BK
+        b_ptr += _BK
         as_ptr += 1
         bs_ptr += 1
     return acc
@@ -173,7 +176,7 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
     pid_n = (pid % (GROUP_M * num_n)) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kb_total = tl.cdiv(K, BLOCK)
+    kb_total = tl.cdiv(K, _BK)
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptr = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     dt = C.dtype.element_ty

@@ -391,3 +391,81 @@ def test_fp8_negative_control_constructed(device):
     two = fp8_gemm(xq, xs, wq, ws, torch.float32, config={**cfg, "SPLIT_K": 2})
     assert one[0, 0].item() == 2.0**24 and two[0, 0].item() == 2.0**24 + 2
     assert torch.equal(one[1:], two[1:]) and torch.equal(one[0, 1:], two[0, 1:])  # zeros elsewhere
+
+
+# ------------------------------------------------------------------------------ GPU only
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware's side: needs a CUDA GPU")
+GPU_SHAPES = [(2048, 2048), (4096, 2048), (2048, 512), (512, 2048), (12352, 2048)]  # SPLIT_K 4, 2, 1, 4, 1
+GPU_SIZES = (1, 2, 3, 7, 8, 16, 63, 64, 65, 255, 256, 257, 1024)
+
+
+@gpu_only
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+def test_gpu_rows_invariant_model_shapes(n, k):
+    """On the GPU, at the model's shapes: each row of fp8_linear (fp32 in and out, where order
+    changes show) is bitwise the same at M = 1..1024, permuted, and under every bucket's launch
+    shape forced on the whole batch (wgmma with 64 x 32 .. 128 x 128 tiles, 4 or 8 warps, split
+    programs or INLINE, fused quantization or not); bf16 at a few sizes. Negative control: the
+    same rows with another split count differ."""
+    from bi_core.kernels.fp8 import fp8_config, fp8_linear, split_k_for
+
+    wq, ws = _weights(n, k, "cuda")
+    x = torch.randn(1024, k, device="cuda") * torch.exp2(torch.randint(-4, 4, (1024, 1), device="cuda").float())
+    ref = fp8_linear(x, wq, ws)
+    bad = [m for m in GPU_SIZES if not torch.equal(bits(fp8_linear(x[:m], wq, ws)), bits(ref[:m]))]
+    perm = torch.randperm(1024, device="cuda")
+    assert torch.equal(bits(fp8_linear(x[perm], wq, ws)), bits(ref[perm]))
+    split = split_k_for(n, k)
+    variants = [fp8_config(m, n, k) for m in (1, 100, 1024)]
+    variants += [{**v, "INLINE": inline, "FUSE_QUANT": fuse} for v in variants[:1] + variants[2:]
+                 for inline in (False, True) for fuse in (False, True)]
+    variants += [{**variants[2], "BLOCK_M": 64, "BLOCK_N": bn, "num_warps": w} for bn in (64, 128) for w in (4, 8)]
+    bad += [v for v in variants if not torch.equal(bits(fp8_linear(x, wq, ws, config=v)), bits(ref))]
+    assert bad == []
+    xb = x.to(torch.bfloat16)
+    ref_b = fp8_linear(xb, wq, ws)
+    assert all(torch.equal(bits(fp8_linear(xb[:m], wq, ws)), bits(ref_b[:m])) for m in (1, 8, 65, 257))
+    other = 1 if split > 1 else 2
+    assert not torch.equal(fp8_linear(x, wq, ws, config={**fp8_config(1024, n, k), "SPLIT_K": other}), ref)
+
+
+@gpu_only
+def test_gpu_same_bits_as_the_vllm_order():
+    """On the GPU, fp8_gemm (SPLIT_K 1) gives the bits of a plain kernel written the way vLLM's and
+    SGLang's Triton block-FP8 GEMM is (``acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]``, left
+    to Triton's default fp fusion), and a kernel in DeepGEMM's order (``(a_s * b_s) * dot``) does
+    not: so the explicit fma is what the fusion makes of their expression, and the check can fail."""
+    import triton
+    import triton.language as tl
+
+    from bi_core.kernels.fp8 import fp8_config, fp8_gemm, quantize_act
+
+    @triton.jit
+    def plain(A, AS, B, BS, C, M, N, K, KB, SCALES_FIRST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, 128)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, KB):
+            a = tl.load(A + rm[:, None] * K + kb * 128 + rk[None, :], mask=(rm[:, None] < M), other=0.0)
+            b = tl.load(B + rn[None, :] * K + kb * 128 + rk[:, None], mask=(rn[None, :] < N), other=0.0)
+            a_s = tl.load(AS + rm * KB + kb, mask=rm < M, other=0.0)
+            b_s = tl.load(BS + (rn // 128) * KB + kb, mask=rn < N, other=0.0)
+            if SCALES_FIRST:
+                acc += (a_s[:, None] * b_s[None, :]) * tl.dot(a, b)
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        tl.store(C + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    m, n, k = 256, 2048, 2048
+    wq, ws = _weights(n, k, "cuda")
+    xq, xs = quantize_act(torch.randn(m, k, device="cuda"))
+    ours = fp8_gemm(xq, xs, wq, ws, torch.float32, config={**fp8_config(m, n, k), "SPLIT_K": 1})
+    outs = []
+    for scales_first in (False, True):
+        y = torch.empty(m, n, device="cuda")
+        plain[(m // 64, n // 128)](xq, xs, wq, ws, y, m, n, k, k // 128, SCALES_FIRST=scales_first, BM=64, BN=128)
+        outs.append(y)
+    assert torch.equal(bits(ours), bits(outs[0]))
+    assert not torch.equal(bits(ours), bits(outs[1]))
