@@ -70,12 +70,12 @@ class Server:
 
     async def call(self, kind: type, **fields):
         """A control call to the engine process: its value once the engine did it. Errors are
-        ApiErrors: 400 for a bad argument, 409 for a conflicting call, 503 when the engine takes no
-        more calls, 500 when it failed."""
+        ApiErrors: 400 for a bad argument, 503 when the engine takes no more calls, 500 when it
+        failed."""
         try:
             return await asyncio.wrap_future(self.core.control(kind, **fields))
         except ControlError as e:
-            status, type_ = {"invalid": (400, "invalid_request_error"), "conflict": (409, "invalid_request_error"),
+            status, type_ = {"invalid": (400, "invalid_request_error"),
                              "unavailable": (503, "service_unavailable")}.get(e.reason, (500, "server_error"))
             raise ApiError(status, str(e), type_) from None
         except Unavailable as e:

@@ -67,7 +67,7 @@ class Overloaded(Unavailable):
 
 
 class ControlError(BiEngineError):
-    """A control call failed; ``reason`` is messages.ControlFailure (invalid, conflict, unavailable, error)."""
+    """A control call failed; ``reason`` is messages.ControlFailure (invalid, unavailable, error)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)

@@ -27,9 +27,9 @@ WireDelta = tuple[int, int, list[int], list[float], list[dict[int, float]], str,
 
 RefusalReason = Literal["unavailable", "overloaded", "prompt_too_long", "invalid"]
 PauseMode = Literal["abort", "wait", "keep"]  # vLLM's: abort the requests in flight, let them finish, or freeze them
-# why a control call failed: a bad argument (400), a call that conflicts with another (409), the engine takes
-# no more calls (503), or the engine raised anything else (500)
-ControlFailure = Literal["invalid", "conflict", "unavailable", "error"]
+# why a control call failed: a bad argument (400), the engine takes no more calls (503), or the engine
+# raised anything else (500)
+ControlFailure = Literal["invalid", "unavailable", "error"]
 
 _short = reprlib.Repr()  # an unexpected message in an error: its start
 _short.maxother = _short.maxstring = 200

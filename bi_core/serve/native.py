@@ -175,6 +175,13 @@ class GenerateRequest(BaseModel):
             raise ValueError("hidden states are not returned by this engine")
         return v
 
+    @field_validator("log_metrics")
+    @classmethod
+    def _always_counted(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("every request is counted in /metrics; only true is supported")
+        return v
+
 
 REQUEST_MODELS = {"/generate": GenerateRequest}
 

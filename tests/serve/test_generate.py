@@ -180,6 +180,7 @@ def test_a_batch_stream_says_which_item_each_event_is(gen_server):
     ({"input_ids": [1], "routed_experts_start_len": 3}, "routed_experts_start_len"),
     ({"input_ids": [1], "image_data": "x.png"}, "image_data"),
     ({"input_ids": [1], "lora_path": "adapter"}, "lora_path"),
+    ({"input_ids": [1], "log_metrics": False}, "log_metrics"),
     ({"input_ids": [1], "stream": "yes"}, "stream"),
     ({"input_ids": [1], "rid": ["a", "b"]}, "rid"),
     ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid"),
