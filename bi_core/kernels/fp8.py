@@ -21,26 +21,30 @@ Arithmetic (every operation below is in float32 and rounds to nearest even):
   sequence per block, its products exact), ``t = p * xs[m, kb]``,
   ``acc = fma(t, ws[n // 128, kb], acc)``, starting from ``acc = 0``; y = ``acc`` rounded to
   ``out_dtype``. This is the order of vLLM's and SGLang's Triton ``w8a8_block_fp8_matmul``
-  (``acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]``, which Triton's default fp fusion
-  compiles to this fma; written out here so it cannot depend on the fusion setting). DeepGEMM
-  multiplies the scales first (``acc += (xs * ws) * p``), so it can differ from both in the last
-  place. With SPLIT_K > 1 the K blocks are cut into SPLIT_K consecutive ranges of KB/SPLIT_K
-  blocks; each range is the loop above from zero, and the range sums are added in range order
+  (``acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]``: compiled for sm_90 by Triton 3.9 with
+  its default fp fusion, the PTX holds one mul.f32 and one fma.rn.f32 per element, i.e. this fma;
+  without fusion, two muls and an add). Written out here so it cannot depend on the fusion
+  setting. DeepGEMM multiplies the scales first (``acc += (xs * ws) * p``), so it can differ from
+  both in the last place. With SPLIT_K > 1 the K blocks are cut into SPLIT_K consecutive ranges
+  of ceil(KB / SPLIT_K) blocks (``split_k_for`` makes them equal); each range is the loop above
+  from zero, and the range sums are added in range order
   (``((s0 + s1) + s2) + ...``), in one program (INLINE) or by the last program of the tile to
   arrive (a per-tile counter elects it; it orders nothing arithmetic), the same bits either way.
 
 Invariance: quantization reads one row's group only. The GEMM's K order (BLOCK_K = 128, the
 split count and ranges) is fixed by (N, K) alone (``split_k_for``), never by M. The M bucket of
-``fp8_config`` picks BLOCK_M (64 or 128: never below 64, so every batch size runs its in-block
-dots on the same instruction, Hopper's wgmma; BLOCK_M 16 would switch to mma.sync, a different
-fp8 datapath whose agreement with wgmma nobody has measured), BLOCK_N, warps, stages, INLINE and
-whether ``fp8_linear`` quantizes inside the GEMM launch: none of these changes a row's
-operations or their order (the fused quantization is the same ``_quant_group`` code on the
-same (row, group) values). tests/kernels/test_fp8.py checks all of it bitwise under Triton's
-interpreter, with a dot that sums each element in K order (``ordered_dot``): what that proves is
-the kernel's own arithmetic. Whether the GPU's fp8 wgmma gives an element the same bits at every
-position in a tile and for every tile width (BLOCK_N 32..128, 4 or 8 warps) is the hardware's
-side: it held for bf16 on an H200 (docs/batch_invariance.md) and HAS NOT BEEN MEASURED FOR FP8.
+``fp8_config`` picks only BLOCK_M, BLOCK_N, warps, stages, INLINE and whether ``fp8_linear``
+quantizes inside the GEMM launch: none of these changes a row's operations or their order (the
+fused quantization is the same ``_quant_group`` code on the same (row, group) values). BLOCK_M
+is 64 or 128, never less, so every batch size runs its in-block dots on the same instruction,
+Hopper's fp8 wgmma (compiled for sm_90 with Triton 3.9, BLOCK_M 16 or 32 upcasts the tiles to
+fp16 and sums them with mma.sync m16n8k16: a different in-block sum). tests/kernels/test_fp8.py
+checks all of this bitwise under Triton's interpreter with a dot that sums each element in K
+order (``ordered_dot``): that proves the kernel's own arithmetic. Whether the GPU's fp8 wgmma
+gives an element the same bits at every position in a tile and for every tile width (BLOCK_N
+32..128, 4 or 8 warps) is the hardware's side: it held for bf16 on an H200
+(docs/batch_invariance.md) and HAS NOT BEEN MEASURED FOR FP8 (the GPU-only tests in
+test_fp8.py do it; they have not run yet).
 
 Tuning: none. No figure in this file was measured on a GPU; the tile table copies the bf16
 GEMM's reasoning (decode GEMVs need about TARGET_PROGRAMS programs: split-K fixed by (N, K)).
