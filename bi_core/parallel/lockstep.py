@@ -10,7 +10,8 @@ sampled tokens are the same on every rank (the logits are gathered whole to ever
 sampled with the same keys), so every rank makes the same decisions and issues the same
 collectives without any per-step plan being shipped. What travels is typed (``AddRequest``,
 ``AddScoreRequest``, ``Abort``, ``Step``, ``UpdateWeightsFromPath``, ``ReceiveWeights``,
-``ResetPrefixCache``, ``HoldAdmissions``/``ReleaseAdmissions`` around a pause's drain, the
+``ResetPrefixCache``, ``HoldAdmissions``/``ReleaseAdmissions`` around a pause's drain, ``Sleep``,
+``WakeUp``, the
 weight-sync calls ``InitWeightsUpdateGroup``/``UpdateWeightsFromTrainer``/
 ``DestroyWeightsUpdateGroup``, ``Shutdown``): the scheduler's intake plus the step, never method
 names. This is SGLang's arrangement (a scheduler
@@ -110,6 +111,20 @@ class ReleaseAdmissions:
 
 
 @attrs.frozen
+class Sleep:
+    """``LLMEngine.sleep`` on rank 0, checked there: every rank releases its memory."""
+
+    level: int
+
+
+@attrs.frozen
+class WakeUp:
+    """``LLMEngine.wake_up`` on rank 0."""
+
+    tags: tuple[str, ...] | None
+
+
+@attrs.frozen
 class InitWeightsUpdateGroup:
     """``init_weights_update_group`` on rank 0, checked there: every rank joins the trainer's group."""
 
@@ -148,7 +163,7 @@ class Shutdown:
 
 
 Message = (AddRequest | AddScoreRequest | Abort | Step | UpdateWeightsFromPath | ReceiveWeights | ResetPrefixCache
-           | HoldAdmissions | ReleaseAdmissions | InitWeightsUpdateGroup | UpdateWeightsFromTrainer
+           | HoldAdmissions | ReleaseAdmissions | Sleep | WakeUp | InitWeightsUpdateGroup | UpdateWeightsFromTrainer
            | DestroyWeightsUpdateGroup | Shutdown)
 
 
@@ -249,6 +264,10 @@ def replay(engine, message: Message, rank: int) -> bool:
             engine.rollout.hold_admissions()
         case ReleaseAdmissions():
             engine.rollout.release_admissions()
+        case Sleep(level):
+            engine.sleep(level)
+        case WakeUp(tags):
+            engine.wake_up(None if tags is None else list(tags))
         case InitWeightsUpdateGroup() | UpdateWeightsFromTrainer() | DestroyWeightsUpdateGroup():
             weight_sync(engine, message, rank)
         case Shutdown():

@@ -1,8 +1,8 @@
 """The engine's API for RL trainers and weights, mixed into ``LLMEngine`` (``runtime/engine.py``
 holds requests and the step loop): in-process weight updates, weight sync from a trainer process
 (``receiver.py``; the protocol in ``protocol.py``), and generation control around a sync
-(``control.py``). Each method is thin: the machinery lives in those modules, its state in
-``engine.rollout`` (PauseControl) and ``engine.weight_sync`` (WeightSync)."""
+(``control.py``: pause, sleep). Each method is thin: the machinery lives in those modules, its state in
+``engine.rollout`` (RolloutControl) and ``engine.weight_sync`` (WeightSync)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class RolloutAPI:
         changes (a refused update copies and aborts nothing). Unfinished requests would mix two
         models: they are an error, or aborted with ``abort_unfinished=True``. Cached prefixes are
         dropped."""
+        self.rollout.refuse_if_asleep("update_weights", "weights")
         if self.requests and not abort_unfinished:
             raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
                                "mix two models. Finish them, or pass abort_unfinished=True")
@@ -78,6 +79,19 @@ class RolloutAPI:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (running requests keep their pages); False if prefix caching is off."""
         return self.rollout.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory for a trainer sharing the GPU: the KV cache and GDN states, the CUDA
+        graphs and the weights (level 1: kept in host memory; level 2: dropped, for a weight update
+        to refill). Started requests must have ended (``pause_generation`` first)."""
+        self.rollout.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate again what ``sleep`` released: tags ``weights``, ``kv_cache`` (None: both)."""
+        self.rollout.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.runner.sleeping)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str | None = None,

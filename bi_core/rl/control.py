@@ -1,5 +1,7 @@
 """Generation control around a weight sync: pause, resume, abort everything, reset the prefix cache
-(vLLM's ``pause_generation(mode, clear_cache)`` semantics, in a synchronous engine).
+(vLLM's ``pause_generation(mode, clear_cache)`` semantics, in a synchronous engine), and sleep /
+wake for a trainer sharing the GPU (vLLM's ``sleep(level)`` / ``wake_up(tags)``; the memory is
+released and allocated again by the model runner, ``runtime/runner.py``).
 
 Modes:
 - ``abort``: every unfinished request ends now, ``finish_reason='abort'``.
@@ -8,14 +10,15 @@ Modes:
 - ``keep``: everything stays where it is; after ``resume`` the requests go on from where they
   were, nothing lost or recomputed: the same bits as an uninterrupted run.
 
-While paused ``step()`` runs nothing and returns []; requests may still be added (they wait);
-``generate``/``score`` raise (they would wait forever). ``clear_cache`` drops the prefix cache
+While paused or asleep ``step()`` runs nothing and returns []; requests may still be added (they
+wait); ``generate``/``score`` raise (they would wait forever). Sleep needs every started request
+ended (pause first); queued ones wait through it. ``clear_cache`` drops the prefix cache
 (the KV pages and states of running requests are theirs, so ``keep`` still loses nothing).
 
 Tensor parallel: the pause itself needs no message (the other ranks step only when rank 0 says
 so); what changes scheduling does: the aborts (``Abort``), holding and releasing the queued
 requests around a ``wait`` drain (``HoldAdmissions``/``ReleaseAdmissions``) and the prefix-cache
-reset (``ResetPrefixCache``)."""
+reset (``ResetPrefixCache``); sleep and wake (``Sleep``, ``WakeUp``) run on every rank."""
 
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from bi_core.parallel import lockstep
 from bi_core.rl.receiver import started
 
 PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_LEVELS = (1, 2)  # 1: weights to host memory; 2: weights dropped (a weight update refills them)
+WAKE_TAGS = ("weights", "kv_cache")
 
 
-class PauseControl:
+class RolloutControl:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.paused = False
@@ -47,10 +52,41 @@ class PauseControl:
     def resume(self) -> None:
         self.paused, self.mode = False, None
 
-    def refuse_if_paused(self, what: str) -> None:
+    def refuse_if_idle(self, what: str) -> None:
+        """``generate``/``score`` would wait forever: paused or asleep."""
         if self.paused:
             raise RequestError(f"{what}: the engine is paused (pause_generation(mode={self.mode!r})); it would wait "
                                "forever. Call resume_generation() first")
+        self.refuse_if_asleep(what)
+
+    def refuse_if_asleep(self, what: str, part: str | None = None) -> None:
+        """RequestError while the engine sleeps (``part``: while that part of it does)."""
+        asleep = self.engine.runner.sleeping
+        if asleep and (part is None or part in asleep):
+            raise RequestError(f"{what}: the engine's {' and '.join(sorted(asleep))} are asleep (sleep level "
+                               f"{self.engine.runner.sleep_level}); wake_up(tags={sorted(asleep)!r}) first")
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def sleep(self, level: int) -> None:
+        if level not in SLEEP_LEVELS or isinstance(level, bool):
+            raise RequestError(f"sleep: level must be 1 (weights to host memory) or 2 (weights dropped), got {level!r}")
+        if self.engine.runner.sleeping:
+            raise RequestError(f"sleep: already asleep ({', '.join(sorted(self.engine.runner.sleeping))}); "
+                               "wake_up first")
+        begun = [rid for rid, s in self.engine.requests.items() if started(s)]
+        if begun:
+            raise RequestError(f"sleep: {len(begun)} request(s) have started (e.g. request {begun[0]}) and hold "
+                               "cache memory; pause_generation(mode='abort' or 'wait') first")
+        self.engine._mirror(lockstep.Sleep(level), now=True)
+        self.engine.runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        if tags is not None and (isinstance(tags, str) or not set(tags) <= set(WAKE_TAGS) or not tags):
+            raise RequestError(f"wake_up: tags must be a non-empty list of {', '.join(WAKE_TAGS)} (or None: all), "
+                               f"got {tags!r}")
+        self.engine._mirror(lockstep.WakeUp(None if tags is None else tuple(tags)), now=True)
+        self.engine.runner.wake_up(None if tags is None else list(tags))
 
     def reset_prefix_cache(self) -> bool:
         prefix = self.engine.cache.prefix

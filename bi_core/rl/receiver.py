@@ -195,6 +195,7 @@ class WeightSync:
             if weight_version is not None and (not isinstance(weight_version, int) or isinstance(weight_version, bool)
                                                or weight_version < 0):
                 raise RequestError(f"weight_version must be an int >= 0 or None, got {weight_version!r}")
+            self.engine.rollout.refuse_if_asleep(WHAT, "weights")
             begun = [rid for rid, s in self.engine.requests.items() if started(s)]
             if begun:
                 raise RequestError(f"{len(begun)} request(s) have started (e.g. request {begun[0]}); their tokens "

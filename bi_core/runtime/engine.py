@@ -24,7 +24,7 @@ from bi_core.parallel.shard import TPInfo
 from bi_core.policies.apply import applied
 from bi_core.registry import Registry
 from bi_core.rl.api import RolloutAPI
-from bi_core.rl.control import PauseControl
+from bi_core.rl.control import RolloutControl
 from bi_core.rl.receiver import WeightSync
 from bi_core.runtime.build import build_parts, explain, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
@@ -73,7 +73,7 @@ class LLMEngine(RolloutAPI):
         self.eos_ids = self.args.eos_token_ids
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
-        self.rollout, self.weight_sync = PauseControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
+        self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
         self.num_steps = 0
         self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None
@@ -168,11 +168,11 @@ class LLMEngine(RolloutAPI):
     # ------------------------------------------------------------------ the step loop
 
     def has_work(self) -> bool:
-        """Whether ``step()`` would run anything: unfinished requests and not paused."""
-        return not self.rollout.paused and self.scheduler.has_work()
+        """Whether ``step()`` would run anything: unfinished requests, neither paused nor asleep."""
+        return not self.rollout.paused and not self.runner.sleeping and self.scheduler.has_work()
 
     def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished in it (none while paused)."""
+        """One engine step; returns the sequences that finished in it (none while paused or asleep)."""
         return self._step() if self.has_work() else []
 
     def _step(self) -> list[Sequence]:
@@ -213,7 +213,7 @@ class LLMEngine(RolloutAPI):
         str, or a flat sequence of ids (``[1, 2, 3]``, a 1-D array), which gives a list of one
         result. A request that cannot be served (too long, bad ids) gets ``finish_reason='error'``
         while the others go on."""
-        self.rollout.refuse_if_paused("generate")
+        self.rollout.refuse_if_idle("generate")
         prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
         params = params or SamplingParams()
         per_request = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -239,7 +239,7 @@ class LLMEngine(RolloutAPI):
         and continuation, faster, equal only to float tolerance. ``logprobs``: also the top-N
         per token. A pair that cannot be scored comes back with ``error`` set. As in ``generate``,
         a lone prompt and continuation (a str, or a flat sequence of ids each) are one pair."""
-        self.rollout.refuse_if_paused("score")
+        self.rollout.refuse_if_idle("score")
         prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
         continuations = [continuations] if is_one_prompt(continuations) else list(continuations)
         if len(prompts) != len(continuations):

@@ -2,12 +2,14 @@
 abort (every unfinished request ends 'abort'), wait (the started ones finish inside the call, the
 queued ones are held), keep (frozen; after resume the outputs are bitwise those of an
 uninterrupted run). While paused, step() runs nothing and generate() raises instead of spinning.
-Tensor parallel: the same decisions on every rank (typed lock-step messages)."""
+Sleep / wake through the engine (the runner's release, tests/rl/test_sleep.py). Tensor parallel:
+the same decisions on every rank (typed lock-step messages)."""
 
 from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 from helpers import tiny_config
 
 from bi_core import EngineConfig, RequestError, SamplingParams, build_engine
@@ -136,6 +138,58 @@ def test_reset_prefix_cache():
     assert _engine(cache={"prefix_caching": False}).reset_prefix_cache() is False
 
 
+def test_sleep_and_wake_need_started_requests_ended_and_keep_the_outputs():
+    engine = _engine()
+    want = engine.generate([PROMPTS[1]], LONG)[0]
+    started = engine.add_request(PROMPTS[0], LONG)
+    engine.step()
+    with pytest.raises(RequestError, match=r"sleep: 1 request\(s\) have started .*pause_generation"):
+        engine.sleep(1)
+    engine.pause_generation("abort")
+    assert started.finish_reason == "abort"
+    engine.sleep(1)
+    assert engine.is_sleeping() and engine.cache.released
+    engine.resume_generation()
+    assert not engine.has_work() and engine.step() == []
+    with pytest.raises(RequestError, match="generate: the engine's kv_cache and weights are asleep"):
+        engine.generate([[1, 2]])
+    with pytest.raises(RequestError, match=r"update_weights: .* asleep \(sleep level 1\); wake_up"):
+        engine.update_weights({"model.norm.weight": torch.ones(64)})  # (an asleep tensor must not be read)
+    with pytest.raises(RequestError, match="already asleep"):
+        engine.sleep(2)
+    queued = engine.add_request(PROMPTS[1], LONG)  # accepted while asleep; it waits
+    engine.wake_up(["weights"])
+    assert engine.is_sleeping() and not engine.has_work()  # the cache still sleeps
+    engine.wake_up(["kv_cache"])
+    assert not engine.is_sleeping()
+    while engine.has_work():
+        engine.step()
+    assert (queued.output_ids, queued.token_logprobs) == (want.token_ids, want.token_logprobs)
+
+
+def test_sleep_and_wake_errors_name_the_problem():
+    engine = _engine()
+    for level in (0, 3, True):
+        with pytest.raises(RequestError, match="level must be 1 .* or 2"):
+            engine.sleep(level)
+    for tags in ([], ["kv"], "weights"):
+        with pytest.raises(RequestError, match="tags must be a non-empty list of weights, kv_cache"):
+            engine.wake_up(tags)
+    assert not engine.is_sleeping()
+
+
+def test_tp2_sleep_and_wake_on_every_rank():
+    engine = _engine(tp=2)
+    try:
+        before = engine.generate(PROMPTS, LONG)
+        engine.sleep(1)
+        engine.wake_up()
+        after = engine.generate(PROMPTS, LONG)
+    finally:
+        engine.close()
+    assert [(o.token_ids, o.token_logprobs) for o in after] == [(o.token_ids, o.token_logprobs) for o in before]
+
+
 def test_bad_mode_names_the_allowed_ones():
     engine = _engine()
     with pytest.raises(RequestError, match="mode 'drain' is not one of 'abort', 'wait', 'keep'"):
@@ -158,6 +212,14 @@ def test_tp_messages_replay_pause_calls():
         def release_admissions(self):
             self.calls.append("release")
 
+        def sleep(self, level):
+            self.calls.append(f"sleep:{level}")
+
+        def wake_up(self, tags):
+            self.calls.append(f"wake:{tags}")
+
     eng = Fake()
-    assert all(ls.replay(eng, m, rank=1) for m in [ls.HoldAdmissions(), ls.ReleaseAdmissions(), ls.ResetPrefixCache()])
-    assert eng.calls == ["hold", "release", "reset"]
+    msgs = [ls.HoldAdmissions(), ls.ReleaseAdmissions(), ls.ResetPrefixCache(), ls.Sleep(2), ls.WakeUp(("weights",)),
+            ls.WakeUp(None)]
+    assert all(ls.replay(eng, m, rank=1) for m in msgs)
+    assert eng.calls == ["hold", "release", "reset", "sleep:2", "wake:['weights']", "wake:None"]

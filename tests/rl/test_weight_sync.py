@@ -211,6 +211,24 @@ def test_sync_while_paused_refuses_started_requests_and_relabels_queued_ones():
     assert (got.token_ids, got.token_logprobs, got.weight_version) == (want[0].token_ids, want[0].token_logprobs, 7)
 
 
+def test_level_2_sleep_then_a_trainer_sync_refills_the_weights(reference):
+    """A trainer sharing the GPU: the engine sleeps at level 2 (weights dropped); a sync while the
+    weights sleep is refused; once they are allocated again the sync fills them, then the cache
+    wakes: the trainer's model's outputs."""
+    engine = build_engine(_config(0))
+    engine.sleep(2)
+
+    def between(case):
+        if case == "good":
+            engine.wake_up(["weights"])
+
+    out = _sync(engine, ["good", "good_v7"], between=between)
+    assert "weights are asleep (sleep level 2); wake_up" in out["reports"]["good"][1]
+    assert out["reports"]["good_v7"][:2] == ("ok", 53)
+    engine.wake_up(["kv_cache"])
+    assert [r[:2] for r in _run(engine)] == [r[:2] for r in reference]
+
+
 def test_refused_updates_leave_the_weights_as_they_were():
     engine = build_engine(_config(0))
     snapshot = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
