@@ -40,10 +40,12 @@ naming the stage, e.g. ``receiving bucket 3 of 7 from the trainer: timed out aft
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +59,7 @@ from bi_core.errors import BiEngineError, RequestError
 ALIGN = 16  # bytes: every tensor's offset in a bucket, so that its bytes can be viewed as any dtype
 GO, REFUSED = 0, 1
 BACKENDS = ("gloo", "nccl")
+ABANDON_GRACE_S = 2.0  # a handshake the other side answered just before giving up is still taken
 
 
 # ------------------------------------------------------------------ metadata
@@ -164,6 +167,33 @@ def _reason(e: BaseException, timeout_s: float) -> str:
     return text
 
 
+def _completes(work, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while not work.is_completed():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@contextlib.contextmanager
+def _nccl_waits_raise():
+    """While an NCCL group is built: its ``wait()`` blocks the host and raises on a timeout
+    (TORCH_NCCL_BLOCKING_WAIT), and a failed collective aborts its communicator without ending
+    the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=2), so a dead trainer is an error, not an exit.
+    The engine's own groups, built before, keep their settings."""
+    saved = {k: os.environ.get(k) for k in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    os.environ.update(TORCH_NCCL_BLOCKING_WAIT="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="2")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 class WeightGroup:
     """This process's membership of a weight-update group: collectives that end in a BiEngineError
     naming the stage (a failure, or no answer within ``timeout_s``)."""
@@ -183,7 +213,8 @@ class WeightGroup:
             if backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
-                self.pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+                with _nccl_waits_raise():
+                    self.pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
             else:
                 self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
         except (RuntimeError, ValueError, OSError) as e:
@@ -195,7 +226,7 @@ class WeightGroup:
             if abandon is not None:
                 while not work.is_completed():
                     why = abandon()
-                    if why is not None:
+                    if why is not None and not _completes(work, ABANDON_GRACE_S):  # it may be landing now
                         raise BiEngineError(f"{stage}: {why}")
                     time.sleep(0.005)
             work.wait()

@@ -27,8 +27,8 @@ BUCKET_MB = 0.25  # the tiny model's 1.1 MiB in several buckets
 TIMEOUT_S = 20.0
 
 
-def _config(seed: int, tp: int = 1) -> EngineConfig:
-    return EngineConfig.from_dict(tiny_config(model={"random": {"preset": "tiny-dense", "seed": seed}},
+def _config(seed: int, tp: int = 1, device: str = "cpu") -> EngineConfig:
+    return EngineConfig.from_dict(tiny_config(model={"random": {"preset": "tiny-dense", "seed": seed}, "device": device},
                                               parallel={"tensor_parallel_size": tp}))
 
 
@@ -79,11 +79,11 @@ def _same_shaped(weights: list) -> list:
     return next(v[:2] for v in by_shape.values() if len(v) >= 2)
 
 
-def trainer_main(conn, port: int, world: int, cases: list[str]) -> None:
+def trainer_main(conn, port: int, world: int, cases: list[str], backend: str | None = None) -> None:
     """A trainer: the weights of the seed-1 model, sent case by case; each outcome reported."""
     weights = [(n, p.detach().clone()) for n, p in build_engine(_config(1)).model.named_parameters()]
     conn.send(("hello",))
-    sender = WeightSender("127.0.0.1", port, world, timeout_s=TIMEOUT_S)
+    sender = WeightSender("127.0.0.1", port, world, timeout_s=TIMEOUT_S, backend=backend, device="cpu")
     rpc = _rpc(conn)
     for case in cases:
         pairs, request = weights, rpc
@@ -133,16 +133,17 @@ def _serve(engine, conn, between) -> dict:
             conn.send(("error", str(e)))
 
 
-def _sync(engine, cases: list[str], *, timeout_s: float = TIMEOUT_S, between=lambda case: None) -> dict:
+def _sync(engine, cases: list[str], *, timeout_s: float = TIMEOUT_S, between=lambda case: None,
+          backend: str | None = None) -> dict:
     """Start a trainer, join its group, serve its updates, leave the group."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     port, world = _port(), 1 + engine.tp.world
-    proc = ctx.Process(target=trainer_main, args=(theirs, port, world, cases), daemon=True)
+    proc = ctx.Process(target=trainer_main, args=(theirs, port, world, cases, backend), daemon=True)
     proc.start()
     try:
         assert mine.poll(60) and mine.recv() == ("hello",)
-        engine.init_weights_update_group("127.0.0.1", port, 1, world, timeout_s=timeout_s)
+        engine.init_weights_update_group("127.0.0.1", port, 1, world, timeout_s=timeout_s, backend=backend)
         out = _serve(engine, mine, between)
         engine.destroy_weights_update_group()
     finally:
@@ -365,3 +366,28 @@ def test_the_example_rl_loop_runs(monkeypatch, capsys):
     assert rl_loop.main(steps=2) == [0, 1, 2]
     out = capsys.readouterr().out
     assert "synced 53 tensors -> weight_version 2" in out and "round 2: weight_version=2" in out
+
+
+# ------------------------------------------------------------------ on a GPU (one: NCCL between two is for a two-GPU machine)
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_calls_in_a_group_of_one():
+    """The protocol's NCCL path (group, handshake, bucket broadcasts, confirmation, teardown) in a
+    group of the trainer alone: a second rank needs a second GPU."""
+    with WeightSender("127.0.0.1", _port(), 1, backend=None) as alone:
+        assert alone.group.backend == "nccl" and alone.group.device.type == "cuda"
+        pairs = [("w", torch.randn(1000, device="cuda")), ("b", torch.ones(3, dtype=torch.bfloat16, device="cuda"))]
+        assert alone.send(pairs, lambda *meta: "done", bucket_mb=0.001) == "done"
+
+
+@pytest.mark.gpu
+def test_gpu_engine_takes_a_cpu_trainers_weights_over_gloo():
+    """An engine on the GPU, a trainer on the CPU (gloo): the buckets land in host memory and are
+    copied into the GPU's parameters; the outputs are the trainer's model's on the GPU, bitwise."""
+    engine = build_engine(_config(0, device="cuda"))
+    out = _sync(engine, ["bad_shape", "good"], backend="gloo")
+    assert out["reports"]["bad_shape"][0] == "error" and out["reports"]["good"][:2] == ("ok", 53)
+    got = _run(engine)
+    want = _run(build_engine(_config(1, device="cuda")))
+    assert [r[:2] for r in got] == [r[:2] for r in want]
