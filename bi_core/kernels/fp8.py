@@ -62,6 +62,7 @@ API for the backends (all tensors on one CUDA device, or the CPU under TRITON_IN
   quantization runs inside the GEMM launch (one launch, no xq/xs round trip).
 - ``fp8_config(m, n, k)``: the tile table (``config`` overrides it, for benchmarks and tests;
   a different SPLIT_K is a different K order).
+- Routed experts: ``fp8_moe.fp8_fused_moe`` (the same per-block arithmetic, ``_k_blocks``).
 """
 
 from __future__ import annotations
@@ -130,30 +131,30 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
 
 
 @triton.jit
-def _k_blocks(A, AS, B, BS, rm, rn, M, N, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn, stride_bsn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_A: tl.constexpr, DOT: tl.constexpr):
-    """K blocks [kb_lo, kb_hi) of a tile in ascending order, from zero: per block a 128-deep dot
-    from zero, times the row scales, fma'd with the column scales into the fp32 accumulator.
-    With QUANT_A, A is the unquantized activation and each block is quantized here first."""
+def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
+              stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_A: tl.constexpr, DOT: tl.constexpr):
+    """K blocks [kb_lo, kb_hi) of a tile (A rows ``rows``, B rows ``cols``: int64 indices) in
+    ascending order, from zero: per block a 128-deep dot from zero, times the row scales, fma'd
+    with the column scales into the fp32 accumulator. With QUANT_A, A is the unquantized
+    activation and each block is quantized here first. The one copy of the GEMM arithmetic: the
+    dense and the grouped (MoE) kernels both run it."""
     rk = tl.arange(0, _BK)
-    m_ok = rm < M
-    n_ok = rn < N
     k0 = kb_lo * _BK
-    a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + (k0 + rk)[None, :]
-    b_ptr = B + rn.to(tl.int64)[None, :] * stride_bn + (k0 + rk)[:, None]
-    as_ptr = AS + rm.to(tl.int64) * stride_asm + kb_lo
-    bs_ptr = BS + (rn // _BK).to(tl.int64) * stride_bsn + kb_lo
+    a_ptr = A + rows[:, None] * stride_am + (k0 + rk)[None, :]
+    b_ptr = B + cols[None, :] * stride_bn + (k0 + rk)[:, None]
+    as_ptr = AS + rows * stride_asm + kb_lo
+    bs_ptr = BS + (cols // _BK) * stride_bsn + kb_lo
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         k_ok = rk + kb * _BK < K
-        a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANT_A:
             q, a_s = _quant_group(a.to(tl.float32))
             a = q.to(B.dtype.element_ty)  # exact: q holds e4m3 values
         else:
-            a_s = tl.load(as_ptr, mask=m_ok, other=0.0)
-        b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        b_s = tl.load(bs_ptr, mask=n_ok, other=0.0)
+            a_s = tl.load(as_ptr, mask=row_ok, other=0.0)
+        b = tl.load(b_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        b_s = tl.load(bs_ptr, mask=col_ok, other=0.0)
         part = mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT)
         acc = tl.fma(part * a_s[:, None], b_s[None, :], acc)
         a_ptr += _BK
@@ -181,6 +182,10 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb_total = tl.cdiv(K, _BK)
+    rows = rm.to(tl.int64)
+    cols = rn.to(tl.int64)
+    row_ok = rm < M
+    col_ok = rn < N
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptr = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     dt = C.dtype.element_ty
@@ -188,14 +193,14 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, SPLIT_K):
             lo = s * KB_PER_SPLIT
-            acc = _k_blocks(A, AS, B, BS, rm, rn, M, N, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am,
-                            stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
+            acc = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
+                            stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is (a -0.0 stays -0.0, as in the fix-up)
         tl.store(c_ptr, total.to(dt), mask=c_mask)
     else:  # a constexpr branch: without splits the workspace code is never compiled (WS, LOCKS may be C)
         lo = split * KB_PER_SPLIT
-        acc = _k_blocks(A, AS, B, BS, rm, rn, M, N, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am,
-                        stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
+        acc = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
+                        stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
         if SPLIT_K == 1:
             tl.store(c_ptr, acc.to(dt), mask=c_mask)
         else:

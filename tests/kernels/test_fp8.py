@@ -336,7 +336,7 @@ def test_fp8_rows_invariant(device, dtype):
     quantization fused, 64-row and 128-row tiles with 4 and 8 warps, split programs with a fix-up
     vs INLINE, fused vs separate quantization (the K order, 2 ranges, fixed throughout). fp32
     outputs are the ones with teeth (bf16 hides most order changes); bf16 checks the bf16 input
-    and output paths on fewer sizes."""
+    and output paths on 65 rows."""
     from bi_core.kernels.fp8 import fp8_linear, quantize_act
 
     x, wq, ws = _inv_inputs(device)
@@ -347,12 +347,12 @@ def test_fp8_rows_invariant(device, dtype):
         return (fp8_linear(a, wq, ws, config=cfg or _inv_config(a.shape[0])), *quantize_act(a))
 
     if dtype == torch.float32:
-        sizes = INV_SIZES
+        rows, sizes = INV_ROWS, INV_SIZES
         variants = [_inv_config(1, FUSE_QUANT=False), _inv_config(1, INLINE=True), _inv_config(100),
                     _inv_config(INV_ROWS, FUSE_QUANT=True), _inv_config(INV_ROWS, BLOCK_N=128, INLINE=True)]
-    else:
-        sizes, variants = (1, 65), [_inv_config(INV_ROWS)]
-    assert invariance_mismatches(run, INV_ROWS, sizes, device, variants) == []
+    else:  # 65 rows: the small bucket's edge
+        rows, sizes, variants = 65, (1, 64), [_inv_config(INV_ROWS)]
+    assert invariance_mismatches(run, rows, sizes, device, variants) == []
 
 
 @pytest.mark.usefixtures("ordered_dot")
@@ -391,6 +391,100 @@ def test_fp8_negative_control_constructed(device):
     two = fp8_gemm(xq, xs, wq, ws, torch.float32, config={**cfg, "SPLIT_K": 2})
     assert one[0, 0].item() == 2.0**24 and two[0, 0].item() == 2.0**24 + 2
     assert torch.equal(one[1:], two[1:]) and torch.equal(one[0, 1:], two[0, 1:])  # zeros elsewhere
+
+
+# ------------------------------------------------------------------------------------ MoE
+
+MOE_E, MOE_TOPK, MOE_H, MOE_I, MOE_TOKENS = 3, 2, 256, 128, 22  # + a shared expert: 4 experts, 3 slots, 66 pairs
+
+
+def _moe_inputs(device):
+    from bi_core.kernels.topk import softmax_topk
+
+    x = torch.randn(MOE_TOKENS, MOE_H, device=device)
+    x *= torch.exp2(torch.randint(-3, 3, (MOE_TOKENS, 1), device=device).float())
+    logits = x @ (torch.randn(MOE_E + 1, MOE_H, device=device) / MOE_H**0.5).T
+    w13 = [quantize_weight(torch.randn(2 * MOE_I, MOE_H, device=device) / MOE_H**0.5) for _ in range(MOE_E + 1)]
+    w2 = [quantize_weight(torch.randn(MOE_H, MOE_I, device=device) / MOE_I**0.5) for _ in range(MOE_E + 1)]
+    stack = lambda ws, i: torch.stack([w[i] for w in ws])
+    wts, ids = softmax_topk(logits[:, :MOE_E], MOE_TOPK)
+    return x, logits[:, MOE_E], wts, ids, stack(w13, 0), stack(w13, 1), stack(w2, 0), stack(w2, 1)
+
+
+def test_fp8_moe_numerics(device):
+    """The grouped GEMM: each pair's row against the float64 product of its token's dequantized
+    row and its expert's dequantized weight, within test_fp8_gemm_numerics's bound; the SiLU-and-
+    mul epilogue against moe.py's rounding applied to the plain gate and up GEMMs (fp32: equal up
+    to the sigmoid's last place); the whole fused MoE against a float64 MoE on the dequantized
+    weights and unquantized activations within 0.1 relative (the activations' e4m3 rounding, up
+    to 2**-4 of each value, in both GEMMs), which a wrong expert, slot or gate would miss by far."""
+    from bi_core.kernels.fp8 import quantize_act
+    from bi_core.kernels.fp8_moe import fp8_fused_moe, fp8_grouped_gemm
+    from bi_core.kernels.moe import align
+
+    tokens = 6  # 18 pairs
+    x, shared, wts, ids, w13, s13, w2, s2 = _moe_inputs(device)
+    x, shared, wts, ids = x[:tokens], shared[:tokens], wts[:tokens], ids[:tokens]
+    routing = align(ids, MOE_E + 1, shared=True)
+    slots = MOE_TOPK + 1
+    expert = torch.cat([ids, torch.full((tokens, 1), MOE_E, device=device, dtype=ids.dtype)], 1).reshape(-1)
+    xq, xs = quantize_act(x)
+    xd = dequant(xq, xs, 1)
+    gate = fp8_grouped_gemm(xq, xs, w13[:, :MOE_I], s13[:, : MOE_I // BLK], routing, slots, out_dtype=torch.float32)
+    u = 2.0**-24 if device.type == "cpu" else 2.0**-13
+    for p in range(routing.num_pairs):
+        e = int(expert[p])
+        wd = dequant(w13[e, :MOE_I], s13[e, : MOE_I // BLK], BLK)
+        ref, mag = xd[p // slots] @ wd.T, xd[p // slots].abs() @ wd.abs().T
+        assert ((gate[p].double() - ref).abs() <= (BLK + cdiv(MOE_H, BLK) + 3) * u * mag + 1e-30).all(), p
+    up = fp8_grouped_gemm(xq, xs, w13[:, MOE_I:], s13[:, MOE_I // BLK:], routing, slots, out_dtype=torch.float32)
+    h = fp8_grouped_gemm(xq, xs, w13, s13, routing, slots, silu_mul=True, out_dtype=torch.float32)
+    torch.testing.assert_close(h, gate * torch.sigmoid(gate) * up, rtol=1e-6, atol=0)
+    y = fp8_fused_moe(x, wts, ids, w13, s13, w2, s2, shared)
+    ref = torch.zeros(tokens, MOE_H, dtype=torch.float64, device=device)
+    for t in range(tokens):
+        for e, weight in [(int(ids[t, j]), float(wts[t, j])) for j in range(MOE_TOPK)] + [(MOE_E, None)]:
+            g13 = dequant(w13[e], s13[e], BLK) @ x[t].double()
+            out = dequant(w2[e], s2[e], BLK) @ (torch.nn.functional.silu(g13[:MOE_I]) * g13[MOE_I:])
+            ref[t] += out * (weight if weight is not None else torch.sigmoid(shared[t].double()))
+    assert float((y.double() - ref).norm() / ref.norm()) < 0.1
+
+
+@pytest.mark.usefixtures("ordered_dot")
+def test_fp8_moe_rows_invariant(device):
+    """fp8_fused_moe (with a shared expert, fp32): a token's output is bitwise the same alone, in 8
+    tokens (24 pairs: 16-row routing blocks), in all 22 (66 pairs: 32-row blocks), permuted, and
+    with 128-row tiles on 8 warps. Negative control: the same pipeline written out, which equals
+    fp8_fused_moe with quantize_act, gives a token different bits alone and among 8 when the
+    activation scale spans the batch (per-tensor)."""
+    from bi_core.kernels.fp8 import quantize_act
+    from bi_core.kernels.fp8_moe import fp8_fused_moe, fp8_grouped_gemm
+    from bi_core.kernels.moe import align, moe_combine
+
+    x, shared, wts, ids, w13, s13, w2, s2 = _moe_inputs(device)
+    run = lambda rows, cfg=None: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
+                                               config=cfg)
+    every = torch.arange(MOE_TOKENS, device=device)
+    assert [align(ids[:m], MOE_E + 1, shared=True).block_m for m in (1, 8, MOE_TOKENS)] == [16, 16, 32]
+    ref = bits(run(every))
+    first8 = run(every[:8])
+    assert torch.equal(bits(first8), ref[:8])
+    assert torch.equal(bits(run(every[:1])), ref[:1])
+    perm = torch.randperm(MOE_TOKENS, device=device)
+    assert torch.equal(bits(run(perm)), ref[perm])
+    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[:12])
+
+    def per_tensor(a):
+        s = a.abs().amax().clamp(min=1e-10) / 448.0
+        return (a / s).clamp(-448, 448).to(E4M3), s.expand(a.shape[0], cdiv(a.shape[1], BLK)).contiguous()
+
+    def pipeline(rows, quant):
+        routing = align(ids[rows], MOE_E + 1, shared=True)
+        h = fp8_grouped_gemm(*quant(x[rows]), w13, s13, routing, MOE_TOPK + 1, silu_mul=True, out_dtype=x.dtype)
+        return moe_combine(fp8_grouped_gemm(*quant(h), w2, s2, routing, 1, out_dtype=x.dtype), wts[rows], shared[rows])
+
+    assert torch.equal(bits(pipeline(every[:8], quantize_act)), bits(first8))
+    assert not torch.equal(bits(pipeline(every[:8], per_tensor)[:1]), bits(pipeline(every[:1], per_tensor)))
 
 
 # ------------------------------------------------------------------------------ GPU only
@@ -469,3 +563,26 @@ def test_gpu_same_bits_as_the_vllm_order():
         outs.append(y)
     assert torch.equal(bits(ours), bits(outs[0]))
     assert not torch.equal(bits(ours), bits(outs[1]))
+
+
+@gpu_only
+def test_gpu_moe_rows_invariant_model_shapes():
+    """On the GPU, at the 35B-A3B's expert shapes (64 of its 256 experts, top-8, H 2048, I 512, plus
+    the shared expert; fp32 activations so order changes show): a token's output is bitwise the
+    same alone, in batches of 2..512 tokens (routing blocks of 16 to 128 rows) and permuted."""
+    from bi_core.kernels.fp8_moe import fp8_fused_moe
+
+    e, top, h, i, t = 64, 8, 2048, 512, 512
+    w13 = [quantize_weight(torch.randn(2 * i, h, device="cuda") / h**0.5) for _ in range(e + 1)]
+    w2 = [quantize_weight(torch.randn(h, i, device="cuda") / i**0.5) for _ in range(e + 1)]
+    w13q, w13s = torch.stack([w[0] for w in w13]), torch.stack([w[1] for w in w13])
+    w2q, w2s = torch.stack([w[0] for w in w2]), torch.stack([w[1] for w in w2])
+    x = torch.randn(t, h, device="cuda")
+    wts, ids = torch.rand(t, top, device="cuda").softmax(-1), torch.rand(t, e, device="cuda").topk(top, -1).indices
+    shared = torch.randn(t, device="cuda")
+    run = lambda rows: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13q, w13s, w2q, w2s, shared[rows])
+    every = torch.arange(t, device="cuda")
+    ref = bits(run(every))
+    assert [m for m in (1, 2, 8, 64, 300) if not torch.equal(bits(run(every[:m])), ref[:m])] == []
+    perm = torch.randperm(t, device="cuda")
+    assert torch.equal(bits(run(perm)), ref[perm])

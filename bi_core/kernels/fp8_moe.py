@@ -1,0 +1,126 @@
+"""Routed MoE experts in block FP8 (W8A8), batch-invariant: kernels/moe.py's sorted path with the
+grouped GEMMs of fp8.py's arithmetic.
+
+Layout (moe.py's, quantized): ``w13 [E, 2I, H]`` float8_e4m3fn (each expert's gate rows [0, I),
+up rows [I, 2I); with a shared expert it is the last, E - 1), ``w13_scale [E, ceil(2I/128),
+ceil(H/128)]`` float32 (I a multiple of 128, so no scale block mixes gate and up rows: the
+checkpoints' per-expert gate_proj / up_proj ``weight_scale_inv`` stacked in that order);
+``w2 [E, H, I]``, ``w2_scale [E, ceil(H/128), ceil(I/128)]``.
+
+Arithmetic of a (token t, slot j) pair routed to expert e: x[t] quantized per group of 128
+(``fp8.quantize_act``); gate and up each fp8.py's GEMM arithmetic (K blocks of 128 in ascending
+order, ``acc = fma(dot * xs, ws, acc)``, no split), rounded with moe.py's epilogue (each GEMM
+output, silu(gate), the product, in x's dtype); that row quantized per group of 128; the down
+projection the same GEMM arithmetic, rounded to x's dtype; the token's k rows combined by
+``moe.moe_combine`` (fp32, slot order, then the shared expert's gated output).
+
+Invariance: routing is moe.py's (``align``: the pairs sorted by expert, each expert's run padded
+to the routing block of 16..128 rows, chosen from the pair count); a pair's row is its own dot
+products in the same K order wherever it lands, whatever the routing block, the tile or the
+expert's row count. Tiles are max(64, routing block) rows, so every batch size runs the in-block
+dots on fp8 wgmma (fp8.py says why below 64 rows would not). Tested bitwise under the interpreter
+with a K-ordered dot (tests/kernels/test_fp8.py); not yet run on a GPU; nothing here is tuned.
+
+API: ``fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits=None)``
+-> ``[T, H]`` in x's dtype (moe.fused_moe's arguments, plus the scales); ``fp8_grouped_gemm`` for
+one grouped GEMM on pre-quantized rows. Not yet here (moe.py has them in bf16): a per-pair path
+for a few tokens without the routing sort, quantization fused into the GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bi_core.kernels.common import dot_mode, pdl, pdl_start
+from bi_core.kernels.fp8 import BLOCK, _k_blocks, quantize_act
+from bi_core.kernels.moe import Routing, align, moe_combine
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_asm,
+                        stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
+                        SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    """Program (routing block b, column tile): the block's ROUTE_M pairs in the first rows of a
+    BLOCK_M-row tile (BLOCK_M >= ROUTE_M, >= 64), A rows ``pair // A_ROW_DIV``, expert
+    BLOCK_EXPERT[b]; out row = pair id."""
+    pdl_start(PDL)
+    b = tl.program_id(0)
+    e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
+    if e >= num_experts:
+        return
+    r = tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
+    valid = pairs < num_pairs
+    rows = (pairs // A_ROW_DIV).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    cols = rn.to(tl.int64)
+    w_e = W + e * stride_we
+    ws_e = WS + e * stride_wse
+    kb_total = tl.cdiv(K, 128)
+    acc = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb_total, stride_am, stride_asm, stride_wn,
+                    stride_wsn, BLOCK_M, BLOCK_N, False, DOT)
+    dt = C.dtype.element_ty
+    if SILU_MUL:  # rows [N, 2N) of the expert are the up projection; moe.py's rounding
+        up = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb_total, stride_am, stride_asm,
+                       stride_wn, stride_wsn, BLOCK_M, BLOCK_N, False, DOT)
+        gate = acc.to(dt).to(tl.float32)
+        out = ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
+    else:
+        out = acc.to(dt)
+    c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+
+
+def grouped_config(route_m: int) -> dict:
+    """Launch shape from the routing block (speed only: the K order is fixed by K)."""
+    block_m = max(64, route_m)
+    return {"BLOCK_M": block_m, "BLOCK_N": 64 if route_m <= 32 else 128, "num_warps": 8 if block_m == 128 else 4,
+            "num_stages": 3}
+
+
+def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, routing: Routing,
+                     a_row_div: int, silu_mul: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                     config: dict | None = None) -> torch.Tensor:
+    """For every pair p: ``out[p] = A[p // a_row_div] @ w[expert(p)].T`` with A = (xq, xs) quantized
+    rows (``fp8.quantize_act``), w ``[E, N, K]`` float8_e4m3fn and w_scale ``[E, ceil(N/128),
+    ceil(K/128)]`` float32; with ``silu_mul`` w is ``[E, 2N, K]`` and ``out[p] = silu(gate) * up``
+    -> ``[num_pairs, N]`` out_dtype. ``config`` overrides the launch shape (tests, benchmarks)."""
+    num_experts, n, k = w.shape
+    n = n // 2 if silu_mul else n
+    assert w.dtype == torch.float8_e4m3fn and w.stride(2) == 1 and xq.shape[1] == k and xq.stride(1) == 1
+    assert tuple(w_scale.shape) == (num_experts, triton.cdiv(w.shape[1], BLOCK), triton.cdiv(k, BLOCK))
+    assert w_scale.dtype == torch.float32 and w_scale.stride(2) == 1 and xs.stride(1) == 1
+    assert not silu_mul or n % BLOCK == 0, "gate and up must not share a scale block"
+    out = torch.empty((routing.num_pairs, n), dtype=out_dtype, device=xq.device)
+    if routing.num_pairs == 0:
+        return out
+    cfg = {**grouped_config(routing.block_m), **(config or {})}
+    assert cfg["BLOCK_M"] >= max(64, routing.block_m)
+    grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
+    _fp8_grouped_kernel[grid](xq, xs, w, w_scale, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs,
+                              n, k, num_experts, xq.stride(0), xs.stride(0), w.stride(0), w.stride(1),
+                              w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
+                              SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
+                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn), num_warps=cfg["num_warps"],
+                              num_stages=cfg["num_stages"], **pdl())
+    return out
+
+
+def fp8_fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                  w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                  shared_logits: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Σ_j w_j · SwiGLU-expert_{id_j}(x) per token, combined in fp32 in slot order (moe.fused_moe's
+    contract, block-FP8 weights); with ``shared_logits`` the last expert is the shared expert,
+    gated by sigmoid(logit). ``config`` overrides both GEMMs' launch shape (tests, benchmarks)."""
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None)
+    h = fp8_grouped_gemm(*quantize_act(x), w13, w13_scale, routing, routing.slots, silu_mul=True, out_dtype=x.dtype,
+                         config=config)
+    y = fp8_grouped_gemm(*quantize_act(h), w2, w2_scale, routing, 1, out_dtype=x.dtype, config=config)
+    return moe_combine(y, topk_weights, shared_logits)
