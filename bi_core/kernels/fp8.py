@@ -279,7 +279,9 @@ def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_a):
     split = cfg["SPLIT_K"]
     kb_per_split = triton.cdiv(triton.cdiv(k, BLOCK), split)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    inline = cfg["INLINE"] or (split > 1 and tiles > MAX_LOCKS)  # the same sums: INLINE needs no counters
+    # the same sums either way: INLINE needs no counters and no workspace (whose int32 offsets
+    # split * M * N must stay below 2**31)
+    inline = cfg["INLINE"] or (split > 1 and (tiles > MAX_LOCKS or split * m * n >= 2**31))
     grid_split = 1 if inline else split
     ws_buf = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if grid_split > 1 else out
     locks = tile_locks(a.device) if grid_split > 1 else out

@@ -1,14 +1,19 @@
-"""Block-FP8 W8A8 kernels (bi_core/kernels/fp8.py), on the CPU through Triton's interpreter or on a GPU.
+"""Block-FP8 W8A8 kernels (bi_core/kernels/fp8.py, fp8_moe.py), on the CPU through Triton's
+interpreter or on a GPU.
 
 - Quantization against a pure-torch reference, bitwise, on inputs that separate ties-to-even from
   other roundings.
 - The GEMM against a float64 product of the dequantized operands, within a stated error bound.
 - Under the interpreter, the GEMM bitwise against a numpy emulation of the documented arithmetic
   (K blocks in order, scales and fma, split ranges added in order), with ``ordered_dot``.
-- Batch invariance, bitwise: every row alone, in batches of 1..300 rows (crossing the M buckets),
+- Batch invariance, bitwise: every row alone, in batches of 1..264 rows (crossing the M buckets),
   permuted, and under every bucket's tiles, split programs vs INLINE, fused vs separate
   quantization. Negative controls: a split count that follows M, and a batch-wide activation
   scale, must be caught; constructed inputs where two K orders cannot round alike.
+- The routed-expert MoE the same way: grouped rows within the bound, tokens bitwise across
+  batch sizes (routing blocks of 16 and 32 rows), with a per-tensor-scale negative control.
+- GPU only (skipped here): the same at the model's shapes, M = 1..1024, and the same bits as a
+  kernel in vLLM's order.
 
 Under the interpreter the in-block dot is modelled (fp32, K order): the GPU's fp8 wgmma
 accumulation is not, and neither is its behaviour across tile shapes (fp8.py's docstring)."""
