@@ -332,6 +332,28 @@ def test_sender_refuses_bad_input_and_a_missing_engine_times_out():
         WeightSender("127.0.0.1", _port(), 2, backend="nccl", device="cpu")
 
 
+def test_an_engine_that_never_takes_part_ends_the_trainers_send_at_the_timeout():
+    """The trainer's request reached nobody that answers (it never returns) and no engine rank
+    comes to the handshake: send ends after the group's timeout, naming the stage."""
+    import threading
+
+    from bi_core.rl.protocol import WeightGroup
+
+    port, peer = _port(), []
+    joining = threading.Thread(target=lambda: peer.append(WeightGroup("weight_update_group", "127.0.0.1", port, 1, 2,
+                                                                      "gloo", torch.device("cpu"), 2.0)))
+    joining.start()
+    sender = WeightSender("127.0.0.1", port, 2, timeout_s=2.0)
+    joining.join()
+    t0 = time.monotonic()
+    with pytest.raises(BiEngineError, match="handshake with the other members of weight-update group "
+                                            "'weight_update_group': timed out after 2 s"):
+        sender.send([("w", torch.zeros(2))], lambda *meta: time.sleep(60))
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(BiEngineError, match="out of step"):  # its pending handshake could pair with a later one
+        sender.send([("w", torch.zeros(2))], lambda *meta: None)
+
+
 def test_tp_messages_replay_the_weight_sync_calls():
     class Fake:
         def __init__(self):
