@@ -111,11 +111,8 @@ class RolloutControl:
     def hold_admissions(self) -> None:
         """Take the queued requests that have not started out of the scheduler's queue (a preempted
         request is queued too, but it has started: it stays, to finish)."""
-        waiting = self.engine.scheduler.waiting
-        self._held = [s for s in waiting if not started(s)]
-        for s in self._held:
-            waiting.remove(s)
+        self._held = self.engine.scheduler.hold(keep=started)
 
     def release_admissions(self) -> None:
-        self.engine.scheduler.waiting.extend(self._held)  # admission order is by request id, not queue order
+        self.engine.scheduler.release(self._held)
         self._held = []

@@ -78,6 +78,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def hold(self, keep) -> list[Sequence]:
+        """Take the queued requests for which ``keep(seq)`` is False out of the queue (RL pause
+        mode ``wait``: what has not started waits); returns them for ``release``."""
+        held = [s for s in self.waiting if not keep(s)]
+        for s in held:
+            self.waiting.remove(s)
+        return held
+
+    def release(self, held: list[Sequence]) -> None:
+        """Queue requests ``hold`` took out again (admission goes by request id, not queue order)."""
+        self.waiting.extend(held)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
