@@ -217,6 +217,12 @@ class ModelConfig:
     max_model_len: int | None = _field(_optional(_int(1)), None, doc="default: max_position_embeddings")
     enable_return_routed_experts: bool = _field(_bool, False, doc="record every MoE layer's top-k expert ids so "
                                                 "requests can ask for them (SamplingParams.return_routed_experts)")
+    quantization: str | None = _field(_optional(_choice("none", "fp8")), None,
+                                      doc="weight format; unset: as the checkpoint is stored (an FP8 checkpoint's "
+                                          "config.json quantization_config is read); fp8: block-wise FP8 (W8A8, "
+                                          "128x128 weight blocks, the official Qwen3.5-FP8 scheme), quantizing a "
+                                          "bf16/fp32 checkpoint or a random preset on load; none: unquantized (an "
+                                          "FP8 checkpoint is refused)")
 
     def __attrs_post_init__(self) -> None:
         if (self.path is None) == (self.random is None):

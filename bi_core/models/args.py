@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from bi_core.errors import CheckpointError
+from bi_core.quant.scheme import Fp8Scheme, from_quantization_config, resolve
 
 TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -38,6 +39,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    quantization: Fp8Scheme | None = None  # FP8 projections (bi_core.quant.scheme); None: all in the model dtype
 
     @property
     def is_moe(self) -> bool:
@@ -68,15 +70,21 @@ class ModelArgs:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
+    def from_hf_config(cls, config: dict[str, Any], quantization: str | None = None) -> ModelArgs:
+        """The args of a ``config.json``; ``quantization``: ``model.quantization`` (None: as the
+        checkpoint is stored, its ``quantization_config`` read; ``fp8``; ``none``)."""
         text = config.get("text_config") or config
         model_type = text.get("model_type", config.get("model_type"))
         if model_type not in TEXT_MODEL_TYPES:
             raise CheckpointError(f"config.json: model_type {model_type!r} is not a Qwen3.5 model ({', '.join(TEXT_MODEL_TYPES)})")
         try:
-            return cls._parse(text, config)
+            args = cls._parse(text, config)
         except KeyError as e:
             raise CheckpointError(f"config.json: missing field {e.args[0]!r}") from None
+        qc = config.get("quantization_config") or text.get("quantization_config")
+        scheme = None if qc is None else from_quantization_config(qc, args.layer_types, args.is_moe,
+                                                                  args.mtp_num_hidden_layers > 0)
+        return attrs.evolve(args, quantization=resolve(quantization, scheme))
 
     @classmethod
     def _parse(cls, text: dict[str, Any], top: dict[str, Any]) -> ModelArgs:
