@@ -6,6 +6,11 @@ Accepted: ``model.language_model.*`` (multimodal) and ``model.*`` (text-only) na
 ``experts.{e}.{gate,up,down}_proj.weight``, independently for main and MTP layers; ``mtp.*``.
 Where each tensor goes is ``weight_map.py``'s; this module reads sources (a checkpoint directory,
 or named tensors in memory), checks them, and copies: a full load, or an in-place update.
+
+Block-wise FP8 (``bi_core/quant``): a model's FP8 parameters take FP8 tensors with their
+``*_scale_inv`` (from a checkpoint directory), or bf16/fp32 tensors quantized block-wise on the
+way in (a bf16 checkpoint under ``model.quantization: fp8``, or an update from a trainer); the
+weights stay FP8 in memory (nothing is dequantized at load).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from safetensors import safe_open
 from bi_core.errors import CheckpointError
 from bi_core.models.args import ModelArgs
 from bi_core.models.weight_map import ALL, Placement, WeightMap, weight_map
+from bi_core.quant import placement as fp8
+from bi_core.quant.fp8 import FP8
+from bi_core.quant.params import SCALE_SUFFIX, is_block_scale, is_fp8
 
 log = logging.getLogger(__name__)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -149,28 +157,37 @@ class _Step:
     transposed: bool
 
 
-def _plan(source, wmap, args: ModelArgs, engine_dtype: torch.dtype | None = None
-          ) -> tuple[list[_Step], list[str], list[str]]:
+def _plan(source, wmap, params: dict[str, torch.nn.Parameter], args: ModelArgs,
+          engine_dtype: torch.dtype | None = None) -> tuple[list[_Step], list[str], list[str]]:
     """(steps, names the map does not know, shape/dtype problems) for every tensor of ``source``.
-    ``engine_dtype``: in-memory weights, held to the dtype rule of ``check_update``."""
+    ``engine_dtype``: in-memory weights, held to the dtype rule of ``check_update``. FP8 tensors'
+    scales (``*_scale_inv``) are checked with their tensor (``bi_core/quant/placement.py``)."""
     steps, unknown, problems = [], [], []
+    block = args.quantization.block if args.quantization is not None else None
     for name in source.names():
         pl = wmap.placement(name)
         if pl is None:
-            unknown.append(name)
+            if not (fp8.is_companion(source, name) and wmap.placement(name[: -len(SCALE_SUFFIX)]) is not None):
+                unknown.append(name)
             continue
         have = source.shape(name)
         transposed = pl.transposable and _is_transposed(source, pl.expert_prefix, args)
         want = (pl.shape[0], pl.shape[2], pl.shape[1]) if transposed else pl.shape
+        fp8_source = source.dtype(name) == FP8 or fp8.companion(source, name) is not None
         if not _fits(have, want):
             problems.append(f"tensor {name}: checkpoint shape {have}, model expects {want}")
+        elif fp8_source:
+            problem = fp8.source_problem(source, name, pl.param, is_fp8(params[pl.param]), block,
+                                         in_memory=engine_dtype is not None, transposed=transposed)
+            if problem is not None:
+                problems.append(problem)
         elif engine_dtype is not None and source.dtype(name) not in (engine_dtype, torch.float32):
             problems.append(f"tensor {name}: dtype {source.dtype(name)}, but the engine runs {engine_dtype} "
                             f"(model.dtype) and takes in-memory weights in {_accepted(engine_dtype)}; cast it with "
                             f".to({engine_dtype}) first")
         elif not source.dtype(name).is_floating_point or source.dtype(name).itemsize < 2:
-            problems.append(f"tensor {name}: dtype {source.dtype(name)}, expected float32, bfloat16 or float16 "
-                            "(quantized checkpoints are not supported)")
+            problems.append(f"tensor {name}: dtype {source.dtype(name)}, expected float32, bfloat16 or float16, or "
+                            "float8_e4m3fn with its weight_scale_inv (block-wise FP8)")
         steps.append(_Step(name, pl, transposed))
     return steps, unknown, problems
 
@@ -195,18 +212,30 @@ def _shard_pieces(dst: tuple, view: torch.Tensor, param: torch.nn.Parameter):
         offset += hi - lo
 
 
+def _place(param: torch.nn.Parameter, pieces, t: torch.Tensor) -> None:
+    for dst, src in pieces:
+        if not hasattr(param, "shard"):
+            param[dst].copy_(t[src], non_blocking=True)
+            continue
+        for local, part in _shard_pieces(dst, t[src], param):  # tensor parallel: this rank's part only
+            param[local].copy_(part, non_blocking=True)
+
+
 @torch.no_grad()
 def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step]) -> None:
     for step in steps:
         param, pl = params[step.placement.param], step.placement
         t = source.get(step.name)
         t = t.transpose(1, 2) if step.transposed else t.reshape(pl.shape)
-        for dst, src in pl.pieces:
-            if not hasattr(param, "shard"):
-                param[dst].copy_(t[src], non_blocking=True)
-                continue
-            for local, part in _shard_pieces(dst, t[src], param):  # tensor parallel: this rank's part only
-                param[local].copy_(part, non_blocking=True)
+        if not is_fp8(param):
+            _place(param, pl.pieces, t)
+            continue
+        q, scale = fp8.fp8_values(source, step.name, t, param)  # as stored, or quantized on the way in
+        _place(param, pl.pieces, q)
+        full, block = getattr(param, "full_shape", param.shape), param.fp8.block
+        _place(param.scale_inv, [(fp8.block_index(dst, full, block, step.name, False),
+                                  fp8.block_index(src, tuple(t.shape), block, step.name, True))
+                                 for dst, src in pl.pieces], scale)
 
 
 def _missing(wmap, covered: dict[str, set]) -> str | None:
@@ -225,7 +254,7 @@ def load_weights(model: torch.nn.Module, source) -> None:
     the tensor and both shapes; tensors the model does not use are reported in one warning."""
     args = model.args
     wmap = weight_map(args, with_mtp=model.mtp is not None)
-    steps, unknown, problems = _plan(source, wmap, args)
+    steps, unknown, problems = _plan(source, wmap, dict(model.named_parameters()), args)
     if problems:
         raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     covered: dict[str, set] = {}
@@ -276,6 +305,8 @@ class _UpdateMap:
 def _update_map(model: torch.nn.Module) -> _UpdateMap:
     own = {}
     for name, param in model.named_parameters():
+        if is_block_scale(param):  # FP8 scales: set with their weight, which arrives in bf16/fp32
+            continue
         shape = tuple(getattr(param, "full_shape", param.shape))  # tensor parallel: the whole tensor, not a shard
         own[name] = Placement(name, shape, ((ALL, ALL),), ((name,),))
     return _UpdateMap(weight_map(model.args, with_mtp=model.mtp is not None), own)
@@ -294,10 +325,12 @@ def check_update(model: torch.nn.Module, source) -> list[_Step]:
     read as at load (float32, bfloat16 or float16, cast to the engine's dtype); an in-memory
     tensor must be in the engine's dtype (``model.dtype``) or in float32, which is rounded to it
     (a trainer's fp32 master weights): a narrower or other tensor is refused, since casting it up
-    would run the engine on weights of less precision than it was configured for."""
+    would run the engine on weights of less precision than it was configured for. An FP8 model's
+    FP8 parameters quantize such tensors block-wise (from the engine-dtype values); FP8 tensors with
+    scales are taken from a checkpoint directory only (in memory a pair could arrive split)."""
     args = model.args
     engine_dtype = model.embed_tokens.dtype if isinstance(source, TensorDict) else None  # the engine's dtype
-    steps, unknown, problems = _plan(source, _update_map(model), args, engine_dtype)
+    steps, unknown, problems = _plan(source, _update_map(model), dict(model.named_parameters()), args, engine_dtype)
     # names the model has no place for but that a full state_dict carries: a tied head, an MTP head
     # this engine does not run
     unknown = [n for n in unknown if not ((args.tie_word_embeddings and n == "lm_head.weight") or

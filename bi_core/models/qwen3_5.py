@@ -26,6 +26,8 @@ from bi_core.ops.collective import CollectiveSpec
 from bi_core.ops.context import ModelCaches
 from bi_core.ops.gdn import GdnWeights
 from bi_core.parallel.shard import Shard, TPInfo, split
+from bi_core.quant import params as q
+from bi_core.quant.scheme import GDN_HEAD, GDN_TAIL, MOE, MTP_FC, Fp8Weights, fp8_weights, splits_gdn_in_proj
 from bi_core.selector import OpFactory
 
 NO_TP = TPInfo()
@@ -39,6 +41,16 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device, tp: TPInfo = N
     if shard is not None and tp.world > 1:
         p.shard, p.full_shape, p.tp = shard, tuple(shape), tp
     return p
+
+
+def _draw_together(head: nn.Parameter, tail: nn.Parameter, shape: tuple[int, int], shard: Shard,
+                   tp: TPInfo) -> None:
+    """``head`` and ``tail`` are the rows of one weight of ``shape`` (split over ranks by ``shard``)
+    that the unquantized model holds as one parameter: a random init draws them together (the
+    same numbers in both models)."""
+    head.draw_shape, head.drawn_tail, tail.drawn_with_head = shape, tail, True
+    if tp.world > 1:
+        head.draw_shard = shard
 
 
 class TensorParallel:
@@ -60,20 +72,43 @@ class TensorParallel:
         return x if self.info.world == 1 else self._gather.forward(x)
 
 
+def _spec_format(fp8: Fp8Weights | None) -> dict:
+    """The op spec's weight-format fields (none for dense weights: their specs stay as before)."""
+    return {} if fp8 is None else {"weight_format": "fp8_block", "block_size": fp8.block}
+
+
+def _fp8_param(shape: tuple[int, ...], fp8: Fp8Weights, dtype, device, tp: TPInfo, shard: Shard | None
+               ) -> tuple[nn.Parameter, nn.Parameter]:
+    """An FP8 weight of full ``shape`` and its block scales (this rank's blocks)."""
+    scale = q.scale_param(shape, fp8, device, tp, shard)  # checks the block layout first
+    weight = _param(*shape, dtype=q.FP8, device=device, tp=tp, shard=shard)
+    q.attach(weight, scale, fp8, dtype)
+    return weight, scale
+
+
 class Linear(nn.Module):
     """``x @ W.T``; with ``shard`` (split(0, ...): column-parallel, split(1, ...): row-parallel,
-    whose partial results the caller all-reduces) this rank's part of ``W``."""
+    whose partial results the caller all-reduces) this rank's part of ``W``. With ``fp8``, ``W`` is
+    float8_e4m3fn with float32 block scales ``weight_scale_inv`` (``bi_core/quant``)."""
 
     def __init__(self, factory: OpFactory, in_features: int, out_features: int, dtype, device,
-                 silu_mul: bool = False, tp: TPInfo = NO_TP, shard: Shard | None = None) -> None:
+                 silu_mul: bool = False, tp: TPInfo = NO_TP, shard: Shard | None = None,
+                 fp8: Fp8Weights | None = None) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device, tp=tp, shard=shard)
+        if fp8 is None:
+            self.weight = _param(out_features, in_features, dtype=dtype, device=device, tp=tp, shard=shard)
+            self.weight_scale_inv = None
+        else:
+            self.weight, self.weight_scale_inv = _fp8_param((out_features, in_features), fp8, dtype, device, tp, shard)
         out_features, in_features = self.weight.shape
-        spec = LinearSpec(**factory.base, in_features=in_features, out_features=out_features, silu_mul=silu_mul)
+        spec = LinearSpec(**factory.base, in_features=in_features, out_features=out_features, silu_mul=silu_mul,
+                          **_spec_format(fp8))
         self.impl = factory.build("linear", spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.impl.forward(x, self.weight)
+        if self.weight_scale_inv is None:
+            return self.impl.forward(x, self.weight)
+        return self.impl.forward(x, self.weight, self.weight_scale_inv)
 
 
 class RMSNorm(nn.Module):
@@ -100,9 +135,12 @@ class Attention(nn.Module):
         hq, hkv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         tp = par.info
         self.cache_index, self.par = cache_index, par
+        quant = args.quantization
         self.qkv_proj = Linear(factory, args.hidden_size, 2 * hq * d + 2 * hkv * d, dtype, device, tp=tp,
-                               shard=split(0, (2 * hq * d, hq), (hkv * d, hkv), (hkv * d, hkv)))
-        self.o_proj = Linear(factory, hq * d, args.hidden_size, dtype, device, tp=tp, shard=split(1, (hq * d, hq)))
+                               shard=split(0, (2 * hq * d, hq), (hkv * d, hkv), (hkv * d, hkv)),
+                               fp8=fp8_weights(quant, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+        self.o_proj = Linear(factory, hq * d, args.hidden_size, dtype, device, tp=tp, shard=split(1, (hq * d, hq)),
+                             fp8=fp8_weights(quant, "self_attn.o_proj"))
         self.q_norm = _param(d, dtype=dtype, device=device)
         self.k_norm = _param(d, dtype=dtype, device=device)
         hq, hkv = hq // tp.world, max(1, hkv // tp.world)  # this rank's heads (KV heads replicated past Hkv ranks)
@@ -127,14 +165,25 @@ class GatedDeltaNet(nn.Module):
         tp = par.info
         hk, hv = args.linear_num_key_heads, args.linear_num_value_heads
         qk, v = (args.key_dim, hk), (args.value_dim, hv)
-        self.in_proj = Linear(factory, args.hidden_size, args.conv_dim + args.value_dim + 2 * hv, dtype, device,
-                              tp=tp, shard=split(0, qk, qk, v, v, (hv, hv), (hv, hv)))
+        quant, h, rows = args.quantization, args.hidden_size, args.conv_dim + args.value_dim
+        fused = split(0, qk, qk, v, v, (hv, hv), (hv, hv))
+        self.in_proj_ba = None
+        if not splits_gdn_in_proj(quant):
+            self.in_proj = Linear(factory, h, rows + 2 * hv, dtype, device, tp=tp, shard=fused,
+                                  fp8=fp8_weights(quant, *GDN_HEAD, *GDN_TAIL))
+        else:  # official FP8: qkv|z in FP8, b|a unquantized: two projections, their outputs side by side
+            self.in_proj = Linear(factory, h, rows, dtype, device, tp=tp, shard=split(0, qk, qk, v, v),
+                                  fp8=fp8_weights(quant, *GDN_HEAD))
+            self.in_proj_ba = Linear(factory, h, 2 * hv, dtype, device, tp=tp, shard=split(0, (hv, hv), (hv, hv)),
+                                     fp8=fp8_weights(quant, *GDN_TAIL))
+            _draw_together(self.in_proj.weight, self.in_proj_ba.weight, (rows + 2 * hv, h), fused, tp)
         self.conv1d = _param(args.conv_dim, args.linear_conv_kernel_dim, dtype=dtype, device=device, tp=tp,
                              shard=split(0, qk, qk, v))
         self.A_log = _param(hv, dtype=torch.float32, device=device, tp=tp, shard=split(0, hv))
         self.dt_bias = _param(hv, dtype=torch.float32, device=device, tp=tp, shard=split(0, hv))
         self.norm_weight = _param(args.linear_value_head_dim, dtype=dtype, device=device)
-        self.out_proj = Linear(factory, args.value_dim, args.hidden_size, dtype, device, tp=tp, shard=split(1, v))
+        self.out_proj = Linear(factory, args.value_dim, args.hidden_size, dtype, device, tp=tp, shard=split(1, v),
+                               fp8=fp8_weights(quant, "linear_attn.out_proj"))
         self.gdn = factory.build("gdn", GdnSpec(
             **factory.base, num_k_heads=hk // tp.world, num_v_heads=hv // tp.world,
             head_k_dim=args.linear_key_head_dim, head_v_dim=args.linear_value_head_dim,
@@ -143,19 +192,21 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
         weights = GdnWeights(self.conv1d, self.A_log, self.dt_bias, self.norm_weight)
-        o = self.gdn.forward(self.in_proj(x), weights, caches.conv[i], caches.recurrent[i], ctx)
+        proj = self.in_proj(x) if self.in_proj_ba is None else torch.cat([self.in_proj(x), self.in_proj_ba(x)], -1)
+        o = self.gdn.forward(proj, weights, caches.conv[i], caches.recurrent[i], ctx)
         return self.par.reduce(self.out_proj(o))
 
 
 class MLP(nn.Module):
     def __init__(self, factory: OpFactory, par: TensorParallel, hidden: int, intermediate: int, dtype,
-                 device) -> None:
+                 device, quant=None) -> None:
         super().__init__()
         self.par = par
         self.gate_up_proj = Linear(factory, hidden, 2 * intermediate, dtype, device, silu_mul=True, tp=par.info,
-                                   shard=split(0, intermediate, intermediate))
+                                   shard=split(0, intermediate, intermediate),
+                                   fp8=fp8_weights(quant, "mlp.gate_proj", "mlp.up_proj"))
         self.down_proj = Linear(factory, intermediate, hidden, dtype, device, tp=par.info,
-                                shard=split(1, intermediate))
+                                shard=split(1, intermediate), fp8=fp8_weights(quant, "mlp.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.par.reduce(self.down_proj(self.gate_up_proj(x)))
@@ -178,25 +229,44 @@ class SparseMoE(nn.Module):
         experts = e + (1 if self.shared else 0)
         self.gate = Linear(factory, h, experts, dtype, device)
         tp = par.info  # experts split by intermediate size: gate|up rows column-parallel, down row-parallel
-        self.w13 = _param(experts, 2 * i, h, dtype=dtype, device=device, tp=tp, shard=split(1, i, i))
-        self.w2 = _param(experts, h, i, dtype=dtype, device=device, tp=tp, shard=split(2, i))
+        self.fp8 = fp8_weights(args.quantization, *(MOE if self.shared else MOE[:1]))
+        if self.fp8 is None:
+            self.w13 = _param(experts, 2 * i, h, dtype=dtype, device=device, tp=tp, shard=split(1, i, i))
+            self.w2 = _param(experts, h, i, dtype=dtype, device=device, tp=tp, shard=split(2, i))
+            self.w13_scale_inv = self.w2_scale_inv = None
+        else:
+            self.w13, self.w13_scale_inv = _fp8_param((experts, 2 * i, h), self.fp8, dtype, device, tp, split(1, i, i))
+            self.w2, self.w2_scale_inv = _fp8_param((experts, h, i), self.fp8, dtype, device, tp, split(2, i))
+            if self.widths[0] != self.widths[1]:  # a random init zeroes the padding before quantizing
+                self.w13.zero_pad = lambda t: self._zero_padding(t, self.w13.shape[1] // 2, 1)
+                self.w2.zero_pad = lambda t: self._zero_padding(t, self.w2.shape[2], 2)
         i = self.w2.shape[2]
         self.topk = factory.build("topk", TopKSpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok))
         self.experts = factory.build("moe", MoESpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok,
-                                                    hidden_size=h, intermediate_size=i, shared_expert=self.shared))
+                                                    hidden_size=h, intermediate_size=i, shared_expert=self.shared,
+                                                    **_spec_format(self.fp8)))
         self.route_log: torch.Tensor | None = None  # [max tokens, k]: this layer's expert ids land here (routing replay)
 
     @torch.no_grad()
     def zero_padding(self) -> None:
         """Zero the padded rows/columns of narrower experts (after random initialisation); this
         rank's columns start at ``rank * width`` of the full width."""
-        e, width = self.num_experts, self.w2.shape[2]
-        start = self.par.info.rank * width
+        width = self.w2.shape[2]
+        self._zero_padding(self.w13, width, 1)
+        self._zero_padding(self.w2, width, 2)
+
+    @torch.no_grad()
+    def _zero_padding(self, t: torch.Tensor, width: int, dim: int) -> None:
+        """Zero the padding of ``t``, laid out like this rank's w13 (``dim`` 1: gate and up rows)
+        or w2 (``dim`` 2: down columns)."""
+        e, start = self.num_experts, self.par.info.rank * width
         for sl, size in ((slice(0, e), self.widths[0]), (slice(e, e + 1), self.widths[1])):
             keep = max(0, min(width, size - start))
-            self.w13[sl, keep:width].zero_()
-            self.w13[sl, width + keep:].zero_()
-            self.w2[sl, :, keep:].zero_()
+            if dim == 1:
+                t[sl, keep:width].zero_()
+                t[sl, width + keep:].zero_()
+            else:
+                t[sl, :, keep:].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
@@ -204,7 +274,10 @@ class SparseMoE(nn.Module):
         if self.route_log is not None:
             self.route_log[: ids.shape[0]].copy_(ids)
         shared = logits[:, self.num_experts] if self.shared else None
-        return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared))
+        if self.fp8 is None:
+            return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared))
+        return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared,
+                                                    w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv))
 
 
 class DecoderLayer(nn.Module):
@@ -221,7 +294,7 @@ class DecoderLayer(nn.Module):
         if args.is_moe:
             self.mlp = SparseMoE(args, factory, par, dtype, device)
         else:
-            self.mlp = MLP(factory, par, args.hidden_size, args.intermediate_size, dtype, device)
+            self.mlp = MLP(factory, par, args.hidden_size, args.intermediate_size, dtype, device, args.quantization)
 
     def forward(self, x, residual, ctx, caches):
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
@@ -237,9 +310,11 @@ class MtpHead(nn.Module):
     def __init__(self, args: ModelArgs, factory: OpFactory, par: TensorParallel, dtype, device) -> None:
         super().__init__()
         h, eps = args.hidden_size, args.rms_norm_eps
+        if args.quantization is not None:  # the MTP head's own FP8 kinds (the official releases keep fc in bf16)
+            args = attrs.evolve(args, quantization=args.quantization.for_mtp())
         self.pre_fc_norm_embedding = RMSNorm(factory, h, eps, dtype, device)
         self.pre_fc_norm_hidden = RMSNorm(factory, h, eps, dtype, device)
-        self.fc = Linear(factory, 2 * h, h, dtype, device)
+        self.fc = Linear(factory, 2 * h, h, dtype, device, fp8=fp8_weights(args.quantization, MTP_FC))
         self.layer = DecoderLayer(args, factory, par, "full_attention", 0, dtype, device)
         self.norm = RMSNorm(factory, h, eps, dtype, device)
 

@@ -10,14 +10,19 @@ import math
 
 import torch
 
+from bi_core.quant.params import draw_shape, drawn_elsewhere, write_drawn
+
 
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator(device=model.device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
-        # tensor parallelism: draw the full tensor (the same numbers as one GPU), keep this rank's part
-        shape = getattr(p, "full_shape", p.shape)
+        if drawn_elsewhere(p):  # FP8 block scales, rows drawn with another parameter (bi_core/quant/params.py)
+            continue
+        # tensor parallelism: draw the full tensor (the same numbers as one GPU), keep this rank's part;
+        # FP8: the unquantized model's numbers, quantized block-wise
+        shape = draw_shape(p)
         if name.endswith("A_log"):
             vals = torch.empty(shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log()
         elif name.endswith("dt_bias"):
@@ -32,9 +37,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
             vals = torch.randn(shape, device=p.device, generator=gen)
         else:  # linear [out, in] or experts [E, out, in]
             vals = torch.randn(shape, device=p.device, generator=gen) / math.sqrt(shape[-1])
-        if hasattr(p, "shard"):
-            vals = p.shard.take(vals, p.tp.rank, p.tp.world)
-        p.copy_(vals.to(p.dtype))
+        write_drawn(p, vals)
     for module in model.modules():
         if hasattr(module, "zero_padding"):
             module.zero_padding()

@@ -3,7 +3,7 @@
 One map, used both to load a checkpoint and to update weights in place: for each (normalised)
 checkpoint name, the parameter it fills and how (``Placement``). Fusions are placements into
 parts of one parameter: ``q|k|v -> qkv_proj`` and ``qkv|z|b|a -> in_proj`` are row ranges,
-``gate|up -> gate_up_proj`` too; experts go to ``w13[e]`` (gate rows, then up rows at the padded
+``gate|up -> gate_up_proj`` too (an FP8 model keeps GDN ``b|a`` apart, in ``in_proj_ba``); experts go to ``w13[e]`` (gate rows, then up rows at the padded
 width) and ``w2[e]``, from the fused layout (``experts.gate_up_proj [E, 2I, H]``, possibly stored
 transposed) or the per-expert one (``experts.{e}.gate_proj.weight``), the shared expert to
 expert E and its gate to row E of the router. Each placement also names the regions it covers,
@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import attrs
 
 from bi_core.models.args import ModelArgs
+from bi_core.quant.scheme import splits_gdn_in_proj
 
 Index = tuple  # a tuple of ints and slices, applied as tensor[index]
 
@@ -85,10 +86,13 @@ class _Builder:
             self.whole(f"{s}.k_norm.weight", f"{ours}.mixer.k_norm", (d,))
         else:
             s, hv = f"{hf}.linear_attn", a.linear_num_value_heads
-            self.concat(f"{ours}.mixer.in_proj.weight", [(f"{s}.in_proj_qkv.weight", a.conv_dim),
-                                                         (f"{s}.in_proj_z.weight", a.value_dim),
-                                                         (f"{s}.in_proj_b.weight", hv),
-                                                         (f"{s}.in_proj_a.weight", hv)], h)
+            head = [(f"{s}.in_proj_qkv.weight", a.conv_dim), (f"{s}.in_proj_z.weight", a.value_dim)]
+            tail = [(f"{s}.in_proj_b.weight", hv), (f"{s}.in_proj_a.weight", hv)]
+            if splits_gdn_in_proj(a.quantization):  # official FP8: b|a unquantized, a projection of their own
+                self.concat(f"{ours}.mixer.in_proj.weight", head, h)
+                self.concat(f"{ours}.mixer.in_proj_ba.weight", tail, h)
+            else:
+                self.concat(f"{ours}.mixer.in_proj.weight", head + tail, h)
             self.whole(f"{s}.conv1d.weight", f"{ours}.mixer.conv1d", (a.conv_dim, a.linear_conv_kernel_dim))
             self.whole(f"{s}.A_log", f"{ours}.mixer.A_log", (hv,))
             self.whole(f"{s}.dt_bias", f"{ours}.mixer.dt_bias", (hv,))

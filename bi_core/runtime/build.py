@@ -30,10 +30,12 @@ from bi_core.selector import OpFactory
 
 
 def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | None]:
+    quantization = config.model.quantization
     if config.model.random is not None:
         r = config.model.random
-        return preset_args(r.preset, r.num_hidden_layers), None
-    return ModelArgs.from_hf_config(read_config(config.model.path)), CheckpointIndex(config.model.path)
+        return preset_args(r.preset, r.num_hidden_layers, quantization), None
+    return (ModelArgs.from_hf_config(read_config(config.model.path), quantization),
+            CheckpointIndex(config.model.path))
 
 
 def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = True, plan_only: bool = False,
@@ -197,6 +199,10 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
                                                   max_batch_size=config.scheduler.max_num_seqs))
     failure = "\n".join(dict.fromkeys(factory.failures()))
     text = factory.explain()
+    if wanted.type == "cuda":  # the GPUs its weights need, in the model dtype and in FP8
+        from bi_core.quant.sizing import summary
+
+        text += "\n" + summary(config, args, with_mtp)
     if not live:
         text = (f"note: {wanted} is not available on this machine: the plan is shown as selected for it, without "
                 "the checks that need the device present (CUDA, SM90); package checks are this machine's\n" + text)

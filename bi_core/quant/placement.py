@@ -1,0 +1,79 @@
+"""Checkpoint tensors into FP8 parameters: an FP8 tensor arrives with its ``weight_scale_inv``
+(``name + "_scale_inv"``), a bf16/fp32 one is quantized block-wise on the way in (load and update
+alike, per checkpoint tensor: as an FP8 checkpoint of it would hold it); both land through the
+weight map's placements, the scales at the same places counted in blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from bi_core.errors import CheckpointError
+from bi_core.quant.fp8 import FP8, quantize_blocks, scale_shape
+from bi_core.quant.params import SCALE_SUFFIX
+
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def companion(source, name: str) -> str | None:
+    """The scale tensor stored with ``name`` in ``source``, if any."""
+    scale = name + SCALE_SUFFIX
+    return scale if source.has(scale) else None
+
+
+def is_companion(source, name: str) -> bool:
+    return name.endswith(SCALE_SUFFIX) and source.has(name[: -len(SCALE_SUFFIX)])
+
+
+def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[int, int] | None,
+                   in_memory: bool, transposed: bool) -> str | None:
+    """What is wrong with FP8 tensor ``name`` (float8_e4m3fn, or with a scale) for ``param``; None if fine."""
+    dtype, scale = source.dtype(name), companion(source, name)
+    if in_memory:
+        return (f"tensor {name}: {dtype}{' with a scale' if scale else ''}: weights in memory are taken in bf16/fp32 "
+                "(an FP8 model quantizes them block-wise on the way in); FP8 + weight_scale_inv pairs are accepted from "
+                "a checkpoint directory only")
+    if dtype != FP8:
+        return f"tensor {name} has {scale} but is {dtype}, not float8_e4m3fn"
+    if not fp8_param:
+        return (f"tensor {name} is FP8, but the engine holds {param} unquantized (config.json's quantization_config "
+                "does not make it FP8: no quantization_config, listed in modules_to_not_convert, or a weight this "
+                "engine never quantizes: embeddings, lm_head, norms, router gates, GDN conv1d/A_log/dt_bias)")
+    if scale is None:
+        return f"tensor {name} is float8_e4m3fn but {name}{SCALE_SUFFIX} is missing"
+    if transposed:
+        return f"tensor {name}: FP8 experts stored transposed ([E, in, out]) are not supported"
+    want = scale_shape(source.shape(name), block)
+    if source.shape(scale) != want or source.dtype(scale) not in SCALE_DTYPES:
+        return (f"tensor {scale}: {source.dtype(scale)} {list(source.shape(scale))}, expected float32 or bfloat16 "
+                f"{list(want)} (one scale per {block[0]}x{block[1]} block of {name} {list(source.shape(name))})")
+    return None
+
+
+def fp8_values(source, name: str, t: torch.Tensor, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 values, float32 scales) of tensor ``t`` (``name`` in ``source``) for FP8 ``param``: as
+    stored, or quantized from ``t`` rounded to the model dtype."""
+    if t.dtype == FP8:
+        scale = source.get(name + SCALE_SUFFIX)
+        return t, scale.reshape(scale_shape(tuple(t.shape), param.fp8.block)).float()
+    return quantize_blocks(t.to(param.device, param.dense_dtype), param.fp8.block)
+
+
+def block_index(idx: tuple, shape: tuple[int, ...], block: tuple[int, int], name: str, source_side: bool) -> tuple:
+    """The scale index of ``tensor[idx]`` (a tensor of ``shape``): the last two dims in blocks. A
+    region must start on a block; on the source side it must also end on one (or at the end), since
+    a block's one scale cannot be split between two destinations."""
+    nd = len(shape)
+    full = tuple(idx) + (slice(None),) * (nd - len(idx))
+    out = list(full[: nd - 2])
+    for d in (nd - 2, nd - 1):
+        b = block[d - nd + 2]
+        start, stop, _ = full[d].indices(shape[d])
+        if start % b or (source_side and stop % b and stop != shape[d]):
+            raise CheckpointError(f"tensor {name}: its part [{start}, {stop}) of dim {d} (size {shape[d]}) is not made "
+                                  f"of whole {b}-wide FP8 blocks, so its block scales cannot be placed")
+        out.append(slice(start // b, _cdiv(stop, b)))
+    return tuple(out)
