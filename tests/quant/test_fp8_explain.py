@@ -1,6 +1,8 @@
-"""FP8 under the policy: the CUDA builders refuse block-FP8 specs by name until their kernels exist
-(explain shows it, building fails with the selector's table), a builder written without FP8 never
-gets an FP8 spec; explain counts the GPUs each published shape needs in the model dtype and FP8."""
+"""FP8 under the policy: the CUDA builders serve block-FP8 linear and MoE specs with the Triton
+kernels (kernels/fp8.py, fp8_moe.py) and refuse a block size those kernels do not take, by name
+(explain shows it, building fails with the selector's table); a builder written without FP8
+never gets an FP8 spec; explain counts the GPUs each published shape needs in the model dtype
+and FP8."""
 
 from __future__ import annotations
 
@@ -29,24 +31,23 @@ def _explain(preset: str, invariant: bool, quantization: str | None = "fp8", **e
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the plan for a GPU that is not here")
 @pytest.mark.parametrize("invariant,backend", [(True, "cuda_hopper_invariant"), (False, "cuda_default")])
-def test_cuda_builders_refuse_block_fp8_by_name(invariant, backend):
+def test_cuda_builders_serve_block_fp8(invariant, backend):
     text = _explain("qwen3.5-35b-a3b", invariant)
-    assert f"refused {backend}: block-FP8 linear: no kernel in {backend} yet" in text
-    assert f"refused {backend}: block-FP8 moe: no kernel in {backend} yet" in text
-    assert "SELECTION FAILED" in text and f"  - {backend}: block-FP8 linear: no kernel in {backend} yet" in text
+    assert "block-FP8" not in text  # no refusal by format
+    assert f"linear        -> {backend}" in text and f"moe           -> {backend}" in text
     dense = _explain("qwen3.5-35b-a3b", invariant, quantization=None)
-    assert "block-FP8" not in dense and f"linear        -> {backend}" in dense
+    assert f"linear        -> {backend}" in dense
 
 
-def test_building_fails_with_the_selectors_table():
+def test_a_block_size_the_kernels_do_not_take_fails_with_the_selectors_table():
     registry = load_registry()
     policy = make_policy(batch_invariant=True, backend="auto", op_overrides={}, device=CUDA)
     factory = OpFactory(registry, policy, CUDA, torch.bfloat16)
     spec = LinearSpec(device=CUDA, dtype=torch.bfloat16, in_features=256, out_features=256,
-                      weight_format="fp8_block", block_size=(128, 128))
+                      weight_format="fp8_block", block_size=(64, 64))
     with pytest.raises(BackendSelectionError) as e:
         factory.build("linear", spec)
-    assert "cuda_hopper_invariant: block-FP8 linear: no kernel in cuda_hopper_invariant yet" in str(e.value)
+    assert "cuda_hopper_invariant: block-FP8 kernels take 128 x 128 weight blocks, not (64, 64)" in str(e.value)
     # the reference backend takes FP8 specs (not in invariant mode: it promises no invariance)
     loose = make_policy(batch_invariant=False, backend="reference", op_overrides={}, device=torch.device("cpu"))
     cpu = LinearSpec(device=torch.device("cpu"), dtype=torch.float32, in_features=256, out_features=256,

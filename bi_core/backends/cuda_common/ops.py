@@ -36,6 +36,24 @@ class TritonLinearImpl:
         return linear(x, weight, silu_mul=self.silu_mul)
 
 
+class Fp8LinearImpl:
+    """Block-FP8 W8A8 (``kernels/fp8.py``): activations quantized per token and 128-column group,
+    K blocks summed in a fixed order (batch-invariant). With ``silu_mul`` the GEMM output is
+    rounded to the activation dtype, then SiLU(gate) * up, as the reference does."""
+
+    def __init__(self, silu_mul: bool = False) -> None:
+        self.silu_mul = silu_mul
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+        from bi_core.kernels.fp8 import fp8_linear
+
+        y = fp8_linear(x, weight, weight_scale)
+        if not self.silu_mul:
+            return y
+        gate, up = y.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
 class TritonRMSNormImpl:
     def __init__(self, eps: float) -> None:
         self.eps = eps
@@ -62,7 +80,11 @@ class TritonTopKImpl:
 
 
 class TritonMoEImpl:
-    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None):
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, w13_scale=None, w2_scale=None):
+        if w13_scale is not None:  # block-FP8 experts (kernels/fp8_moe.py)
+            from bi_core.kernels.fp8_moe import fp8_fused_moe
+
+            return fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits)
         from bi_core.kernels.moe import fused_moe
 
         return fused_moe(x, topk_weights, topk_ids, w13, w2, shared_logits)

@@ -42,11 +42,22 @@ class DefaultAttentionBuilder(AttentionBuilder):
 
 
 class DefaultLinearBuilder(LinearBuilder):
+    weight_formats = ("dense", "fp8_block")  # block-FP8: the Triton kernel of kernels/fp8.py (no faster one here yet)
+
     def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + fp8_reasons(spec)
 
     def build(self, spec):
+        if spec.weight_format == "fp8_block":
+            return ops.Fp8LinearImpl(spec.silu_mul)
         return ops.CublasLinearImpl(spec.silu_mul)
+
+
+def fp8_reasons(spec) -> list[str]:
+    """The block-FP8 Triton kernels take 128 x 128 weight blocks only."""
+    if getattr(spec, "weight_format", "dense") == "fp8_block" and tuple(spec.block_size or ()) != (128, 128):
+        return [f"block-FP8 kernels take 128 x 128 weight blocks, not {spec.block_size}"]
+    return []
 
 
 class DefaultNormBuilder(NormBuilder):
@@ -66,8 +77,10 @@ class DefaultTopKBuilder(TopKBuilder):
 
 
 class DefaultMoEBuilder(MoEBuilder):
+    weight_formats = ("dense", "fp8_block")  # block-FP8 experts: the Triton kernels of kernels/fp8_moe.py
+
     def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32)
+        return cuda_reasons(spec, dtypes=BF16_FP32) + fp8_reasons(spec)
 
     def build(self, spec):
         return ops.TritonMoEImpl()

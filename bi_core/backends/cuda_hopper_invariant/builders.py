@@ -34,11 +34,14 @@ class InvariantAttentionBuilder(AttentionBuilder):
 
 class InvariantLinearBuilder(LinearBuilder):
     is_batch_invariant = True
+    weight_formats = ("dense", "fp8_block")
 
     def check(self, spec, policy):
-        return _hopper(spec)
+        return _hopper(spec) + d.fp8_reasons(spec)
 
     def build(self, spec):
+        if spec.weight_format == "fp8_block":
+            return ops.Fp8LinearImpl(spec.silu_mul)
         return ops.TritonLinearImpl(spec.device, spec.silu_mul)
 
 
@@ -48,7 +51,7 @@ class _OnHopper:
     is_batch_invariant = True
 
     def check(self, spec, policy):
-        return _hopper(spec)
+        return _hopper(spec) + d.fp8_reasons(spec)
 
 
 class InvariantNormBuilder(_OnHopper, d.DefaultNormBuilder):
