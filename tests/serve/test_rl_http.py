@@ -109,7 +109,6 @@ def start_trainer(url: str, port: int, seed: int, steps, world: int = 2):
 
 @pytest.fixture(scope="module")
 def sync_server(tmp_path_factory):
-    pytest.importorskip("bi_core.rl", reason="bi_core.rl (WeightSender) is not in this tree yet")
     s = ServerProcess(tmp_path_factory.mktemp("sync"), env=ONE_THREAD)
     yield s
     s.stop()
@@ -175,7 +174,6 @@ def test_weight_sync_from_a_trainer_through_sglangs_then_vllms_routes(sync_serve
 def test_weight_sync_into_a_tensor_parallel_server(tmp_path):
     """Two engine ranks (ranks 1 and 2 of the trainer's group) each take their shard; the server then
     answers as the trainer's model (tokens; the logprobs to float tolerance: the ranks split the sums)."""
-    pytest.importorskip("bi_core.rl", reason="bi_core.rl (WeightSender) is not in this tree yet")
     s = ServerProcess(tmp_path, config=CONFIG + "parallel: {tensor_parallel_size: 2}\n", env=ONE_THREAD)
     port = free_port()
     trainer, conn = start_trainer(s.url, port, 1, [("good", "sglang")], world=3)
