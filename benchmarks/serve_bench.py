@@ -137,7 +137,7 @@ def cmd_load(args) -> int:
     from bi_core import EngineConfig
 
     config = EngineConfig.from_yaml(args.config)
-    from bi_core.runtime.engine import resolve_model
+    from bi_core.runtime.build import resolve_model
 
     vocab = resolve_model(config)[0].vocab_size
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -181,7 +181,7 @@ def outcome(response: dict) -> tuple[list[int], list[float]]:
 
 def cmd_invariance(args) -> int:
     from bi_core import EngineConfig
-    from bi_core.runtime.engine import resolve_model
+    from bi_core.runtime.build import resolve_model
 
     vocab = resolve_model(EngineConfig.from_yaml(args.config))[0].vocab_size
     rng = random.Random(1)
@@ -262,7 +262,7 @@ def cmd_mixed(args) -> int:
     decoding streams, the streams' inter-token latency (p50, p99) while it prefills, and whether
     its result is the same bits in both runs."""
     from bi_core import EngineConfig
-    from bi_core.runtime.engine import resolve_model
+    from bi_core.runtime.build import resolve_model
 
     config = EngineConfig.from_yaml(args.config)
     if config.cache.prefix_caching is not False:

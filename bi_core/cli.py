@@ -261,7 +261,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from bi_core.runtime.engine import explain
+    from bi_core.runtime.build import explain
 
     print(explain(load_config(args)))
     return 0

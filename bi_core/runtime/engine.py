@@ -26,7 +26,7 @@ from bi_core.registry import Registry
 from bi_core.rl.api import RolloutAPI
 from bi_core.rl.control import RolloutControl
 from bi_core.rl.receiver import WeightSync
-from bi_core.runtime.build import build_parts, explain, prepare, resolve_max_model_len, resolve_model
+from bi_core.runtime.build import build_parts, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
 from bi_core.runtime.overlap import Overlap
 from bi_core.runtime.prompts import Prompt, ids_or_empty, is_one_prompt
@@ -41,7 +41,6 @@ from bi_core.runtime.sequence import (
 from bi_core.runtime.warmup import warm_up
 
 log = logging.getLogger(__name__)
-__all__ = ["LLMEngine", "explain", "resolve_model"]  # explain and resolve_model: built in runtime/build.py
 
 
 class LLMEngine(RolloutAPI):
@@ -70,7 +69,6 @@ class LLMEngine(RolloutAPI):
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                              seed=config.seed)
         self.intake.routed_experts = self.runner.routing is not None
-        self.eos_ids = self.args.eos_token_ids
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer

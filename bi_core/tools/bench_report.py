@@ -110,7 +110,7 @@ def bench_transformers(cfg: EngineConfig, batch_sizes=(1, 16), prompt_len: int =
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    from bi_core.runtime.engine import resolve_model
+    from bi_core.runtime.build import resolve_model
 
     args, _ = resolve_model(cfg)
     if cfg.model.path:

@@ -135,7 +135,7 @@ def test_shard_ranges_split_each_part_and_replicate_short_ones():
 def test_explain_shows_the_collectives_the_policy_chose():
     from pathlib import Path
 
-    from bi_core.runtime.engine import explain
+    from bi_core.runtime.build import explain
 
     text = explain(EngineConfig.from_yaml(Path(__file__).parents[2] / "configs" / "h200x2_invariant_tp2.yaml"))
     assert "all_reduce    -> cuda_hopper_invariant" in text and "summed in rank order" in text

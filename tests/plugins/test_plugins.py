@@ -24,7 +24,7 @@ def test_example_plugin_is_installed_through_its_entry_point():
 
 
 def test_example_plugin_selected_from_yaml(tmp_path):
-    from bi_core.runtime.engine import explain
+    from bi_core.runtime.build import explain
 
     path = tmp_path / "c.yaml"
     path.write_text("model: {random: {preset: tiny-moe, seed: 0}, dtype: float32, device: cpu, max_model_len: 256}\n"
@@ -54,7 +54,7 @@ class NarrowNorm:
 
 
 def test_refusals_are_explained_and_fall_through(tmp_path):
-    from bi_core.runtime.engine import explain
+    from bi_core.runtime.build import explain
 
     cfg = EngineConfig.from_dict(tiny_config(policy={"ops": {"norm": ["narrow_norm", "reference"]}}))
     registry = load_registry(extra_plugins=(NarrowNorm(),))

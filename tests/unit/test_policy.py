@@ -57,7 +57,7 @@ def test_invariance_refuses_ep_and_eplb(policy, message):
     ({"eplb": True}, "policy.eplb: expert-parallel load balancing (EPLB) is not implemented yet; use false"),
 ])
 def test_default_mode_refuses_ep_and_eplb_until_they_exist(policy, message):
-    from bi_core.runtime.engine import explain
+    from bi_core.runtime.build import explain
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build(policy=policy)
