@@ -23,7 +23,7 @@ from bi_core.config import ServeConfig
 from bi_core.errors import CheckpointError, PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
-from bi_core.serve import control, formats, native
+from bi_core.serve import control, formats, native, worker
 from bi_core.serve.client import ControlError, Delta, EngineClient, Overloaded, Unavailable
 from bi_core.serve.errors import ApiError, error_response, install_error_handlers, output_failure
 from bi_core.serve.metrics import Metrics
@@ -49,8 +49,8 @@ class Server:
     mode, the settings."""
 
     def __init__(self, core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
-                 metrics: Metrics) -> None:
-        self.core, self.config, self.model_name = core, config, model_name
+                 metrics: Metrics, model_path: str | None = None) -> None:
+        self.core, self.config, self.model_name, self.model_path = core, config, model_name, model_path
         self.tokenizer, self.metrics = tokenizer, metrics
         info = core.info
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
@@ -312,9 +312,10 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, r
 
 
 def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
-               metrics: Metrics) -> FastAPI:
-    """The app over a started engine process; stopping the app stops the engine process."""
-    server = Server(core, config, model_name, tokenizer, metrics)
+               metrics: Metrics, model_path: str | None = None) -> FastAPI:
+    """The app over a started engine process; stopping the app stops the engine process.
+    ``model_path``: the checkpoint directory (None for a random preset), as routers read it."""
+    server = Server(core, config, model_name, tokenizer, metrics, model_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -330,6 +331,7 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
                            success_style=control.SUCCESS_STYLE)
     native.install(app, server)
     control.install(app, server)
+    worker.install(app, server)
 
     @app.get("/health")
     async def health():

@@ -376,6 +376,8 @@ class EngineLoop:
             self.counter.finished(seq.finish_reason or "unknown")
             counts.e2e.append(now - t.arrival)
             counts.request_prompt_tokens.append(len(seq.prompt_ids))
+            counts.prefix_queried += len(seq.prompt_ids)
+            counts.prefix_hits += seq.num_cached_tokens
             counts.request_generation_tokens.append(new)
 
     def _flush(self) -> None:

@@ -54,10 +54,14 @@ class Counts:
     request_prompt_tokens: list[int] = attrs.Factory(list)
     request_generation_tokens: list[int] = attrs.Factory(list)
     iteration_tokens: list[int] = attrs.Factory(list)  # per step: prompt tokens computed + tokens generated
+    # finished requests' prompt tokens, and those of them the prefix cache served (vLLM's prefix-cache
+    # queries and hits, in tokens)
+    prefix_queried: int = 0
+    prefix_hits: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.step_seconds or self.generated or self.prompt_tokens or self.finished or self.state
-                    or self.ttft or self.itl or self.e2e or self.iteration_tokens)
+                    or self.ttft or self.itl or self.e2e or self.iteration_tokens or self.prefix_queried)
 
 
 class StepCounter:
@@ -84,6 +88,7 @@ class StepCounter:
         sched, total_s = engine.scheduler, sum(dt for dt, _ in self._recent)
         state = {"running": len(sched.running), "waiting": len(sched.waiting),
                  "pages_used": sched.num_pages_used, "pages_total": engine.cache.num_blocks,
+                 "tokens_running": sum(seq.num_tokens for seq in sched.running),
                  "preemptions": sched.num_preemptions, "weight_version": engine.weight_version,
                  "tokens_per_s": sum(n for _, n in self._recent) / total_s if total_s else 0.0}
         if state != self._state:
@@ -101,6 +106,13 @@ class Metrics:
         self.waiting = Gauge("bi_requests_waiting", "requests queued for admission", registry=r)
         self.pages_used = Gauge("bi_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("bi_kv_pages_total", "KV cache pages", registry=r)
+        self.tokens_running = Gauge("bi_tokens_running", "tokens (prompt and generated so far) of the running "
+                                    "requests", registry=r)
+        self.prefix_queried = Counter("bi_prefix_cache_queried_tokens", "prompt tokens of finished requests "
+                                      "(looked up in the prefix cache)", registry=r)
+        self.prefix_hits = Counter("bi_prefix_cache_hit_tokens", "prompt tokens of finished requests that the "
+                                   "prefix cache served", registry=r)
+        self.state: dict[str, float] = {}  # the engine's last reported state (what /get_load reads)
         self.tokens_per_s = Gauge("bi_generation_tokens_per_second", "tokens generated per second over the "
                                   "last steps (up to 64)", registry=r)
         self.generated = Counter("bi_generation_tokens", "tokens generated", registry=r)
@@ -123,8 +135,11 @@ class Metrics:
         self.prompt_tokens.inc(c.prompt_tokens)
         for reason, n in c.finished.items():
             self.finished.labels(reason).inc(n)
+        self.prefix_queried.inc(c.prefix_queried)
+        self.prefix_hits.inc(c.prefix_hits)
         for name, value in c.state.items():
             getattr(self, name).set(value)
+        self.state.update(c.state)
         self.vllm.apply(c)
 
 
@@ -151,6 +166,10 @@ class VllmMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number "
+                                            "of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                                         "cached tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*names, "finished_reason"], registry=r)
         self.success = {reason: success.labels(**values, finished_reason=reason) for reason in FINISH_REASONS}
@@ -174,6 +193,8 @@ class VllmMetrics:
     def apply(self, c: Counts) -> None:
         self.prompt_tokens.inc(c.prompt_tokens)
         self.generation_tokens.inc(c.generated)
+        self.prefix_cache_queries.inc(c.prefix_queried)
+        self.prefix_cache_hits.inc(c.prefix_hits)
         for reason, n in c.finished.items():
             counter = self.success.get(reason)
             if counter is None:

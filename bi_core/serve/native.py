@@ -158,6 +158,13 @@ class GenerateRequest(BaseModel):
     token_ids_logprob: Any = None
     session_params: Any = None
     return_hidden_states: bool = False
+    # what sglang-router writes into every /generate it forwards: its model field (null, or this
+    # server's model), and SGLang's output switches at the values that change nothing here
+    model: str | None = None
+    background: bool = False
+    no_logs: bool = False  # requests are never logged here
+    return_bytes: bool = False
+    return_entropy: bool = False
 
     @field_validator("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "custom_logit_processor",
                      "token_ids_logprob", "session_params")
@@ -173,6 +180,13 @@ class GenerateRequest(BaseModel):
     def _no_hidden_states(cls, v: bool) -> bool:
         if v:
             raise ValueError("hidden states are not returned by this engine")
+        return v
+
+    @field_validator("background", "return_bytes", "return_entropy")
+    @classmethod
+    def _not_offered(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("not supported by this engine; use false")
         return v
 
     @field_validator("log_metrics")
@@ -410,6 +424,8 @@ class Formatter:
 
 
 async def generate(server, req: GenerateRequest, request: Request):
+    if req.model is not None:
+        server.check_model(req.model)
     jobs, options, single, field = build_jobs(server, req)
     n = jobs[0][1].n
     queue, choices = await server.start(jobs, field)

@@ -1,5 +1,6 @@
 """OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos,
-return_tokens_as_token_ids) and the mapping to SamplingParams. Validation errors name the field;
+return_tokens_as_token_ids; SGLang's that sglang-router adds to what it forwards, at their no-op
+values) and the mapping to SamplingParams. Validation errors name the field;
 unknown fields are refused, so a misspelled parameter never silently does nothing; types are strict
 as OpenAI's are (``"max_tokens": "8"`` and ``"stream": "yes"`` are refused; an int is a float)."""
 
@@ -40,6 +41,11 @@ class _Common(BaseModel):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # SGLang's extensions, which sglang-router writes into every request it forwards: accepted at the
+    # values that change nothing here (the text is the tokenizer's plain decode, cut before a stop string)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -47,6 +53,21 @@ class _Common(BaseModel):
         if v != 0.0:
             raise ValueError("penalties are not supported (they would make a token depend on earlier samples' "
                              "counts, which the engine does not track); use 0")
+        return v
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _plain_decode(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("only true is supported (the text is the tokenizer's plain decode)")
+        return v
+
+    @field_validator("no_stop_trim", "return_hidden_states")
+    @classmethod
+    def _off(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("only false is supported (the text ends before a matched stop string; no hidden "
+                             "states are returned)")
         return v
 
     @field_validator("stop")
@@ -122,6 +143,18 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # sglang-router's additions to a chat request: no reasoning parser runs here, so separating
+    # reasoning (or streaming it apart) changes nothing; continuing the last message is not supported
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_continue(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("continuing the final assistant message is not supported; use false")
+        return v
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
