@@ -293,6 +293,9 @@ class GraphConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _field(_int(1, 64), 1, doc="GPUs one model is split over (one process each, "
                                        "started by the engine)")
+    data_parallel_size: int = _field(_int(1, 1024), 1, doc="bi-engine serve only: replicas of the whole engine "
+                                     "(each with its own tensor-parallel group), placed and supervised by Ray "
+                                     "behind sglang-router (the scale extra); 1 = one server, no Ray")
 
 
 @attrs.frozen(kw_only=True)
