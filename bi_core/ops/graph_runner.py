@@ -50,6 +50,11 @@ class GraphRunnerImpl(Protocol):
         """Block until the inputs of the last step launched have left the host (its staging
         buffers and any host-side plan's): call before planning a step while one still runs."""
 
+    def release(self) -> None:
+        """Forget every captured graph and its static buffers (their device memory goes); the
+        next uniform step captures again. Before the weights or caches move (sleep): a graph
+        replays the addresses it was captured with."""
+
 
 class GraphRunnerBuilder(OpBuilder[GraphRunnerSpec]):
     op = "graph_runner"

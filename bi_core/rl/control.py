@@ -22,8 +22,11 @@ reset (``ResetPrefixCache``); sleep and wake (``Sleep``, ``WakeUp``) run on ever
 
 from __future__ import annotations
 
+import torch
+
 from bi_core.errors import RequestError
 from bi_core.parallel import lockstep
+from bi_core.policies.apply import applied
 from bi_core.rl.receiver import started
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -85,8 +88,12 @@ class RolloutControl:
         if tags is not None and (isinstance(tags, str) or not set(tags) <= set(WAKE_TAGS) or not tags):
             raise RequestError(f"wake_up: tags must be a non-empty list of {', '.join(WAKE_TAGS)} (or None: all), "
                                f"got {tags!r}")
-        self.engine._mirror(lockstep.WakeUp(None if tags is None else tuple(tags)), now=True)
-        self.engine.runner.wake_up(None if tags is None else list(tags))
+        e = self.engine
+        e._mirror(lockstep.WakeUp(None if tags is None else tuple(tags)), now=True)
+        e.runner.wake_up(None if tags is None else list(tags))
+        if not e.runner.sleeping and e.config.graph.warmup and e.config.graph.enabled and e.device.type == "cuda":
+            with torch.inference_mode(), applied(e.policy):  # as at start: no capture inside a running batch
+                e.runner.capture_graphs()
 
     def reset_prefix_cache(self) -> bool:
         prefix = self.engine.cache.prefix

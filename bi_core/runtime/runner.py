@@ -96,7 +96,6 @@ class ModelRunner:
         """``build_graphs(spec)``: the selected graph-runner op (eager or CUDA graphs)."""
         self.model, self.cache, self.spec = model, cache, spec
         self.device = spec.device
-        self._build_graphs, self._with_mtp_graphs = build_graphs, with_mtp_graphs
         self.main_graphs = build_graphs(spec)
         self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp")) if with_mtp_graphs else None
         self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
@@ -211,8 +210,9 @@ class ModelRunner:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Allocate again what ``sleep`` released: ``tags`` "weights" (level 1: copied back from
         host memory; level 2: uninitialised until a weight update fills them) and/or "kv_cache"
-        (zeroed caches); None = both. CUDA graphs are captured again by the caller once both are
-        back (their addresses changed)."""
+        (zeroed caches); None = both. Sleep forgot the CUDA graphs (they replay the old
+        addresses): they are captured again on first use, or all at once by ``capture_graphs``
+        (the engine's wake_up does that, as at start)."""
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
         bad = sorted(set(tags) - {"weights", "kv_cache"})
         if bad:
@@ -228,10 +228,6 @@ class ModelRunner:
         if "kv_cache" in tags and "kv_cache" in self.sleeping:
             self.cache.restore()
             self.sleeping.discard("kv_cache")
-        if not self.sleeping:
-            self.main_graphs = self._build_graphs(self.spec)
-            if self._with_mtp_graphs:
-                self.mtp_graphs = self._build_graphs(attrs.evolve(self.spec, name="mtp"))
 
     def _weights(self) -> list[torch.Tensor]:
         """The device tensors a weight update writes (parameters), and the draft head's rows."""
@@ -239,8 +235,11 @@ class ModelRunner:
         return tensors + ([self.model.draft_weight] if self.model.draft_weight is not None else [])
 
     def _drop_graphs(self) -> None:
-        """Forget every captured graph (their memory pools go with the last reference)."""
-        self.main_graphs = self.mtp_graphs = None
+        """Forget every captured graph (they replay the addresses of the weights and caches they
+        were captured with); the next uniform steps capture again. The graph runners themselves
+        stay: the op factory memoises them, so "building" one again would return the same."""
+        for graphs in filter(None, (self.main_graphs, self.mtp_graphs)):
+            graphs.release()
         gc.collect()
 
     # ------------------------------------------------------------------ sampling and scoring

@@ -4,6 +4,7 @@ allocates them again; outputs after a wake are bitwise the ones before."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from helpers import tiny_config
@@ -31,9 +32,9 @@ def test_level_1_releases_everything_and_wakes_to_the_same_outputs():
     assert runner.sleeping == {"weights", "kv_cache"} and eng.cache.released
     assert storage_bytes(runner._weights()) + storage_bytes(eng.cache.tensors()) == 0 < held
     runner.wake_up(["weights"])  # in two steps, as a trainer that updates weights first would
-    assert runner.sleeping == {"kv_cache"} and runner.main_graphs is None
+    assert runner.sleeping == {"kv_cache"}
     runner.wake_up(["kv_cache"])
-    assert not runner.sleeping and runner.main_graphs is not None
+    assert not runner.sleeping
     after = eng.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
     assert [o.token_logprobs for o in after] == [o.token_logprobs for o in before]
@@ -51,6 +52,27 @@ def test_level_2_drops_the_weights_until_an_update_refills_them():
     eng.runner.wake_up(["kv_cache"])
     after = eng.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
+
+
+def test_sleep_forgets_captured_graphs_and_captures_again():
+    """A captured graph replays the addresses of the weights and caches it was captured with, and
+    sleep moves both: the graph runner must forget its graphs (not be "rebuilt": the op factory
+    memoises impls, so that returned the same runner, and its old graphs replayed freed memory,
+    an illegal address on the GPU). The CUDA graph runner in its rerun mode stands in on the CPU."""
+    from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+
+    eng = build_engine(config())
+    runner = eng.runner
+    graphs = runner.main_graphs = CudaGraphRunnerImpl(attrs.evolve(runner.spec, use_graphs=True), capture=False)
+    before = eng.generate(PROMPTS, PARAMS)
+    assert graphs.graphs and graphs.num_replays[1] > 0
+    runner.sleep(1)
+    assert runner.main_graphs is graphs and not graphs.graphs and not graphs.statics
+    eng.wake_up()
+    replays = graphs.num_replays[1]
+    after = eng.generate(PROMPTS, PARAMS)
+    assert graphs.graphs and graphs.num_replays[1] > replays  # captured again, then replayed
+    assert [o.token_logprobs for o in after] == [o.token_logprobs for o in before]
 
 
 def test_bad_calls():

@@ -250,6 +250,12 @@ class CudaGraphRunnerImpl:
         if self._inputs is not None:
             self._inputs.synchronize()
 
+    def release(self) -> None:
+        self.graphs.clear()
+        self.statics.clear()
+        self.pool = None
+        self.capture_s.clear()
+
     @staticmethod
     def _outputs(outs, ctx: ForwardContext, num_tokens: int):
         """Real rows of the padded outputs; logits rows the caller asked for (a graph computes all)."""

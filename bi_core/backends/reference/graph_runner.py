@@ -14,6 +14,9 @@ class EagerRunnerImpl:
     def wait_inputs(self) -> None:
         """Nothing is staged on the host past a launch."""
 
+    def release(self) -> None:
+        """Nothing captured, nothing to forget."""
+
     def run(self, step, input_ids, ctx, prepare=None, extra=None, ids_from=None):
         if ids_from is not None:
             gather_ids(input_ids, ids_from)
