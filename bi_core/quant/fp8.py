@@ -30,6 +30,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448``, correctly rounded on every device (the kernels' ``div_rn``). torch on CUDA
+    divides by a Python number as a multiplication by its rounded reciprocal, one ulp off for some
+    inputs (``div_true_kernel_cuda``'s CPU-scalar branch; measured on an H200: scales 1 ulp below
+    the kernels'); a 0-d tensor on the same device takes the true division."""
+    return amax / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
+
+
 def _divisor(scale: torch.Tensor) -> torch.Tensor:
     """An all-zero weight block has scale 0 and values 0 (divided by 1, not 0)."""
     return torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -47,7 +55,7 @@ def _quantize_2d_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     nb, kb = _cdiv(n, bn), _cdiv(k, bk)
     padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))  # zeros change no amax
     blocks = padded.reshape(*lead, nb, bn, kb, bk)
-    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale = over_fp8_max(blocks.abs().amax(dim=(-3, -1)))
     q = (blocks / _divisor(scale)[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.reshape(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale
 
@@ -84,7 +92,7 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     *lead, k = x.shape
     kb = _cdiv(k, group)
     groups = F.pad(x.float(), (0, kb * group - k)).reshape(*lead, kb, group)
-    scale = groups.abs().amax(dim=-1).clamp(min=ACT_EPS) / FP8_MAX
+    scale = over_fp8_max(groups.abs().amax(dim=-1).clamp(min=ACT_EPS))
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.reshape(*lead, kb * group)[..., :k], scale
 

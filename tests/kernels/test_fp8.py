@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 import torch
 
+from bi_core.quant.fp8 import over_fp8_max
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it without a GPU
 BLK = 128
 E4M3 = torch.float8_e4m3fn
@@ -56,7 +58,7 @@ def ref_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xp = torch.zeros(m, kb * BLK, dtype=torch.float32, device=x.device)
     xp[:, :k] = x.float()
     g = xp.view(m, kb, BLK)
-    s = g.abs().amax(-1).clamp(min=1e-10) / 448.0
+    s = over_fp8_max(g.abs().amax(-1).clamp(min=1e-10))  # true division on a GPU too
     q = (g / s[..., None]).clamp(-448.0, 448.0).to(E4M3)
     return q.view(m, kb * BLK)[:, :k], s
 
@@ -68,7 +70,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wp = torch.zeros(nb * BLK, kb * BLK, device=w.device)
     wp[:n, :k] = w.float()
     blocks = wp.view(nb, BLK, kb, BLK)
-    ws = blocks.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+    ws = over_fp8_max(blocks.abs().amax((1, 3)).clamp(min=1e-12))
     wq = (blocks / ws[:, None, :, None]).clamp(-448, 448).to(E4M3).view(nb * BLK, kb * BLK)
     return wq[:n, :k].contiguous(), ws
 
@@ -195,7 +197,7 @@ def test_quantize_negative_control(device):
 
     def per_tensor(rows):
         a = x[rows]
-        s = a.abs().amax().clamp(min=1e-10) / 448.0
+        s = over_fp8_max(a.abs().amax().clamp(min=1e-10))
         return (a / s).clamp(-448, 448).to(E4M3).view(torch.uint8), s.expand(a.shape[0])
 
     assert row_mismatches(lambda rows: tuple(map(bits, quantize_act(x[rows]))), 40, (1, 7, 16), device) == []
@@ -480,7 +482,7 @@ def test_fp8_moe_rows_invariant(device):
     assert torch.equal(bits(run(every[:12], {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[:12])
 
     def per_tensor(a):
-        s = a.abs().amax().clamp(min=1e-10) / 448.0
+        s = over_fp8_max(a.abs().amax().clamp(min=1e-10))
         return (a / s).clamp(-448, 448).to(E4M3), s.expand(a.shape[0], cdiv(a.shape[1], BLK)).contiguous()
 
     def pipeline(rows, quant):
