@@ -58,6 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override serve.host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="override serve.port (default 8000)")
     serve.add_argument("--api-key", help="override serve.api_key: require 'Authorization: Bearer <key>'")
+    serve.add_argument("--data-parallel-size", type=int, help="override parallel.data_parallel_size: N > 1 replicas "
+                       "placed with Ray behind sglang-router on --port, control routes on --control-port (needs the "
+                       "scale extra)")
+    serve.add_argument("--ray-address", help="replicas: the Ray cluster to join (auto, ray://HOST:10001, ...); "
+                       "default: RAY_ADDRESS, else a Ray instance on this machine")
+    serve.add_argument("--router-policy", help="replicas: sglang-router's policy, cache_aware (default), "
+                       "round_robin, power_of_two or random")
+    serve.add_argument("--control-port", type=int, help="replicas: port of the control routes fanned out to every "
+                       "replica (default: --port + 1)")
+    serve.add_argument("--router-args", help="replicas: more sglang-router flags, one quoted string "
+                       "(e.g. \"--cache-threshold 0.5 --prometheus-port 29000\")")
     dv = sub.add_parser("draft-vocab", help="an MTP draft vocabulary: token ids by frequency in text files "
                         "(for strategy.draft_vocab)")
     dv.add_argument("--config", required=True, help="engine YAML file (its tokenizer counts)")
@@ -150,14 +161,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from bi_core.serve import run_server
-
     config = load_config(args)
     if args.port is not None and not 0 <= args.port <= 65535:
         raise BiEngineError(f"--port: expected 0..65535, got {args.port}")
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key))
                  if v is not None}
-    return run_server(config.replace(serve=overrides) if overrides else config)
+    config = config.replace(serve=overrides) if overrides else config
+    if args.data_parallel_size is not None:
+        if args.data_parallel_size < 1:
+            raise BiEngineError(f"--data-parallel-size: expected a positive int, got {args.data_parallel_size}")
+        config = config.replace(parallel={"data_parallel_size": args.data_parallel_size})
+    scale_flags = {"--ray-address": args.ray_address, "--router-policy": args.router_policy,
+                   "--control-port": args.control_port, "--router-args": args.router_args}
+    if config.parallel.data_parallel_size == 1:
+        given = [flag for flag, value in scale_flags.items() if value is not None]
+        if given:
+            raise BiEngineError(f"{', '.join(given)}: only with replicas (--data-parallel-size or "
+                                "parallel.data_parallel_size > 1)")
+        from bi_core.serve import run_server
+
+        return run_server(config)
+    import shlex
+
+    from bi_core.scale import ScaleOptions, run_replicas
+
+    try:
+        router_args = tuple(shlex.split(args.router_args or ""))
+    except ValueError as e:
+        raise BiEngineError(f"--router-args: {e}") from None
+    options = ScaleOptions(data_parallel_size=config.parallel.data_parallel_size, ray_address=args.ray_address,
+                           router_policy=args.router_policy or "cache_aware", control_port=args.control_port,
+                           router_args=router_args)
+    return run_replicas(args.config, config, options)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
