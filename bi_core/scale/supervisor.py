@@ -32,6 +32,13 @@ STOP_TIMEOUT_S = 10.0  # a replica being replaced: it failed, so it is not drain
 LIVE = ("serving", "stale")
 
 
+def _reason(e: Exception) -> str:
+    """A Ray error in one line: its type and the last line of its message (a task's error carries the
+    remote traceback before it)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1].strip() if lines else 'no message'}"
+
+
 @attrs.define(eq=False)
 class Replica:
     index: int
@@ -75,7 +82,7 @@ class Supervisor:
             try:
                 self._launch(r)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-                raise BiEngineError(f"replica {r.index} could not be launched: {e}") from None
+                raise BiEngineError(f"replica {r.index} could not be launched: {_reason(e)}") from None
         while any(r.state == "starting" for r in self.replicas):
             for r in self.replicas:
                 if r.state == "starting" and (why := self._start_problem(r)) is not None:
@@ -114,13 +121,16 @@ class Supervisor:
             return [r.status() for r in self.replicas]
 
     def weights_updated(self, versions: dict[int, int]) -> None:
-        """A weight update reached these replicas (index -> their weight version now): when every live
-        replica has the same version it is the fleet's, and stale replicas holding it come back."""
+        """A weight update went out (index -> each replica's weight version now). The serving replicas
+        define the fleet's version (all of them agreeing; with none serving, every live one); stale
+        replicas that now hold it go back into the router."""
         with self.lock:
-            live = [r for r in self.replicas if r.state in LIVE]
-            if live and all(versions.get(r.index) == versions.get(live[0].index) for r in live):
-                self.fleet_weight_version = versions[live[0].index]
-            for r in live:
+            serving = [r for r in self.replicas if r.state == "serving"] or \
+                [r for r in self.replicas if r.state in LIVE]
+            found = {versions.get(r.index) for r in serving}
+            if len(found) == 1 and None not in found:
+                self.fleet_weight_version = found.pop()
+            for r in self.replicas:
                 if r.state == "stale" and versions.get(r.index) == self.fleet_weight_version:
                     self._admit(r)
 
@@ -236,7 +246,7 @@ class Supervisor:
                 r.actor = self.spawn(r.index)
             self._launch(r)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            self._report(r, f"could not be launched again: {type(e).__name__}: {e}")
+            self._report(r, f"could not be launched again: {_reason(e)}")
             r.failed_starts += 1
             if r.failed_starts >= MAX_FAILED_STARTS:
                 r.state = "failed"

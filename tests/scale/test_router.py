@@ -137,3 +137,50 @@ def test_a_removed_replica_gets_no_more_requests(replicas, tmp_path):
         wait_until(lambda: len([w for w in router.workers() if w["is_healthy"]]) == 2, 10, "re-adding")
     finally:
         router.stop(30)
+
+
+def test_an_api_key_guards_the_router_and_reaches_the_replicas(tmp_path):
+    """With serve.api_key, the router takes the clients' key, sends it to the replicas (its discovery
+    calls, a worker added later, the requests it forwards) and its worker API wants it too."""
+    from scale_helpers import free_port
+
+    servers = [Server(tmp_path / f"k{i}", "--api-key", "sekrit") for i in range(2)]
+    router = None
+    try:
+        for s in servers:
+            s.wait()
+        router = RouterProcess("127.0.0.1", free_port(), "round_robin", "sekrit", (), tmp_path / "router.log")
+        router.start([servers[0].url], 60)
+        router.add(servers[1].url)
+        wait_until(lambda: len([w for w in router.workers() if w["is_healthy"]]) == 2, 10, "adding")
+        assert {w["model_id"] for w in router.workers()} == {MODEL}  # its /server_info was read with the key
+        keyed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sekrit", max_retries=0, timeout=60)
+        before = [finished(s.url) for s in servers]
+        for i in range(2):
+            keyed.completions.create(model=MODEL, prompt=f"key {i}", max_tokens=2, temperature=0)
+        assert [finished(s.url) - b for s, b in zip(servers, before)] == [1, 1]
+        with pytest.raises(openai.AuthenticationError):
+            client(router.url).completions.create(model=MODEL, prompt="no key", max_tokens=2)
+        assert httpx.get(f"{router.url}/workers", timeout=10).status_code == 401
+    finally:
+        if router is not None:
+            router.stop(30)
+        for s in servers:
+            assert s.stop() == 0
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/generate", {"text": "x", "return_entropy": True}, 400, "return_entropy"),
+    ("/generate", {"text": "x", "model": "other"}, 404, "model"),
+])
+def test_the_router_fields_are_taken_only_where_they_change_nothing(replicas, path, body, status, param):
+    """What the router adds to a request is accepted at its no-op value (the tests above pass through
+    the router); any other value is refused by name, never ignored."""
+    if path != "/generate":
+        body = {"model": MODEL, "max_tokens": 2, **body}
+    r = httpx.post(f"{replicas[0].url}{path}", json=body, timeout=30)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
