@@ -150,8 +150,8 @@ def test_fp8_engine_on_the_triton_kernels_matches_the_reference(device, preset):
     quantization, another float32 summation order; the kernels match it to 1e-5 per op in
     tests/quant): where an intermediate value lands on the other side of an e4m3 rounding
     boundary, the next layer's activation moves by a whole e4m3 step, and random tiny models
-    amplify it, so the same continuation scores within 0.1 (a wrong scale or block moves
-    logprobs by whole units) and greedy tokens may part at near-ties (one of these prompts has
+    amplify it, so the same continuation scores within 0.1 under the interpreter (0.35 on the GPU,
+    see below; op-level exactness is test_fp8.py's) and greedy tokens may part at near-ties (one of these prompts has
     its top two within 0.007). A prompt's tokens and logprobs are the same alone and in a batch
     on the kernels (bitwise)."""
     registry = load_registry(extra_plugins=(TritonAnywhere(),))
@@ -166,7 +166,13 @@ def test_fp8_engine_on_the_triton_kernels_matches_the_reference(device, preset):
     out = eng.generate(ps, params)
     assert eng.runner.main_graphs.num_replays[1] > 0
     ref = build_engine(cfg("reference")).score(ps, [o.token_ids for o in out])
+    # Hopper's FP8 tensor cores sum a 128-deep block with fewer bits than float32 (the DeepSeek-V3
+    # report measured about 14; hence the per-block promotion the kernels do): on the GPU the
+    # per-op gap to the emulation is larger, and more values cross an e4m3 boundary. Measured on
+    # an H200: up to 0.21 (tiny-moe-b128) and 0.11 (tiny-dense-b128); quantizing at all moves these
+    # logprobs by up to 0.31 / 0.25 (fp8 reference vs bf16 reference, CPU)
+    atol = 0.1 if device.type == "cpu" else 0.35
     for r, a in zip(ref, out):
-        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(r.token_logprobs), atol=0.1, rtol=0)
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(r.token_logprobs), atol=atol, rtol=0)
     alone = build_engine(cfg("triton_anywhere"), registry).generate([ps[1]], params)[0]
     assert alone.token_ids == out[1].token_ids and alone.token_logprobs == out[1].token_logprobs
