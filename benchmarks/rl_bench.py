@@ -1,8 +1,8 @@
 """RL rollout workloads on one engine: n samples vs independent requests, a shared prefix cached vs
-cold, exact vs fast scoring, and an in-place weight update. Each comparison also checks that the
+cold, exact vs fast scoring, an in-place weight update, and sleep/wake. Each comparison also checks that the
 two ways give bitwise the same tokens and logprobs (on an invariant backend they must).
 
-  python3 benchmarks/rl_bench.py CONFIG [--parts grpo,prefix,score,update] [--prompts 32] [--n 16]
+  python3 benchmarks/rl_bench.py CONFIG [--parts grpo,prefix,score,update,sleep] [--prompts 32] [--n 16]
       [--prompt-len 1024] [--new-tokens 256] [--prefix-len 4096] [--requests 256] [--chunk 1024]
 
 Random token-id prompts. One engine for every part (a 35B-A3B engine fills most of an H200); the
@@ -107,9 +107,9 @@ def score(eng, args, rng) -> None:
           f"(max abs diff {err:.3g})")
 
 
-def update(eng, args, rng) -> None:
+def random_hf_weights(eng) -> dict[str, torch.Tensor]:
     """Every tensor of the model in Hugging Face names (experts fused, as transformers' state_dict
-    has them); the layers of one type share source tensors, so the source costs little memory."""
+    has them), random; the layers of one type share source tensors, so the source costs little memory."""
     from bi_core.models.weight_map import weight_map
 
     wmap = weight_map(eng.args, with_mtp=eng.model.mtp is not None)
@@ -122,10 +122,53 @@ def update(eng, args, rng) -> None:
         if key not in by_suffix:
             by_suffix[key] = (torch.randn(place.shape, device=eng.device) * 0.02).to(eng.dtype)
         weights[name] = by_suffix[key]
+    return weights
+
+
+def update(eng, args, rng) -> None:
+    weights = random_hf_weights(eng)
     numel = sum(t.numel() for t in weights.values())
     count, t, _ = timed(eng, lambda: eng.update_weights(weights))
     print(f"update_weights: {count} tensors, {numel * 2 / 2**30:.1f} GiB from GPU tensors in {t:.2f} s "
           f"({numel * 2 / t / 2**30:.0f} GiB/s)")
+
+
+def free_gib() -> float:
+    sync()
+    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def sleep(eng, args, rng) -> None:
+    """Sleep level 1 (weights to host memory) and level 2 (weights dropped, refilled by a weight
+    update): device memory released, the time of each call, and the outputs after waking bitwise
+    equal to those before (level 2: to those of an engine updated with the same weights awake)."""
+    prompts = [[rng.randrange(eng.args.vocab_size) for _ in range(256)] for _ in range(16)]
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, seed=11, ignore_eos=True)
+    before = eng.generate(prompts, params)
+    _, t_warm, _ = timed(eng, lambda: eng.generate(prompts, params))
+    awake = free_gib()
+    _, t_s, _ = timed(eng, lambda: eng.sleep(1))
+    asleep = free_gib()
+    _, t_w, _ = timed(eng, lambda: eng.wake_up())
+    after, t_g, _ = timed(eng, lambda: eng.generate(prompts, params))
+    equal = sum(same(a, b) for a, b in zip(after, before))
+    print(f"sleep level 1: {asleep - awake:.1f} GiB released ({awake:.1f} -> {asleep:.1f} GiB free) in {t_s:.2f} s; "
+          f"wake_up {t_w:.2f} s; first generate after it {t_g:.2f} s (awake: {t_warm:.2f} s; graphs captured again); "
+          f"bitwise equal to before {equal}/{len(before)}")
+    weights = random_hf_weights(eng)
+    eng.update_weights(weights)
+    ref = eng.generate(prompts, params)
+    awake = free_gib()
+    _, t_s, _ = timed(eng, lambda: eng.sleep(2))
+    asleep = free_gib()
+    _, t_w, _ = timed(eng, lambda: eng.wake_up(["weights"]))
+    _, t_u, _ = timed(eng, lambda: eng.update_weights(weights))
+    _, t_k, _ = timed(eng, lambda: eng.wake_up(["kv_cache"]))
+    after, t_g, _ = timed(eng, lambda: eng.generate(prompts, params))
+    equal = sum(same(a, b) for a, b in zip(after, ref))
+    print(f"sleep level 2: {asleep - awake:.1f} GiB released in {t_s:.2f} s; wake_up(weights) {t_w:.2f} s, "
+          f"update_weights {t_u:.2f} s, wake_up(kv_cache) {t_k:.2f} s, first generate {t_g:.2f} s; "
+          f"bitwise equal to the same update awake {equal}/{len(ref)}")
 
 
 def main() -> None:
