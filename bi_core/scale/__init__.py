@@ -9,6 +9,7 @@ RL control routes out to every replica. Needs the ``scale`` extra (``pip install
 - ``placement.py``: joining Ray, the placement group, one actor per bundle
 - ``replica.py``: the actor's body: one ``bi-engine serve`` process, started, watched, stopped
 - ``router.py``: the sglang-router process and its worker API
+- ``processes.py``: a free port, a bounded stop (the router's and the replicas' processes)
 - ``supervisor.py``: the replicas' states and the thread that replaces dead ones
 - ``fanout.py``, ``front.py``: control calls to every replica, and the app that serves them
 - ``deployment.py``: all of it started, served until a signal, stopped

@@ -11,13 +11,14 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
+
+from bi_core.scale.processes import free_port, terminate
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -27,12 +28,6 @@ def _die_with_parent() -> None:
     node lost, the driver gone) leaves no server behind."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ReplicaProcess:
@@ -80,13 +75,4 @@ class ReplicaProcess:
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM (the server lets running requests finish within serve.shutdown_timeout_s), then
         SIGKILL after ``timeout_s``."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return None if self.proc is None else terminate(self.proc, timeout_s)

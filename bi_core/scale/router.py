@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from bi_core.errors import BiEngineError
-from bi_core.scale.replica import free_port
+from bi_core.scale.processes import free_port, terminate
 
 log = logging.getLogger("bi_core.scale")
 
@@ -93,10 +93,5 @@ class RouterProcess:
         return " | ".join(lines[-num_lines:]) or "(no output)"
 
     def stop(self, timeout_s: float) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, timeout_s)

@@ -41,7 +41,7 @@ from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import formats
 from bi_core.serve.client import Delta
 from bi_core.serve.errors import ApiError, output_failure, validation_error
-from bi_core.serve.protocol import MAX_N, STRICT
+from bi_core.serve.protocol import MAX_N, STRICT, only
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 MAX_TOP_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs)
@@ -182,12 +182,8 @@ class GenerateRequest(BaseModel):
             raise ValueError("hidden states are not returned by this engine")
         return v
 
-    @field_validator("background", "return_bytes", "return_entropy")
-    @classmethod
-    def _not_offered(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("not supported by this engine; use false")
-        return v
+    _not_offered = field_validator("background", "return_bytes", "return_entropy")(only(
+        False, "not supported by this engine"))
 
     @field_validator("log_metrics")
     @classmethod

@@ -16,6 +16,16 @@ MAX_N = 128
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+def only(value: bool, why: str):
+    """A validator taking a flag at ``value`` alone (the value that changes nothing here)."""
+    def check(cls, v: bool) -> bool:
+        if v is not value:
+            raise ValueError(f"only {str(value).lower()} is supported: {why}")
+        return v
+
+    return check
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
@@ -55,20 +65,9 @@ class _Common(BaseModel):
                              "counts, which the engine does not track); use 0")
         return v
 
-    @field_validator("skip_special_tokens")
-    @classmethod
-    def _plain_decode(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("only true is supported (the text is the tokenizer's plain decode)")
-        return v
-
-    @field_validator("no_stop_trim", "return_hidden_states")
-    @classmethod
-    def _off(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("only false is supported (the text ends before a matched stop string; no hidden "
-                             "states are returned)")
-        return v
+    _plain_decode = field_validator("skip_special_tokens")(only(True, "the text is the tokenizer's plain decode"))
+    _stop_trimmed = field_validator("no_stop_trim")(only(False, "the text ends before a matched stop string"))
+    _no_hidden_states = field_validator("return_hidden_states")(only(False, "no hidden states are returned"))
 
     @field_validator("stop")
     @classmethod
@@ -149,12 +148,8 @@ class ChatCompletionRequest(_Common):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _no_continue(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("continuing the final assistant message is not supported; use false")
-        return v
+    _no_continue = field_validator("continue_final_message")(only(False, "continuing the final assistant message "
+                                                                         "is not supported"))
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

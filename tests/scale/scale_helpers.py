@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from bi_core.scale import processes
+from bi_core.scale.processes import terminate
 
 # prefill_chunk_size 16: the prefix cache keeps (and hits) prompts at multiples of 16 tokens
 CONFIG = """
@@ -29,9 +30,7 @@ ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return processes.free_port("127.0.0.1")
 
 
 def wait_until(check, within_s: float, what: str, every_s: float = 0.2) -> None:
@@ -86,18 +85,7 @@ class Server:
         return self
 
     def stop(self) -> int:
-        return stop(self.proc)
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 60) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+        return terminate(self.proc, 60)
 
 
 class Deployment:
@@ -130,4 +118,4 @@ class Deployment:
         return httpx.get(f"{self.control}/replicas", timeout=10).json()["replicas"]
 
     def stop(self) -> int:
-        return stop(self.proc, 120)
+        return terminate(self.proc, 120)

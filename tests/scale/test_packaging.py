@@ -92,3 +92,16 @@ def test_the_yaml_key_is_checked(tmp_path):
 
     r = serve(tmp_path, config=CONFIG + "parallel: {data_parallel_size: 0}\n")
     assert r.returncode == 2 and "parallel.data_parallel_size: expected a positive int, got 0" in r.stderr
+
+
+def test_the_scale_extra_and_the_test_extra_bring_ray_and_the_router():
+    """Installing the test extra runs tests/scale in CI (else its tests would skip); the scale extra
+    brings what replicas need, the serve extra with it."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    for extra in ("scale", "test"):
+        names = {req.split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip() for req in extras[extra]}
+        assert {"ray", "sglang-router"} <= names, (extra, extras[extra])
+    assert "bi-engine[serve]" in extras["scale"]
