@@ -97,7 +97,11 @@ def run(config_path: str, config: EngineConfig, options: ScaleOptions) -> int:
                  s.host, s.port, s.host, control_port)
         server = _Front(uvicorn.Config(create_front(front), host=s.host, port=control_port, log_level="warning",
                                        access_log=False))
-        server.run()
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's exit when it cannot bind (the port was taken since check_port)
+            if server.started:
+                raise
         if not server.started:
             raise BiEngineError(f"the control front did not start on {s.host}:{control_port} (see the log above)")
     except _Stopped:

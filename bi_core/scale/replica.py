@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from bi_core.config import INVARIANT_ENV
 from bi_core.scale.processes import free_port, terminate
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -57,9 +58,11 @@ class ReplicaProcess:
                "--port", str(port)]
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
+        # the mode is the one the driver resolved (in the config): this node's environment has no say
+        env = {k: v for k, v in os.environ.items() if k != INVARIANT_ENV}
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+                                         env={**env, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
         return {"url": f"http://{host}:{port}", "pid": self.proc.pid, "node": host, "log": str(self.log_path),
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
 

@@ -141,6 +141,24 @@ def test_a_replica_killed_under_load_is_reported_and_replaced(deployment):
     assert finished(now[0]["url"]) - before == 2  # back in rotation
 
 
+def test_a_replica_whose_actor_dies_is_replaced_and_its_server_goes_with_it(deployment):
+    """SIGKILL the Ray actor that holds replica 1 (as when its node is lost): its server gets SIGTERM
+    (it must not outlive the actor), and the supervisor starts a new actor in the bundle."""
+    victim = deployment.replicas()[1]
+    actor_pid = int(open(f"/proc/{victim['pid']}/stat").read().rsplit(")", 1)[1].split()[1])  # the server's parent
+    os.kill(actor_pid, signal.SIGKILL)
+    wait_until(lambda: not alive(victim["pid"]), 30, "the server ending with its actor")
+
+    def replaced() -> bool:
+        r = deployment.replicas()[1]
+        return r["state"] == "serving" and r["url"] != victim["url"]
+
+    wait_until(replaced, 60, "replacement")
+    assert "its actor died" in deployment.replicas()[1]["failures"][-1]["reason"]
+    assert completion(deployment.replicas()[1]["url"], PROMPT)["choices"][0]["text"] == \
+        completion(deployment.replicas()[0]["url"], PROMPT)["choices"][0]["text"]
+
+
 def sync(deployment, seed: int, version: int) -> dict:
     """A trainer (rank 0) sends the seed-``seed`` model's weights to every live replica (ranks 1, 2)
     through the control front; the answer of its update call."""
