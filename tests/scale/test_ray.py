@@ -73,6 +73,16 @@ def test_control_routes_reach_every_replica(deployment):
     flushed = httpx.post(f"{c}/flush_cache", timeout=30).json()
     assert flushed["success"] and [a["status_code"] for a in flushed["replicas"]] == [200, 200]
     assert httpx.get(f"{c}/get_world_size", timeout=10).json() == {"world_size": 2}
+    assert httpx.post(f"{c}/sleep", params={"level": 1}, timeout=60).json()["success"]
+    assert httpx.get(f"{c}/is_sleeping", timeout=30).json()["is_sleeping"] is True
+    refused = httpx.post(f"{c}/sleep", params={"level": 3}, timeout=30)  # each replica refuses: their status
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "level"
+    assert httpx.post(f"{c}/wake_up", timeout=60).json()["success"]
+    assert httpx.get(f"{c}/is_sleeping", timeout=30).json()["is_sleeping"] is False
+    assert httpx.post(f"{c}/abort_requests", timeout=30).json()["success"]
+    one = httpx.post(f"{c}/abort_requests", json={"request_ids": ["cmpl-1"]}, timeout=30)
+    assert one.status_code == 400 and one.json()["error"]["param"] == "request_ids"
+    assert completion(deployment.url, PROMPT)["usage"]["completion_tokens"] == 8  # awake and serving
 
 
 def test_a_weight_group_that_does_not_count_every_replica_is_refused(deployment):
