@@ -13,6 +13,7 @@ any weight update the front reads every replica's weight version; a replica that
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -41,7 +42,8 @@ TIMEOUT = httpx.Timeout(None, connect=10.0)
 class ControlFront:
     """What the routes share: the supervisor (who is up), the HTTP client, the settings."""
 
-    def __init__(self, supervisor: Supervisor, tensor_parallel_size: int, api_key: str | None, router_url: str):
+    def __init__(self, supervisor: Supervisor, tensor_parallel_size: int, api_key: str | None,
+                 router_url: str) -> None:
         self.supervisor, self.tp, self.api_key, self.router_url = supervisor, tensor_parallel_size, api_key, router_url
         self.client = httpx.AsyncClient(timeout=TIMEOUT)
 
@@ -76,7 +78,7 @@ class ControlFront:
         self.supervisor.weights_updated({a.replica: a.body["weight_version"] for a in answers
                                          if a.ok and isinstance(a.body, dict) and "weight_version" in a.body})
 
-    def group_bodies(self, path: str):
+    def group_bodies(self, path: str) -> Callable[[list[tuple[int, str]], bytes], list[bytes]]:
         """Each replica's body for joining a weight-update group: its own rank_offset."""
         nesting = GROUP_FIELDS[path]
 
