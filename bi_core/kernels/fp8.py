@@ -80,7 +80,11 @@ BLOCK = 128  # activation group width = weight block side = the GEMM's BLOCK_K (
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs), as in gemm.py
 DECODE_BLOCK_N = 32  # the tile width split counts are planned against (a decode GEMV's)
 MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a weight row, gemm.py's minimum)
-FUSE_QUANT_MAX_M = 64  # fp8_linear quantizes inside the GEMM up to this many rows (not measured)
+# fp8_linear quantizes inside the GEMM up to this many rows: none. Measured on an H200
+# (benchmarks/fp8_kernel_bench.py, docs/benchmarks.md section 16): the fused variant took 46-379 us
+# at M = 1..64 on the 35B-A3B shapes against 7-21 us for quantize_act + the GEMM (every column
+# tile quantizes its rows again). FUSE_QUANT stays a config key (tests, benchmarks).
+FUSE_QUANT_MAX_M = 0
 SMALL_M_MAX = 64  # rows up to which the decode tiles are used
 QUANT_BLOCK_M = 64  # rows per quantize_act program (a [64, 128] group tile; any value gives the same bits)
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
@@ -125,6 +129,9 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
     mask = m_ok[:, None] & (rk < K)[None, :]
     rows = rm.to(tl.int64)[:, None]
     x = tl.load(X + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    # rows past M (never stored) as ones, not zeros: an all-zero row divides 0 by a tiny scale,
+    # which div_rn takes through its slow path (measured: 11 us per call at M = 1..8 vs 4 us at 64)
+    x = tl.where(m_ok[:, None], x, 1.0)
     q, scale = _quant_group(x)
     tl.store(XQ + rows * stride_qm + rk[None, :], q.to(XQ.dtype.element_ty), mask=mask)
     tl.store(XS + rm.to(tl.int64) * stride_sm + g, scale, mask=m_ok)

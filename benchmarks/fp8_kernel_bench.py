@@ -1,0 +1,66 @@
+"""Block-FP8 linear kernels at the 35B-A3B shape's dense GEMMs, one H200/H100 call: fp8_linear as
+configured (activation quantization fused into the GEMM up to FUSE_QUANT_MAX_M rows), the same
+with quantization as its own launch, quantize_act alone, and the bf16 Triton GEMM for comparison;
+microseconds per call (CUDA graphs of 20 calls, so launch gaps do not count), and each one's weight
+bytes over the copy bandwidth (the floor).
+
+  python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from bi_core.kernels.fp8 import fp8_config, fp8_linear, quantize_act
+from bi_core.kernels.gemm import linear
+from bi_core.quant.fp8 import quantize_blocks
+from bi_core.tools.bench import measure_bandwidth
+
+SHAPES = [(12352, 2048), (4096, 2048), (2048, 4096), (2048, 2048), (2048, 512)]  # (N, K)
+REPS = 20
+
+
+def timed_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * REPS)
+
+
+def main() -> None:
+    ms = [int(a) for a in sys.argv[1:]] or [1, 8, 64]
+    dev = torch.device("cuda")
+    bw = measure_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 2 launches':>15} {'quant':>7} {'bf16':>7} "
+          f"{'fp8 floor':>9} {'bf16 floor':>10}  config")
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device=dev) * 0.02
+        wq, ws = quantize_blocks(w, (128, 128))
+        wb = w.to(torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            cfg = fp8_config(m, n, k)
+            t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
+            t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
+            t_q = timed_us(partial(quantize_act, x))
+            t_b = timed_us(partial(linear, x, wb))
+            print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
+                  f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
+
+
+if __name__ == "__main__":
+    main()
