@@ -12,10 +12,10 @@ from bi_core import EngineConfig, build_engine
 from bi_core.tools.bench import bench_decode, measure_bandwidth
 
 
-def config(backend: str, layers: int, graphs: bool, max_seqs: int = 64) -> EngineConfig:
+def config(backend: str, layers: int, graphs: bool, max_seqs: int = 64, quantization: str | None = None) -> EngineConfig:
     return EngineConfig.from_dict({
         "model": {"random": {"preset": "qwen3.5-35b-a3b", "seed": 0, "num_hidden_layers": layers},
-                  "dtype": "bfloat16", "device": "cuda", "max_model_len": 4096},
+                  "dtype": "bfloat16", "device": "cuda", "max_model_len": 4096, "quantization": quantization},
         "backend": backend, "policy": {"batch_invariant": backend == "cuda_hopper_invariant"},
         "graph": {"enabled": graphs}, "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": 8192},
         "cache": {"num_blocks": max(64 * 4096, max_seqs * 1024) // 16 + 64},

@@ -1,6 +1,6 @@
 """Where a step's time goes: torch profiler over eager steps, top kernels by CUDA time.
 
-python3 benchmarks/profile_step.py BACKEND LAYERS BATCH [PROMPTS]
+python3 benchmarks/profile_step.py BACKEND LAYERS BATCH [PROMPTS] [--fp8]
 
 BATCH sequences of 512-token prompts decode; with PROMPTS, the profiled step also prefills that
 many new 512-token prompts (a throughput run's mixed step; a first such step, unprofiled, warms
@@ -20,9 +20,11 @@ from bi_core import SamplingParams, build_engine
 
 
 def main() -> None:
-    backend, layers, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    prompts = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    eng = build_engine(config(backend, layers, graphs=False, max_seqs=max(64, batch + 2 * prompts)))
+    argv = [a for a in sys.argv[1:] if a != "--fp8"]  # --fp8: model.quantization fp8 (block-FP8 on load)
+    backend, layers, batch = argv[0], int(argv[1]), int(argv[2])
+    prompts = int(argv[3]) if len(argv) > 3 else 0
+    eng = build_engine(config(backend, layers, graphs=False, max_seqs=max(64, batch + 2 * prompts),
+                              quantization="fp8" if "--fp8" in sys.argv else None))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     seqs = [eng.add_request(torch.randint(0, 248320, (512,), generator=g).tolist(), params) for _ in range(batch)]

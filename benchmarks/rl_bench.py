@@ -4,6 +4,7 @@ two ways give bitwise the same tokens and logprobs (on an invariant backend they
 
   python3 benchmarks/rl_bench.py CONFIG [--parts grpo,prefix,score,update,sleep] [--prompts 32] [--n 16]
       [--prompt-len 1024] [--new-tokens 256] [--prefix-len 4096] [--requests 256] [--chunk 1024]
+      [--num-layers N]
 
 Random token-id prompts. One engine for every part (a 35B-A3B engine fills most of an H200); the
 "independent" and "cold" baselines run on it with the prefix cache detached."""
@@ -141,34 +142,35 @@ def free_gib() -> float:
 def sleep(eng, args, rng) -> None:
     """Sleep level 1 (weights to host memory) and level 2 (weights dropped, refilled by a weight
     update): device memory released, the time of each call, and the outputs after waking bitwise
-    equal to those before (level 2: to those of an engine updated with the same weights awake)."""
+    equal to those before (level 2: to those of an engine updated with the same weights awake).
+    Each figure is printed as soon as it is measured."""
     prompts = [[rng.randrange(eng.args.vocab_size) for _ in range(256)] for _ in range(16)]
     params = SamplingParams(max_new_tokens=32, temperature=1.0, seed=11, ignore_eos=True)
-    before = eng.generate(prompts, params)
-    _, t_warm, _ = timed(eng, lambda: eng.generate(prompts, params))
+    before, t_warm, _ = timed(eng, lambda: eng.generate(prompts, params))
+    print(f"sleep: 16 x 256 -> 32 tokens awake {t_warm:.2f} s")
     awake = free_gib()
     _, t_s, _ = timed(eng, lambda: eng.sleep(1))
     asleep = free_gib()
+    print(f"sleep level 1: {asleep - awake:.1f} GiB released ({awake:.1f} -> {asleep:.1f} GiB free) in {t_s:.2f} s")
     _, t_w, _ = timed(eng, lambda: eng.wake_up())
+    print(f"  wake_up {t_w:.2f} s (weights copied back, every CUDA graph captured again)")
     after, t_g, _ = timed(eng, lambda: eng.generate(prompts, params))
     equal = sum(same(a, b) for a, b in zip(after, before))
-    print(f"sleep level 1: {asleep - awake:.1f} GiB released ({awake:.1f} -> {asleep:.1f} GiB free) in {t_s:.2f} s; "
-          f"wake_up {t_w:.2f} s; first generate after it {t_g:.2f} s (awake: {t_warm:.2f} s; graphs captured again); "
-          f"bitwise equal to before {equal}/{len(before)}")
+    print(f"  generate after waking {t_g:.2f} s; bitwise equal to before {equal}/{len(before)}")
     weights = random_hf_weights(eng)
     eng.update_weights(weights)
     ref = eng.generate(prompts, params)
     awake = free_gib()
     _, t_s, _ = timed(eng, lambda: eng.sleep(2))
     asleep = free_gib()
+    print(f"sleep level 2: {asleep - awake:.1f} GiB released in {t_s:.2f} s")
     _, t_w, _ = timed(eng, lambda: eng.wake_up(["weights"]))
     _, t_u, _ = timed(eng, lambda: eng.update_weights(weights))
     _, t_k, _ = timed(eng, lambda: eng.wake_up(["kv_cache"]))
     after, t_g, _ = timed(eng, lambda: eng.generate(prompts, params))
     equal = sum(same(a, b) for a, b in zip(after, ref))
-    print(f"sleep level 2: {asleep - awake:.1f} GiB released in {t_s:.2f} s; wake_up(weights) {t_w:.2f} s, "
-          f"update_weights {t_u:.2f} s, wake_up(kv_cache) {t_k:.2f} s, first generate {t_g:.2f} s; "
-          f"bitwise equal to the same update awake {equal}/{len(ref)}")
+    print(f"  wake_up(weights) {t_w:.2f} s, update_weights {t_u:.2f} s, wake_up(kv_cache) {t_k:.2f} s, "
+          f"generate {t_g:.2f} s; bitwise equal to the same update awake {equal}/{len(ref)}")
 
 
 def main() -> None:
@@ -182,8 +184,11 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=4096)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=1024, help="scheduler.prefill_chunk_size (the prefix-cache grid)")
+    ap.add_argument("--num-layers", type=int, help="cut a random preset to this many layers")
     args = ap.parse_args()
     cfg = EngineConfig.from_yaml(args.config)
+    if args.num_layers:
+        cfg = cfg.replace(model={"random": attrs.evolve(cfg.model.random, num_hidden_layers=args.num_layers)})
     cfg = cfg.replace(scheduler={"prefill_chunk_size": args.chunk},
                       model={"max_model_len": max(cfg.model.max_model_len or 0, args.prefix_len + 256, 2048)},
                       cache={"prefix_caching": True})
