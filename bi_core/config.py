@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attr
 import attrs
 import yaml
 
@@ -390,4 +391,5 @@ class EngineConfig:
         return attrs.evolve(self, **changes)
 
     def to_dict(self) -> dict:
-        return attrs.asdict(self, recurse=True, retain_collection_types=False)
+        """Plain dicts and lists (``from_dict`` reads it back)."""
+        return attr.asdict(self, recurse=True, retain_collection_types=False)  # attrs.asdict keeps tuples

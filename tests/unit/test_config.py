@@ -121,3 +121,10 @@ def test_a_tokenizer_that_does_not_load_is_a_config_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match=f"model.tokenizer: tokenizer in {tmp_path} cannot be loaded: "):
         build_engine(EngineConfig.from_dict(tiny_config(model={"tokenizer": str(tmp_path)})))
+
+
+def test_to_dict_round_trips_through_from_dict():
+    cfg = EngineConfig.from_dict(tiny_config(policy={"batch_invariant": False}, parallel={"data_parallel_size": 3}))
+    data = cfg.to_dict()
+    assert data["parallel"]["data_parallel_size"] == 3 and isinstance(data["model"], dict)
+    assert EngineConfig.from_dict(data) == cfg

@@ -116,3 +116,12 @@ def test_generate_takes_one_prompt_alone_and_numpy_or_torch_ids():
     assert [o.error for o in bad] == ["prompt has token ids that are not integers: [1.0]",
                                       "prompt has token ids that are not integers: [True]",
                                       "prompt must be a str or a sequence of token ids, got NoneType"]
+
+
+def test_data_parallel_size_is_refused_outside_serve():
+    """Replicas are processes of their own (bi-engine serve with Ray): an engine built here with
+    parallel.data_parallel_size > 1 would serve one replica while the config says N, so it is
+    refused, naming the key; 1 builds."""
+    with pytest.raises(ConfigError, match=r"parallel.data_parallel_size: 2: replicas are processes"):
+        build_engine(EngineConfig.from_dict(tiny_config(parallel={"data_parallel_size": 2})))
+    assert build_engine(EngineConfig.from_dict(tiny_config(parallel={"data_parallel_size": 1}))) is not None
