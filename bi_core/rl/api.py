@@ -12,6 +12,7 @@ import torch
 
 from bi_core.errors import RequestError
 from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
+from bi_core.rl.tensors import LOAD_FORMATS, deserialize_named_tensors
 
 
 class RolloutAPI:
@@ -27,7 +28,8 @@ class RolloutAPI:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, weights, *, abort_unfinished: bool = False) -> int:
+    def update_weights(self, weights, *, abort_unfinished: bool = False, flush_cache: bool = True,
+                       version: int | None = None) -> int:
         """Copy new weights into the model's parameters in place (CUDA graphs stay valid); returns
         how many tensors were copied. ``weights``: a checkpoint directory, a ``{name: tensor}``
         mapping (a trainer's ``state_dict``) or ``(name, tensor)`` pairs, Hugging Face or engine
@@ -35,7 +37,11 @@ class RolloutAPI:
         rounds), anything else refused. Every name, shape and dtype is checked before anything
         changes (a refused update copies and aborts nothing). Unfinished requests would mix two
         models: they are an error, or aborted with ``abort_unfinished=True``. Cached prefixes are
-        dropped."""
+        dropped (kept with ``flush_cache=False``, one rank only); results then carry ``version``
+        (default: the next number)."""
+        if not flush_cache and self._driver is not None:
+            raise RequestError("update_weights: flush_cache=False is supported with one rank only (every rank's "
+                               "prefix cache must stay the same under tensor parallelism)")
         self.rollout.refuse_if_asleep("update_weights", "weights")
         if self.requests and not abort_unfinished:
             raise RequestError(f"update_weights: {len(self.requests)} request(s) unfinished; their tokens would "
@@ -48,9 +54,32 @@ class RolloutAPI:
         if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
             self._driver.send_update(str(weights) if is_path else source, [st.name for st in steps], self.device)
         count = apply_update(self.model, source, steps)
-        self.after_weight_update()
+        self.after_weight_update(flush_cache, version)
         self.weight_sync.landed(st.name for st in steps)
         return count
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str | bytes], *,
+                                   load_format: str | None = None, flush_cache: bool = True,
+                                   abort_all_requests: bool = False, weight_version: int | None = None) -> int:
+        """SGLang's ``update_weights_from_tensor``: weights a trainer process shares by handle (CUDA
+        IPC on this GPU, shared memory on the CPU), made with ``bi_core.rl.serialize_named_tensors``.
+        One payload per tensor-parallel rank, as SGLang sends, or one for all: rank 0 opens the
+        first and sends every rank its shard. Then as ``update_weights`` (names, shapes and dtypes
+        checked before anything changes); returns how many tensors were copied."""
+        if load_format not in LOAD_FORMATS:
+            raise RequestError(f"update_weights_from_tensor: load_format {load_format!r} is not supported "
+                               "(None or 'direct': a list of (name, tensor) pairs)")
+        payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, (str, bytes)) \
+            else list(serialized_named_tensors)
+        if len(payloads) not in (1, self.tp.world):
+            raise RequestError(f"update_weights_from_tensor: {len(payloads)} payloads; expected 1 or one per "
+                               f"tensor-parallel rank ({self.tp.world})")
+        named = deserialize_named_tensors(payloads[0])
+        try:
+            return self.update_weights(named, abort_unfinished=abort_all_requests, flush_cache=flush_cache,
+                                       version=weight_version)
+        finally:
+            del named  # the trainer's memory is its own again once no handle is open here
 
     def after_weight_update(self, flush_cache: bool = True, version: int | None = None) -> None:
         """New weights are in (every rank): cached prefixes are stale (dropped unless ``flush_cache``

@@ -15,7 +15,8 @@ all) -> ``{"status": "aborted", "aborted": n}``, ``GET /get_world_size``, ``GET 
 SGLang: ``POST /pause_generation`` ``{"mode": "abort"|"in_place"}``, ``POST /continue_generation``,
 ``POST /abort_request`` ``{"rid", "abort_all"}``, ``GET|POST /flush_cache``,
 ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``, ``/update_weights_from_disk`` (``{"success", "message"}``),
+``/destroy_weights_update_group``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``
+(``{"success", "message"}``),
 ``GET|POST /release_memory_occupation`` and ``/resume_memory_occupation`` ``{"tags"}``,
 ``GET /get_weight_version``, ``GET /get_model_info`` (and ``/model_info``)."""
 
@@ -42,6 +43,7 @@ from bi_core.serve.messages import (
     Sleep,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
     WakeUp,
 )
 from bi_core.serve.protocol import STRICT
@@ -114,6 +116,27 @@ class UpdateWeightsFromDistributedBody(BaseModel):
     load_format: str | None = None
 
     _no_load_format = field_validator("load_format")(lambda cls, v: _only_none(v, "load formats are not supported"))
+
+
+class UpdateWeightsFromTensorBody(BaseModel):
+    """SGLang's ``UpdateWeightsFromTensorReqInput``: one payload per tensor-parallel rank, or one
+    for all (``bi_core.rl.serialize_named_tensors``; base64 text, as over JSON). ``load_format``:
+    None or "direct" (the engine refuses others by name); the draft model is the MTP head, updated
+    with the rest, and the allocator's cache is left alone, so those two flags take no-op values only."""
+
+    model_config = STRICT
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    disable_draft_model: bool | None = None
+    torch_empty_cache: bool = False
+
+    _draft = field_validator("disable_draft_model")(
+        lambda cls, v: v if not v else _only_none(v, "the MTP head is updated with the model's weights"))
+    _empty = field_validator("torch_empty_cache")(
+        lambda cls, v: v if not v else _only_none(v, "the engine does not empty the allocator's cache on updates"))
 
 
 class DestroyWeightsUpdateGroupBody(BaseModel):
@@ -189,12 +212,13 @@ REQUEST_MODELS = {
     "/continue_generation": ContinueGenerationBody, "/release_memory_occupation": MemoryOccupationBody,
     "/resume_memory_occupation": MemoryOccupationBody, "/init_weights_update_group": InitWeightsUpdateGroupBody,
     "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
+    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
     "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
     "/update_weights_from_disk": UpdateWeightsFromDiskBody, "/init_weight_transfer_engine": InitWeightTransferBody,
     "/update_weights": UpdateWeightsBody,
 }
 # SGLang answers these {"success": bool, "message": str}, failures included
-SUCCESS_STYLE = frozenset({"/init_weights_update_group", "/update_weights_from_distributed",
+SUCCESS_STYLE = frozenset({"/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
                            "/destroy_weights_update_group", "/update_weights_from_disk"})
 
 
@@ -393,6 +417,15 @@ def install(app: FastAPI, server) -> None:
                           group_name=body.group_name, flush_cache=body.flush_cache, weight_version=version,
                           abort_all=body.abort_all_requests)
         return {"success": True, "message": f"Succeeded to update parameter online from distributed: "
+                                            f"{done['num_tensors']} tensors, weight version {done['weight_version']}.",
+                "weight_version": done["weight_version"]}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody):
+        version = _weight_version(body.weight_version)
+        done = await call(UpdateWeightsFromTensor, payloads=body.serialized_named_tensors, load_format=body.load_format,
+                          flush_cache=body.flush_cache, weight_version=version, abort_all=body.abort_all_requests)
+        return {"success": True, "message": f"Succeeded to update model weights from tensors: "
                                             f"{done['num_tensors']} tensors, weight version {done['weight_version']}.",
                 "weight_version": done["weight_version"]}
 

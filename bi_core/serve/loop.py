@@ -67,6 +67,7 @@ from bi_core.serve.messages import (
     UnexpectedMessage,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
     WakeUp,
     WireDelta,
 )
@@ -125,6 +126,7 @@ class EngineLoop:
             UpdateWeightsFromDistributed: self._update_weights_from_distributed,
             DestroyWeightsUpdateGroup: lambda m: self.engine.destroy_weights_update_group(m.group_name),
             UpdateWeightsFromDisk: self._update_weights_from_disk,
+            UpdateWeightsFromTensor: self._update_weights_from_tensor,
         }
 
     def run(self) -> None:
@@ -318,6 +320,14 @@ class EngineLoop:
             self._sweep()
         n = self.engine.update_weights_from_distributed(m.names, m.dtypes, m.shapes, group_name=m.group_name,
                                                         flush_cache=m.flush_cache, weight_version=m.weight_version)
+        return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
+
+    def _update_weights_from_tensor(self, m: UpdateWeightsFromTensor) -> dict:
+        if m.abort_all:
+            self.engine.abort_all()
+            self._sweep()
+        n = self.engine.update_weights_from_tensor(m.payloads, load_format=m.load_format, flush_cache=m.flush_cache,
+                                                   weight_version=m.weight_version)
         return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
 
     def _update_weights_from_disk(self, m: UpdateWeightsFromDisk) -> dict:

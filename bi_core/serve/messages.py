@@ -181,6 +181,19 @@ class UpdateWeightsFromDistributed:
 
 
 @attrs.frozen
+class UpdateWeightsFromTensor:
+    """HTTP -> engine: open these payloads of shared tensors (``bi_core.rl.serialize_named_tensors``)
+    and copy them in; answered with the count and new version."""
+
+    key: int
+    payloads: list[str]
+    load_format: str | None
+    flush_cache: bool
+    weight_version: int | None
+    abort_all: bool  # abort every unfinished request first
+
+
+@attrs.frozen
 class DestroyWeightsUpdateGroup:
     """HTTP -> engine: leave the trainer's process group; answered after."""
 
@@ -265,6 +278,6 @@ class Stopped:
 
 CONTROL = (PauseGeneration, ResumeGeneration, IsPaused, AbortRequests, ResetPrefixCache, Sleep, WakeUp, IsSleeping,
            GetWeightVersion, InitWeightsUpdateGroup, UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup,
-           UpdateWeightsFromDisk)
+           UpdateWeightsFromDisk, UpdateWeightsFromTensor)
 TO_ENGINE = (Add, Abort, Stop, *CONTROL)
 FROM_ENGINE = (Ready, StartFailed, Added, Refused, ControlDone, ControlFailed, Out, Stopped)

@@ -241,6 +241,42 @@ def test_the_engines_refusal_is_sglangs_failure_shape(sync_server):
     assert r.status_code == 400 and r.json()["success"] is False
 
 
+# ------------------------------------------------------------------ tensors shared by handle (SGLang)
+
+def sharer_main(seed: int, conn) -> None:
+    """A colocated trainer: the seed-``seed`` model's weights, shared by handle; held until told."""
+    from bi_core.rl import serialize_named_tensors
+
+    weights = [(n, p.detach().clone()) for n, p in build_engine(config(seed=seed)).model.named_parameters()]
+    conn.send(serialize_named_tensors(weights))
+    conn.recv()
+
+
+def test_update_weights_from_tensor_through_sglangs_route(tmp_path):
+    server = ServerProcess(tmp_path, env=ONE_THREAD)
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=sharer_main, args=(2, theirs))
+    proc.start()
+    try:
+        assert ours.poll(120), "the trainer sent nothing"
+        payload = ours.recv()
+        bad = httpx.post(f"{server.url}/update_weights_from_tensor",
+                         json={"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}, timeout=120)
+        assert bad.status_code == 400 and bad.json()["success"] is False and "flattened_bucket" in bad.json()["message"]
+        r = httpx.post(f"{server.url}/update_weights_from_tensor",
+                       json={"serialized_named_tensors": [payload], "weight_version": "4"}, timeout=120)
+        assert r.status_code == 200 and r.json()["success"] is True and r.json()["weight_version"] == 4, r.text
+        ours.send("done")
+        assert same(generate(server), python_api(config(seed=2)))
+        r = httpx.post(f"{server.url}/update_weights_from_tensor",
+                       json={"serialized_named_tensors": [payload], "disable_draft_model": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "disable_draft_model", r.text
+    finally:
+        proc.join(30)
+        server.stop()
+
+
 # ------------------------------------------------------------------ a checkpoint reload from disk
 
 
