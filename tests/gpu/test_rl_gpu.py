@@ -96,6 +96,53 @@ def test_update_weights_in_place_with_graphs(tmp_path):
     assert all(same(x, y) for x, y in zip(after, fresh))
 
 
+def _cuda_sharer(path, conn) -> None:
+    """A colocated trainer: a checkpoint's tensors on this GPU, shared by CUDA IPC handle."""
+    from safetensors.torch import load_file
+
+    from bi_core.rl import serialize_named_tensors
+
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update({n: t.to("cuda") for n, t in load_file(f).items()})
+    conn.send(serialize_named_tensors(weights))
+    conn.recv()  # hold them until the engine is done
+
+
+def test_update_weights_from_tensor_by_cuda_ipc_with_graphs(tmp_path):
+    """A trainer process on the same GPU shares its tensors by CUDA IPC handle; the engine's outputs
+    then equal a fresh engine's built from that checkpoint, bitwise (graphs replayed)."""
+    import multiprocessing as mp
+
+    a, b = make_hf_model("moe", seed=0), make_hf_model("moe", seed=1)
+    path_a, path_b = save_checkpoint(a, tmp_path / "a"), save_checkpoint(b, tmp_path / "b")
+
+    def build(path):
+        return build_engine(EngineConfig.from_dict({
+            "model": {"path": str(path), "dtype": "bfloat16", "device": "cuda"}, "backend": "cuda_hopper_invariant",
+            "policy": {"batch_invariant": True}, "graph": {"enabled": True},
+            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512}, "cache": {"num_blocks": 256}}))
+
+    ps = prompts(6, seed=8, vocab=300)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=2, ignore_eos=True)
+    eng = build(path_a)
+    before = eng.generate(ps, params)
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_cuda_sharer, args=(path_b, theirs))
+    proc.start()
+    try:
+        assert ours.poll(120), "the trainer process sent nothing"
+        eng.update_weights_from_tensor([ours.recv()])
+    finally:
+        ours.send("done")
+        proc.join(60)
+    after = eng.generate(ps, params)
+    assert not all(same(x, y) for x, y in zip(after, before))
+    assert all(same(x, y) for x, y in zip(after, build(path_b).generate(ps, params)))
+    assert eng.runner.main_graphs.num_replays[1] > 0
+
+
 def test_sleep_releases_device_memory_and_wakes_bitwise():
     """Level 1: caches, graphs and weights leave the GPU (weights to pinned host memory); after a
     wake the graphs are captured again on first use and the outputs are the same bits."""
