@@ -132,12 +132,14 @@ class RolloutAPI:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: int | None = None) -> int:
+                                        weight_version: int | None = None, abort_all_requests: bool = False) -> int:
         """Receive tensors broadcast by the trainer (``bi_core.rl.WeightSender``): checked like
         ``update_weights`` before anything is received, refused while a request has started
-        (pause first); returns how many tensors were copied. ``weight_version``: the new version
-        (else the next)."""
-        return self.weight_sync.receive(names, dtypes, shapes, group_name, flush_cache, weight_version)
+        (pause first, or ``abort_all_requests``: every unfinished request is aborted once the
+        update has passed its checks); returns how many tensors were copied. ``weight_version``:
+        the new version (else the next)."""
+        return self.weight_sync.receive(names, dtypes, shapes, group_name, flush_cache, weight_version,
+                                        abort_all_requests)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.weight_sync.destroy_group(group_name)

@@ -139,11 +139,16 @@ class WeightSync:
 
     # ------------------------------------------------------------------ an update
 
-    def receive(self, names, dtypes, shapes, group_name: str, flush_cache: bool, weight_version: int | None) -> int:
-        """One update from the trainer (``protocol`` steps 2-5); returns how many tensors were copied."""
+    def receive(self, names, dtypes, shapes, group_name: str, flush_cache: bool, weight_version: int | None,
+                abort_all: bool = False) -> int:
+        """One update from the trainer (``protocol`` steps 2-5); returns how many tensors were copied.
+        ``abort_all``: abort every unfinished request, once the update has passed its checks (a
+        refused update aborts nothing)."""
         e = self.engine
         group = self._group(group_name, WHAT)  # no handshake without the group: the trainer's request fails
-        meta, steps, refusal = self._check(names, dtypes, shapes, weight_version)
+        meta, steps, refusal = self._check(names, dtypes, shapes, weight_version, abort_all)
+        if refusal is None and abort_all:
+            e.abort_all()
         e._mirror(lockstep.UpdateWeightsFromTrainer(names, dtypes, shapes, group_name, flush_cache, weight_version),
                   now=True)
         rows = group.handshake([REFUSED if refusal else GO, 0, fingerprint(*meta) if meta else 0])
@@ -186,7 +191,7 @@ class WeightSync:
         self.landed(by_name)
         return len(steps)
 
-    def _check(self, names, dtypes, shapes, weight_version):
+    def _check(self, names, dtypes, shapes, weight_version, abort_all: bool = False):
         """(metadata, copy steps, None), or (metadata or None, None, the refusal): nothing raised, so
         that a refusal still takes part in the handshake."""
         meta = None
@@ -197,7 +202,7 @@ class WeightSync:
                 raise RequestError(f"weight_version must be an int >= 0 or None, got {weight_version!r}")
             self.engine.rollout.refuse_if_asleep(WHAT, "weights")
             begun = [rid for rid, s in self.engine.requests.items() if started(s)]
-            if begun:
+            if begun and not abort_all:
                 raise RequestError(f"{len(begun)} request(s) have started (e.g. request {begun[0]}); their tokens "
                                    "would mix two models. Pause with mode 'abort' or 'wait' first (a request kept "
                                    "by mode 'keep' has started), or let them finish")

@@ -315,23 +315,28 @@ class EngineLoop:
                                               group_name=m.group_name, backend=m.backend)
 
     def _update_weights_from_distributed(self, m: UpdateWeightsFromDistributed) -> dict:
-        if m.abort_all:
-            self.engine.abort_all()
+        try:  # the engine aborts (abort_all) only once the update has passed its checks
+            n = self.engine.update_weights_from_distributed(
+                m.names, m.dtypes, m.shapes, group_name=m.group_name, flush_cache=m.flush_cache,
+                weight_version=m.weight_version, abort_all_requests=m.abort_all)
+        finally:
             self._sweep()
-        n = self.engine.update_weights_from_distributed(m.names, m.dtypes, m.shapes, group_name=m.group_name,
-                                                        flush_cache=m.flush_cache, weight_version=m.weight_version)
         return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
 
     def _update_weights_from_tensor(self, m: UpdateWeightsFromTensor) -> dict:
-        if m.abort_all:
-            self.engine.abort_all()
+        try:  # as above: checked first, then aborted
+            n = self.engine.update_weights_from_tensor(m.payloads, load_format=m.load_format,
+                                                       flush_cache=m.flush_cache, weight_version=m.weight_version,
+                                                       abort_all_requests=m.abort_all)
+        finally:
             self._sweep()
-        n = self.engine.update_weights_from_tensor(m.payloads, load_format=m.load_format, flush_cache=m.flush_cache,
-                                                   weight_version=m.weight_version)
         return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
 
     def _update_weights_from_disk(self, m: UpdateWeightsFromDisk) -> dict:
-        n = self.engine.update_weights(m.path, abort_unfinished=m.abort_all)
+        try:
+            n = self.engine.update_weights(m.path, abort_unfinished=m.abort_all)
+        finally:
+            self._sweep()  # the requests it aborted (once the checkpoint passed its checks) end here
         return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
 
     def _abort_at_shutdown(self) -> None:

@@ -232,6 +232,29 @@ def test_bad_vllm_weight_transfer_input_is_a_clear_error(sync_server, path, body
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_a_refused_update_with_abort_all_requests_aborts_nothing(sync_server):
+    """abort_all_requests aborts once an update has passed its checks: a refused one (no such group;
+    an unknown tensor name) leaves a request in flight running to its end (issue 21, item 3)."""
+    from bi_core.rl import serialize_named_tensors
+
+    held = [("model.layers.0.mlp.nonsense.weight", torch.zeros(4))]
+    stream = httpx.stream("POST", f"{sync_server.url}/generate", json={"input_ids": [1, 2], "stream": True,
+                          "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}, timeout=120)
+    with stream as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        dist = httpx.post(f"{sync_server.url}/update_weights_from_distributed", json={
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nope",
+            "abort_all_requests": True})
+        assert dist.status_code == 400 and "no weight-update group 'nope'" in dist.json()["message"], dist.text
+        tensor = httpx.post(f"{sync_server.url}/update_weights_from_tensor", json={
+            "serialized_named_tensors": [serialize_named_tensors(held)], "abort_all_requests": True}, timeout=60)
+        assert tensor.status_code == 400 and "nonsense" in tensor.json()["message"], tensor.text
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"type": "abort"' in line for line in rest), rest[-2:]
+    assert '"type": "length"' in rest[-2], rest[-2]
+
+
 def test_the_engines_refusal_is_sglangs_failure_shape(sync_server):
     r = httpx.post(f"{sync_server.url}/update_weights_from_distributed", json={
         "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nope"})
