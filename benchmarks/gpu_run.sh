@@ -18,13 +18,8 @@ if ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-warm_pid=
-for step in "$@"; do
-  if [ "$step" = fi-warm ]; then  # FlashInfer's JIT compile (CPU) in the background, overlapping the next steps
-    python3 benchmarks/fi_warm.py > "$OUT/fi_warm.log" 2>&1 & warm_pid=$!; continue
-  fi
-  [ -n "${step%% *}" ] || continue
-  echo "== $step ($(date +%T))"
+run_step() {  # one step; its status is its command's (pipefail: not the tail's)
+  local step=$1
   case "$step" in
     tests) timeout 420 python3 -m pytest -q -rf -x --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     pytest:*) timeout ${STEP_TIMEOUT:-330} python3 -m pytest -q -rf --timeout 300 -p no:cacheprovider ${step#pytest:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 ;;
@@ -39,10 +34,25 @@ for step in "$@"; do
     *.sh*) timeout ${STEP_TIMEOUT:-300} bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
     *) timeout ${STEP_TIMEOUT:-240} python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
   esac
+}
+
+warm_pid=
+failed=()
+for step in "$@"; do
+  if [ "$step" = fi-warm ]; then  # FlashInfer's JIT compile (CPU) in the background, overlapping the next steps
+    python3 benchmarks/fi_warm.py > "$OUT/fi_warm.log" 2>&1 & warm_pid=$!; continue
+  fi
+  [ -n "${step%% *}" ] || continue
+  echo "== $step ($(date +%T))"
+  run_step "$step" || { echo "== FAILED (status $?): $step"; failed+=("$step"); }
 done
 [ -n "$warm_pid" ] && { wait "$warm_pid"; tail -3 "$OUT/fi_warm.log"; }
 if [ -d /tmp/fiws/.cache ] && ! ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
   tar -c -C /tmp/fiws .cache | xz -T0 -6 > /tmp/fi-jit.tar.xz
   size=$(stat -c %s /tmp/fi-jit.tar.xz); echo "FlashInfer JIT cache: $((size >> 20)) MiB compressed"
   [ "$size" -lt $((40 << 20)) ] && split -b 15M /tmp/fi-jit.tar.xz "$OUT/fi-jit.part-"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== ${#failed[@]} step(s) failed: ${failed[*]}"
+  exit 1
 fi
