@@ -54,6 +54,28 @@ def _triple(text: str, flag: str, n: int) -> list[int] | None:
     return parts
 
 
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise BiEngineError(f"{flag}: expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def check_bench_args(args) -> None:
+    """Every flag's value, before a GPU is looked for or an engine built: one error naming the flag."""
+    _positive_ints(args.batch_sizes, "--batch-sizes")
+    _positive_ints(args.context_len, "--context-len")
+    if args.steps < 1:
+        raise BiEngineError(f"--steps: expected a positive integer, got {args.steps}")
+    for text, flag, n in ((args.throughput, "--throughput", 3), (args.prefill, "--prefill", 2)):
+        parts = _triple(text, flag, n)
+        if parts is not None and min(parts) < 1:
+            raise BiEngineError(f"{flag}: every part must be positive, got {text!r}")
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -63,7 +85,7 @@ def _free() -> None:
 def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float) -> dict:
     from bi_core import build_engine
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    batch_sizes = _positive_ints(args.batch_sizes, "--batch-sizes")
     tput = _triple(args.throughput, "--throughput", 3)
     pre = _triple(args.prefill, "--prefill", 2)
     t0 = time.perf_counter()
@@ -71,7 +93,7 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
     out: dict = {"label": _label(cfg), "backend": engine.policy.backend, "invariant": cfg.policy.batch_invariant,
                  "graphs": cfg.graph.enabled, "decode": [], "startup_s": time.perf_counter() - t0}
     print(f"  engine start {out['startup_s']:.1f} s" + (f" ({engine.warmup})" if engine.warmup else ""), flush=True)
-    contexts = [int(c) for c in str(args.context_len).split(",") if c]
+    contexts = _positive_ints(args.context_len, "--context-len")
     for b, context in ((b, c) for c in contexts for b in batch_sizes):
         r = bench_decode(engine, b, context, args.steps, bandwidth)
         layers = engine.args.num_hidden_layers
@@ -146,6 +168,7 @@ def bench_transformers(cfg: EngineConfig, batch_sizes=(1, 16), prompt_len: int =
 
 
 def run_bench(args, configs: list[EngineConfig]) -> int:
+    check_bench_args(args)
     if not torch.cuda.is_available():
         raise BiEngineError("bench needs a CUDA GPU (it measures against the device's memory bandwidth)")
     device = torch.device("cuda")

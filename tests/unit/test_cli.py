@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFIG = str(Path(__file__).parents[2] / "configs" / "cpu_reference.yaml")
 
 
@@ -62,6 +64,18 @@ def test_bench_and_verify_errors_are_clear(tmp_path):
     assert r.returncode == 2 and "--strategies: expected 'ar' or 'ar,mtp'" in r.stderr
     r = cli("verify", "--config", CONFIG, "--batch-sizes", "1,x")
     assert r.returncode == 2 and "--batch-sizes: expected comma-separated integers" in r.stderr
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--steps", "0", "--steps: expected a positive integer, got 0"),
+    ("--batch-sizes", "1,x", "--batch-sizes: expected comma-separated positive integers, got '1,x'"),
+    ("--context-len", "0", "--context-len: expected comma-separated positive integers"),
+    ("--prefill", "8x0", "--prefill: every part must be positive"),
+])
+def test_bench_flags_are_checked_before_anything_runs(flag, value, message):
+    """One line naming the flag, on any machine (these were a ZeroDivisionError / ValueError traceback)."""
+    r = cli("bench", "--config", CONFIG, flag, value)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_verify_exit_codes_on_the_reference_backend():
