@@ -75,18 +75,27 @@ def test_prefix_cache_hit_equals_cold_in_a_batch(grid):
     assert same(got, cold) == (grid == "chunk")
 
 
-def test_update_weights_in_place_with_graphs(tmp_path):
+def checkpoint_engine(path):
+    """The invariant backend with graphs on a saved tiny MoE checkpoint."""
+    return build_engine(EngineConfig.from_dict({
+        "model": {"path": str(path), "dtype": "bfloat16", "device": "cuda"}, "backend": "cuda_hopper_invariant",
+        "policy": {"batch_invariant": True}, "graph": {"enabled": True},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512}, "cache": {"num_blocks": 256}}))
+
+
+def two_checkpoints(tmp_path):
+    """(model b, path a, path b): two tiny random MoE checkpoints."""
     a, b = make_hf_model("moe", seed=0), make_hf_model("moe", seed=1)
-    path_a, path_b = save_checkpoint(a, tmp_path / "a"), save_checkpoint(b, tmp_path / "b")
+    return b, save_checkpoint(a, tmp_path / "a"), save_checkpoint(b, tmp_path / "b")
 
-    def build(path):
-        return build_engine(EngineConfig.from_dict({
-            "model": {"path": str(path), "dtype": "bfloat16", "device": "cuda"}, "backend": "cuda_hopper_invariant",
-            "policy": {"batch_invariant": True}, "graph": {"enabled": True},
-            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512}, "cache": {"num_blocks": 256}}))
 
-    ps = prompts(6, seed=8, vocab=300)
-    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=2, ignore_eos=True)
+UPDATE_PROMPTS = prompts(6, seed=8, vocab=300)
+UPDATE_PARAMS = SamplingParams(max_new_tokens=12, temperature=0.8, seed=2, ignore_eos=True)
+
+
+def test_update_weights_in_place_with_graphs(tmp_path):
+    b, path_a, path_b = two_checkpoints(tmp_path)
+    build, ps, params = checkpoint_engine, UPDATE_PROMPTS, UPDATE_PARAMS
     eng = build(path_a)
     before = eng.generate(ps, params)
     eng.update_weights(b.state_dict())
@@ -114,17 +123,8 @@ def test_update_weights_from_tensor_by_cuda_ipc_with_graphs(tmp_path):
     then equal a fresh engine's built from that checkpoint, bitwise (graphs replayed)."""
     import multiprocessing as mp
 
-    a, b = make_hf_model("moe", seed=0), make_hf_model("moe", seed=1)
-    path_a, path_b = save_checkpoint(a, tmp_path / "a"), save_checkpoint(b, tmp_path / "b")
-
-    def build(path):
-        return build_engine(EngineConfig.from_dict({
-            "model": {"path": str(path), "dtype": "bfloat16", "device": "cuda"}, "backend": "cuda_hopper_invariant",
-            "policy": {"batch_invariant": True}, "graph": {"enabled": True},
-            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512}, "cache": {"num_blocks": 256}}))
-
-    ps = prompts(6, seed=8, vocab=300)
-    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=2, ignore_eos=True)
+    _, path_a, path_b = two_checkpoints(tmp_path)
+    build, ps, params = checkpoint_engine, UPDATE_PROMPTS, UPDATE_PARAMS
     eng = build(path_a)
     before = eng.generate(ps, params)
     ctx = mp.get_context("spawn")
