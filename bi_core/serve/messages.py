@@ -182,8 +182,7 @@ class UpdateWeightsFromDistributed:
 
 @attrs.frozen
 class UpdateWeightsFromTensor:
-    """HTTP -> engine: open these payloads of shared tensors (``bi_core.rl.serialize_named_tensors``)
-    and copy them in; answered with the count and new version."""
+    """HTTP -> engine: copy in the tensors these payloads share (``rl.serialize_named_tensors``); answered with the count and new version."""
 
     key: int
     payloads: list[str]

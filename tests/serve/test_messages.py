@@ -44,6 +44,7 @@ from bi_core.serve.messages import (
     UnexpectedMessage,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
     WakeUp,
 )
 from bi_core.serve.metrics import Counts
@@ -71,6 +72,7 @@ EXAMPLES = [
                                  False),
     DestroyWeightsUpdateGroup(15, "weight_update_group"),
     UpdateWeightsFromDisk(16, "/ckpt", True),
+    UpdateWeightsFromTensor(17, ["gASV"], None, True, 5, False),
     Ready(EngineInfo(max_model_len=512, batch_invariant=True, vocab_size=256, max_num_seqs=64, tensor_parallel_size=2)),
     StartFailed("cannot read the checkpoint"),
     Added(0, [3, 4, 5], 2),
