@@ -7,6 +7,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/site && tar -xJf .gpu-deps/flashinfer.tar.xz -C /tmp/site && \
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-deps/wheels/*.whl || exit 1
+# .gpu-router (carried only for the replica runs, issue 26): sglang-router 0.3.2, its Python deps
+# (setproctitle, orjson, aiohttp and its own) and httpx; about 33 MB, so not in every run's carry
+if ls .gpu-router/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-router/*.whl || exit 1
+fi
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # FlashInfer's JIT builds (~2.5 min on a fresh machine) travel back as $OUT/fi-jit.part-* (15 MiB
