@@ -33,6 +33,7 @@ class Case:
     mismatches: tuple[tuple[int, int, str], ...]  # (prompt index, first differing step, what differed)
     num_draft_tokens: int = 0  # speculative runs: drafts the needles verified, and how many were accepted
     num_accepted_draft_tokens: int = 0
+    peak_in_flight: int = 0  # the most sequences the scheduler held at once during the batch's run
 
 
 def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -95,8 +96,10 @@ def _forced_drafts(engine: LLMEngine, truth: dict[int, list[int]], owner: dict[i
 
 
 def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[list[int]], mode: str,
-         max_new: int, rng: random.Random, truth: dict[int, list[int]] | None = None) -> dict[int, Sequence]:
+         max_new: int, rng: random.Random, truth: dict[int, list[int]] | None = None) -> tuple[dict[int, Sequence], int]:
+    """Needles among fillers; (the needles' sequences, the most sequences in flight at once)."""
     owner: dict[int, int] = {}
+    peak = 0
     if truth is not None:
         engine.strategy.draft_hook = _forced_drafts(engine, truth, owner, rng)
     early, late = fillers[: len(fillers) // 2], fillers[len(fillers) // 2:]
@@ -104,6 +107,7 @@ def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[
         engine.add_request(p, SamplingParams(max_new_tokens=rng.randint(1, 2 * max_new), ignore_eos=True))
     for _ in range(2 if early else 0):
         engine.step()
+        peak = max(peak, len(engine.scheduler.running))
     arrivals: list[tuple[int | None, list[int]]] = [(None, p) for p in late] + list(needles)
     rng.shuffle(arrivals)
     seqs = {}
@@ -115,7 +119,8 @@ def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[
             owner[seqs[index].request_id] = index
     while engine.scheduler.has_work():
         engine.step()
-    return seqs
+        peak = max(peak, len(engine.scheduler.running))
+    return seqs, peak
 
 
 def _result(seq: Sequence) -> tuple[list[int], list[float]]:
@@ -153,7 +158,7 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes: Seq[int] | N
     for mode in modes:
         alone = {}
         for i, p in enumerate(prompts):
-            alone[i] = _result(_run(engine, [(i, p)], [], mode, max_new_tokens, rng)[i])
+            alone[i] = _result(_run(engine, [(i, p)], [], mode, max_new_tokens, rng)[0][i])
         cursor = 0
         for b in batch_sizes:
             k = min(b, 8, num_prompts)
@@ -163,14 +168,14 @@ def audit(engine: LLMEngine, *, num_prompts: int = 32, batch_sizes: Seq[int] | N
             runs = [("ar", engine, None)] + ([("mtp", mtp_engine, {i: alone[i][0] for i in chosen})]
                                              if mtp_engine is not None else [])
             for strategy, eng, truth in runs:
-                got = _run(eng, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng, truth)
+                got, peak = _run(eng, [(i, prompts[i]) for i in chosen], fillers, mode, max_new_tokens, rng, truth)
                 bad = tuple((i, *d) for i in chosen if (d := _diff(_result(got[i]), alone[i])) is not None)
                 label = mode if strategy == "ar" else f"{mode}+mtp"
                 case = Case(b, label, k, bad, sum(s.num_draft_tokens for s in got.values()),
-                            sum(s.num_accepted_draft_tokens for s in got.values()))
+                            sum(s.num_accepted_draft_tokens for s in got.values()), peak)
                 cases.append(case)
                 drafts = f", {case.num_accepted_draft_tokens}/{case.num_draft_tokens} drafts accepted" if truth else ""
-                log(f"{label:<11} batch {b:>4}: {k} needles{drafts}, {len(bad)} mismatched" +
+                log(f"{label:<11} batch {b:>4}: {k} needles{drafts}, at most {peak} in flight, {len(bad)} mismatched" +
                     ("" if not bad else f" (first: prompt {bad[0][0]} at step {bad[0][1]}: {bad[0][2]})"))
     return cases
 
@@ -197,11 +202,12 @@ def probe(engine: LLMEngine, cases: list[Case], num_prompts: int, seed: int) -> 
 
 
 def summary(cases: list[Case]) -> str:
-    lines = [f"{'mode':<11} {'batch':>5} {'needles':>7} {'accepted/drafts':>15} {'mismatches':>10}  first"]
+    lines = [f"{'mode':<11} {'batch':>5} {'in flight':>9} {'needles':>7} {'accepted/drafts':>15} {'mismatches':>10}  first"]
     for c in cases:
         first = f"prompt {c.mismatches[0][0]}, step {c.mismatches[0][1]}: {c.mismatches[0][2]}" if c.mismatches else ""
         drafts = f"{c.num_accepted_draft_tokens}/{c.num_draft_tokens}" if c.mode.endswith("+mtp") else ""
-        lines.append(f"{c.mode:<11} {c.batch_size:>5} {c.num_needles:>7} {drafts:>15} {len(c.mismatches):>10}  {first}")
+        lines.append(f"{c.mode:<11} {c.batch_size:>5} {c.peak_in_flight:>9} {c.num_needles:>7} {drafts:>15} "
+                     f"{len(c.mismatches):>10}  {first}")
     total = sum(len(c.mismatches) for c in cases)
     lines.append(f"total: {sum(c.num_needles for c in cases)} needle runs, {total} mismatched")
     return "\n".join(lines)

@@ -17,6 +17,23 @@ def test_audit_sees_mismatches_without_invariance():
     assert {c.batch_size for c in cases} == {1, 8, 16}
     assert count([c for c in cases if c.batch_size == 1]) == 0  # alone vs alone: same bits
     assert count(cases) > 0
+    # what ran together is reported (fillers may finish before the last arrivals)
+    assert [c.peak_in_flight for c in cases if c.batch_size == 1] == [1, 1]
+    assert all(1 < c.peak_in_flight <= c.batch_size for c in cases if c.batch_size > 1)
+
+
+def test_audit_reports_fewer_in_flight_when_the_cache_is_small():
+    """A KV cache too small for the batch runs fewer sequences at once; the audit says how many
+    (the same audit, same prompts: 14 of 16 at once with room, 7 in 24 pages)."""
+    def peak(num_blocks: int) -> int:
+        engine = build_engine(EngineConfig.from_dict(tiny_config(
+            scheduler={"max_num_seqs": 16}, model={"max_model_len": 128}, cache={"num_blocks": num_blocks})))
+        cases = audit(engine, num_prompts=4, batch_sizes=(16,), max_new_tokens=6, modes=("greedy",),
+                      log=lambda *_: None)
+        return cases[0].peak_in_flight
+
+    roomy, small = peak(256), peak(24)
+    assert small < roomy <= 16 and roomy > 8
 
 
 def test_audit_checks_mtp_against_ar():
