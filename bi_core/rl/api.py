@@ -74,12 +74,9 @@ class RolloutAPI:
         if len(payloads) not in (1, self.tp.world):
             raise RequestError(f"update_weights_from_tensor: {len(payloads)} payloads; expected 1 or one per "
                                f"tensor-parallel rank ({self.tp.world})")
-        named = deserialize_named_tensors(payloads[0])
-        try:
-            return self.update_weights(named, abort_unfinished=abort_all_requests, flush_cache=flush_cache,
-                                       version=weight_version)
-        finally:
-            del named  # the trainer's memory is its own again once no handle is open here
+        # the opened handles go with this frame: the trainer's memory is its own again on return
+        return self.update_weights(deserialize_named_tensors(payloads[0]), abort_unfinished=abort_all_requests,
+                                   flush_cache=flush_cache, version=weight_version)
 
     def after_weight_update(self, flush_cache: bool = True, version: int | None = None) -> None:
         """New weights are in (every rank): cached prefixes are stale (dropped unless ``flush_cache``

@@ -28,6 +28,7 @@ from bi_core.errors import RequestError
 from bi_core.parallel import lockstep
 from bi_core.policies.apply import applied
 from bi_core.rl.receiver import started
+from bi_core.runtime.warmup import wants_warmup
 
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (1, 2)  # 1: weights to host memory; 2: weights dropped (a weight update refills them)
@@ -91,7 +92,7 @@ class RolloutControl:
         e = self.engine
         e._mirror(lockstep.WakeUp(None if tags is None else tuple(tags)), now=True)
         e.runner.wake_up(None if tags is None else list(tags))
-        if not e.runner.sleeping and e.config.graph.warmup and e.config.graph.enabled and e.device.type == "cuda":
+        if not e.runner.sleeping and wants_warmup(e):
             with torch.inference_mode(), applied(e.policy):  # as at start: no capture inside a running batch
                 e.runner.capture_graphs()
 

@@ -38,7 +38,7 @@ from bi_core.runtime.sequence import (
     Status,
     request_output,
 )
-from bi_core.runtime.warmup import warm_up
+from bi_core.runtime.warmup import wants_warmup, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class LLMEngine(RolloutAPI):
         self.num_steps = 0
         self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None
-        if config.graph.warmup and config.graph.enabled and self.device.type == "cuda":
+        if wants_warmup(self):
             self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
         if driver is not None:
             driver.started = True

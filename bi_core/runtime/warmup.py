@@ -41,6 +41,13 @@ def warmup_prompt_lengths(chunk: int, max_num_seqs: int, room: int) -> list[list
     return [[max(1, min(n, room)) for n in wave[:max_num_seqs]] for wave in waves]
 
 
+def wants_warmup(engine) -> bool:
+    """Whether graphs are captured ahead (at start, and again after a sleep): CUDA graphs on a GPU
+    with ``graph.warmup``."""
+    g = engine.config.graph
+    return g.warmup and g.enabled and engine.device.type == "cuda"
+
+
 def warm_up(engine) -> WarmupReport:
     """Capture the strategy's graphs, then run the dummy prompts and forget them (results,
     counters, prefix cache). Call it on an idle engine."""

@@ -78,6 +78,22 @@ def labeled(server_or_scrape, name: str, **labels) -> float:
     return found[0]
 
 
+class ScriptedChannel:
+    """A pipe end that delivers ``incoming`` and records what is sent (the engine loop's tests)."""
+
+    def __init__(self, *incoming) -> None:
+        self.incoming, self.sent = list(incoming), []
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.incoming)
+
+    def recv(self):
+        return self.incoming.pop(0)
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
 class ServerProcess:
     def __init__(self, tmp: Path, *extra: str, config: str = CONFIG, env: dict | None = None) -> None:
         cfg = tmp / "serve.yaml"

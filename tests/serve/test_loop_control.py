@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import ScriptedChannel
 
 from bi_core.errors import RequestError
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence
@@ -28,20 +29,6 @@ from bi_core.serve.messages import (
     Stop,
     WakeUp,
 )
-
-
-class _Channel:
-    def __init__(self) -> None:
-        self.incoming, self.sent = [], []
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return bool(self.incoming)
-
-    def recv(self):
-        return self.incoming.pop(0)
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
 
 
 class _Scheduler:
@@ -125,7 +112,7 @@ class FakeEngine:
 
 
 def _loop(*incoming, max_waiting: int = 8):
-    engine, channel = FakeEngine(), _Channel()
+    engine, channel = FakeEngine(), ScriptedChannel()
     loop = EngineLoop(engine, channel, max_waiting=max_waiting)
     channel.incoming += incoming
     loop._drain(0.0)
@@ -137,7 +124,7 @@ def _add(key: int) -> Add:
 
 
 def test_every_control_call_has_a_key_and_a_handler():
-    loop = EngineLoop(None, _Channel(), max_waiting=1)
+    loop = EngineLoop(None, ScriptedChannel(), max_waiting=1)
     for kind in CONTROL:
         assert kind.__attrs_attrs__[0].name == "key", kind
         assert kind in loop._controls, kind
@@ -175,7 +162,7 @@ def test_held_requests_count_against_the_waiting_limit_and_are_refused_at_shutdo
 @pytest.mark.parametrize("error,reason", [(RequestError("no"), "invalid"), (ValueError("no"), "invalid"),
                                           (RuntimeError("broke"), "error")])
 def test_a_failed_sleep_answers_its_kind_and_leaves_generation_running(error, reason):
-    engine, channel = FakeEngine(), _Channel()
+    engine, channel = FakeEngine(), ScriptedChannel()
     engine.fail_sleep = error
     loop = EngineLoop(engine, channel, max_waiting=4)
     channel.incoming.append(Sleep(3, 1, "abort"))

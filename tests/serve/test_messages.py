@@ -10,6 +10,7 @@ import pickle
 
 import attrs
 import pytest
+from conftest import ScriptedChannel
 
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import messages
@@ -122,24 +123,8 @@ def test_a_message_kind_is_frozen_slotted_and_says_who_sends_it(kind):
     assert "\n" not in doc.strip() and doc.startswith("HTTP -> engine" if kind in TO_ENGINE else "Engine -> HTTP")
 
 
-class _Channel:
-    """A pipe end that delivers ``incoming`` and records what is sent."""
-
-    def __init__(self, *incoming) -> None:
-        self.incoming, self.sent = list(incoming), []
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return bool(self.incoming)
-
-    def recv(self):
-        return self.incoming.pop(0)
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
-
-
 def test_the_engine_loop_dispatches_on_the_message_class():
-    channel = _Channel(Abort([99]), Stop(30.0), Stop(5.0), Stop(60.0))  # an unknown request id: nothing to abort
+    channel = ScriptedChannel(Abort([99]), Stop(30.0), Stop(5.0), Stop(60.0))  # an unknown request id: nothing to abort
     loop = EngineLoop(None, channel, max_waiting=4)  # none of these reaches the engine
     loop._drain(0.0)
     assert loop.stopping and loop.shutdown_timeout_s == 5.0  # the earliest deadline wins
@@ -150,7 +135,7 @@ def test_the_engine_loop_dispatches_on_the_message_class():
 @pytest.mark.parametrize("msg", [("add", 0, []), ("stop", 1.0), Stopped(), None],
                          ids=["old-tuple-add", "old-tuple-stop", "engine-side-message", "none"])
 def test_the_engine_loop_refuses_an_unexpected_message(msg):
-    loop = EngineLoop(None, _Channel(msg), max_waiting=4)
+    loop = EngineLoop(None, ScriptedChannel(msg), max_waiting=4)
     expected = ", ".join(k.__name__ for k in TO_ENGINE)
     assert expected.startswith("Add, Abort, Stop, PauseGeneration, ")
     with pytest.raises(UnexpectedMessage, match=r"the engine process got an unexpected message on the engine pipe, "
