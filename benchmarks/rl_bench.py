@@ -2,9 +2,12 @@
 cold, exact vs fast scoring, an in-place weight update, and sleep/wake. Each comparison also checks that the
 two ways give bitwise the same tokens and logprobs (on an invariant backend they must).
 
-  python3 benchmarks/rl_bench.py CONFIG [--parts grpo,prefix,score,update,sleep] [--prompts 32] [--n 16]
+  python3 benchmarks/rl_bench.py CONFIG [--parts grpo,prefix,score,update,sleep,loop] [--prompts 32] [--n 16]
       [--prompt-len 1024] [--new-tokens 256] [--prefix-len 4096] [--requests 256] [--chunk 1024]
-      [--num-layers N]
+      [--num-layers N] [--rounds 2] [--gpu-memory-utilization F]
+
+``loop`` is issue 24's GRPO-shaped loop: generate (prompts x n) -> exact scoring -> weight sync
+from a trainer process on the same GPU (CUDA IPC, every weight) -> generate again, per round.
 
 Random token-id prompts. One engine for every part (a 35B-A3B engine fills most of an H200); the
 "independent" and "cold" baselines run on it with the prefix cache detached."""
@@ -37,11 +40,11 @@ def no_prefix_cache(eng):
         eng.cache.prefix = prefix
 
 
-def timed(eng, fn):
-    """(result, seconds, prompt tokens the model computed)"""
+def timed(eng, fn, *args, **kwargs):
+    """(``fn(*args, **kwargs)``, seconds, prompt tokens the model computed)"""
     sync()
     before, t0 = eng.num_prompt_tokens_computed, time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     sync()
     return out, time.perf_counter() - t0, eng.num_prompt_tokens_computed - before
 
@@ -173,6 +176,93 @@ def sleep(eng, args, rng) -> None:
           f"generate {t_g:.2f} s; bitwise equal to the same update awake {equal}/{len(ref)}")
 
 
+def _trainer(specs: list[tuple[str, tuple, tuple]], dtype: torch.dtype, device: str, conn) -> None:
+    """A trainer process on the engine's GPU: per round, new random weights (one source tensor per
+    layer-type key, as ``random_hf_weights``), shared by CUDA IPC handle; held until the engine is
+    done with them."""
+    from bi_core.rl import serialize_named_tensors
+
+    while (seed := conn.recv()) is not None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        by_key = {}
+        for _, key, shape in specs:
+            if key not in by_key:
+                by_key[key] = (torch.randn(shape, device=device, generator=g) * 0.02).to(dtype)
+        sync()
+        conn.send(serialize_named_tensors([(name, by_key[key]) for name, key, _ in specs]))
+        conn.recv()  # the engine has copied them
+        del by_key
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def loop(eng, args, rng) -> None:
+    """GRPO-shaped rounds: generate (prompts x n, sampled) -> exact scoring of every sample (must
+    equal the sampled logprobs bitwise) -> audit (samples re-run alone, one at a time, must equal
+    the batch's bitwise) -> weight sync from a trainer process by CUDA IPC (every weight of the
+    model) -> the next round on the new weights."""
+    import multiprocessing as mp
+
+    from bi_core.models.weight_map import weight_map
+
+    wmap = weight_map(eng.args, with_mtp=eng.model.mtp is not None)
+    specs = [(name, (name.split(".layers.")[-1].split(".", 1)[-1], tuple(place.shape)), tuple(place.shape))
+             for name, place in wmap.by_name.items()
+             if not (".experts." in name and name.split(".experts.")[1][0].isdigit())]
+    numel = sum(torch.Size(shape).numel() for *_, shape in specs)
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    trainer = ctx.Process(target=_trainer, args=(specs, eng.dtype, eng.device.type, theirs),
+                          daemon=True)
+    trainer.start()
+    prompts = [[rng.randrange(eng.args.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    eng.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, n=2))  # warm-up
+    print(f"loop: {args.rounds} rounds of {args.prompts} prompts x n={args.n}, {args.prompt_len} -> "
+          f"{args.new_tokens} tokens; weight sync of {len(specs)} tensors ({numel * 2 / 2**30:.1f} GiB) by handle (CUDA IPC on a GPU) "
+          f"from a trainer process")
+    bad = 0
+    try:
+        for r in range(args.rounds):
+            params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1000 * r + i, n=args.n,
+                                     ignore_eos=True) for i in range(len(prompts))]
+            groups, t_gen, _ = timed(eng, eng.generate, prompts, params)
+            flat = [(i, s) for i, g in enumerate(groups) for s in g.outputs]
+            scores, t_score, _ = timed(eng, eng.score, [prompts[i] for i, _ in flat],
+                                         [s.token_ids for _, s in flat], exact=True)
+            n_tok = sum(len(s.token_ids) for _, s in flat)
+            eq_score = sum(a == b for (_, s), sc in zip(flat, scores) for a, b in zip(s.token_logprobs, sc.token_logprobs))
+            picks = flat[:: max(1, len(flat) // 8)][:8]  # 8 samples across the batch, each re-run alone
+            t0 = time.perf_counter()
+            alone = [eng.generate([prompts[i]], attrs.evolve(params[i], n=1, seed=sample_seed(params[i].seed,
+                                                                                               s.sample_index)))[0]
+                     for i, s in picks]
+            t_audit = time.perf_counter() - t0
+            eq_audit = sum(same(a, s) for a, (_, s) in zip(alone, picks))
+            versions = {s.weight_version for _, s in flat}
+            print(f"  round {r} (weight version {sorted(versions)}): generate {t_gen:6.2f} s "
+                  f"({n_tok / t_gen:7.0f} out tok/s); exact scoring {t_score:6.2f} s, equal to sampled {eq_score}/{n_tok}; "
+                  f"audit: {eq_audit}/{len(picks)} samples alone == in the batch ({t_audit:.1f} s)")
+            bad += (n_tok - eq_score) + (len(picks) - eq_audit)
+            if r == args.rounds - 1:
+                break
+            t0 = time.perf_counter()
+            ours.send(1 + r)
+            payload = ours.recv()
+            t_make = time.perf_counter() - t0
+            count, t_sync, _ = timed(eng, eng.update_weights_from_tensor, [payload], weight_version=r + 1)
+            ours.send("done")
+            print(f"  sync {r} -> {r + 1}: trainer made the weights in {t_make:.2f} s; update_weights_from_tensor "
+                  f"{count} tensors, {numel * 2 / 2**30:.1f} GiB in {t_sync:.2f} s ({numel * 2 / t_sync / 2**30:.0f} GiB/s)")
+    finally:
+        ours.send(None)
+        trainer.join(20)  # a CPU trial's trainer (file_system shared memory) lingers about a minute at exit
+        if trainer.is_alive():
+            trainer.kill()
+    print(f"loop: {'PASS' if bad == 0 else 'FAIL'}: {bad} mismatches (exact scores vs sampled, alone vs batch)")
+    if bad:
+        raise SystemExit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -185,6 +275,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=1024, help="scheduler.prefill_chunk_size (the prefix-cache grid)")
     ap.add_argument("--num-layers", type=int, help="cut a random preset to this many layers")
+    ap.add_argument("--rounds", type=int, default=2, help="loop: generate/score/sync rounds")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="cache.gpu_memory_utilization (loop: leave room for the trainer's tensors)")
     args = ap.parse_args()
     cfg = EngineConfig.from_yaml(args.config)
     if args.num_layers:
@@ -192,6 +285,8 @@ def main() -> None:
     cfg = cfg.replace(scheduler={"prefill_chunk_size": args.chunk},
                       model={"max_model_len": max(cfg.model.max_model_len or 0, args.prefix_len + 256, 2048)},
                       cache={"prefix_caching": True})
+    if args.gpu_memory_utilization:
+        cfg = cfg.replace(cache={"gpu_memory_utilization": args.gpu_memory_utilization})
     t0 = time.perf_counter()
     eng = build_engine(cfg)
     print(f"{eng.policy.backend} {cfg.model.random.preset if cfg.model.random else cfg.model.path}: built in "

@@ -7,7 +7,9 @@ against one server at 1, 16 and 64 concurrent streams.
 
 Each replica is a ``bi-engine serve`` of CONFIG; on a GPU they share it: replica i gets
 ``cache.gpu_memory_utilization`` (i + 1) / N of CONFIG's, since each counts the ones started
-before it as used memory. The single-server baseline is replica 0 alone, asked directly. Needs
+before it as used memory. The single-server baseline is replica 0 alone, asked directly; a second
+router in front of replica 0 alone gives the router's own cost apart from the replicas' sharing
+of one GPU (two processes time-slice a GPU: the replicas on one H200 do not add throughput). Needs
 sglang-router (``pip install 'bi-engine[scale]'``; on the lent GPU ``gpu-deps.sh --router``) and httpx."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,8 +37,11 @@ HOST = "127.0.0.1"
 
 def post(url: str, body: dict, timeout: float = 600.0) -> dict | list:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
 
 
 def healthy(url: str) -> bool:
@@ -105,7 +111,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
     rng = random.Random(0)
     prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt_len)] for _ in range(64)]
-    procs, urls, router = [], [], None
+    procs, urls, router, router1 = [], [], None, None
     try:
         t0 = time.perf_counter()
         for i in range(args.replicas):
@@ -114,6 +120,8 @@ def main() -> None:
             urls.append(url)
         router = RouterProcess(HOST, free_port(HOST), args.policy, None, (), tmp / "router.log")
         router.start(urls, timeout_s=120)
+        router1 = RouterProcess(HOST, free_port(HOST), args.policy, None, (), tmp / "router1.log")
+        router1.start(urls[:1], timeout_s=120)
         print(f"{args.replicas} replicas of {args.config} and sglang-router ({args.policy}) up in "
               f"{time.perf_counter() - t0:.0f} s")
         # every replica and the router give each request the same bits
@@ -122,17 +130,20 @@ def main() -> None:
         same = {name: sum(generate(url, p, s, args.max_tokens) == w for (p, s), w in zip(checks, want))
                 for name, url in [*((f"replica {i}", u) for i, u in enumerate(urls[1:], 1)), ("router", router.url)]}
         print("bitwise equal to replica 0: " + ", ".join(f"{k} {v}/{len(checks)}" for k, v in same.items()))
-        print(f"{'streams':>7} | {'one server p50 / p99 s':>22} {'tok/s':>8} | {'router p50 / p99 s':>22} "
-              f"{'tok/s':>8} | router / one: p50 x, tok/s x")
+        cols = ["one server", "router, replica 0 only", f"router, {args.replicas} replicas"]
+        print(f"{'streams':>7} | " + " | ".join(f"{c + ' p50 / p99 s':>34} {'tok/s':>7}" for c in cols)
+              + " | router(1) / one: p50 x, tok/s x | router(N) / one: tok/s x")
         for streams in (int(s) for s in args.streams.split(",")):
-            one = load(urls[0], prompts, streams, args.requests, args.max_tokens)
-            via = load(router.url, prompts, streams, args.requests, args.max_tokens)
-            print(f"{streams:>7} | {one['p50']:>10.3f} / {one['p99']:<9.3f} {one['tok_s']:>8.0f} | "
-                  f"{via['p50']:>10.3f} / {via['p99']:<9.3f} {via['tok_s']:>8.0f} | "
-                  f"{via['p50'] / one['p50']:.3f}x, {via['tok_s'] / one['tok_s']:.3f}x", flush=True)
+            res = [load(url, prompts, streams, args.requests, args.max_tokens)
+                   for url in (urls[0], router1.url, router.url)]
+            one, via1, via = res
+            print(f"{streams:>7} | " + " | ".join(f"{r['p50']:>22.3f} / {r['p99']:<9.3f} {r['tok_s']:>7.0f}" for r in res)
+                  + f" | {via1['p50'] / one['p50']:.3f}x, {via1['tok_s'] / one['tok_s']:.3f}x"
+                  f" | {via['tok_s'] / one['tok_s']:.3f}x", flush=True)
     finally:
-        if router is not None:
-            router.stop(10)
+        for r in (router, router1):
+            if r is not None:
+                r.stop(10)
         for proc in procs:
             terminate(proc, 30)
 
