@@ -20,6 +20,7 @@ from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.host_buffer import HostBuffer
 from bi_core.runtime.sequence import Sequence
 
 SCORE_BLOCK = 256  # logits rows computed at once when scoring
@@ -100,7 +101,8 @@ class ModelRunner:
         self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp")) if with_mtp_graphs else None
         self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
         self.sleep_level = 0
-        self._host_weights: list[torch.Tensor] | None = None
+        self._host: HostBuffer | None = None  # level 1's host copy of the weights, kept between sleeps
+        self._host_saved = False  # it holds the weights of the current sleep
         self.on_logits: Callable | None = None  # debugging hook: called with (sequences, logits) before sampling
         self._landing: list[torch.Tensor] = []  # two host buffers for samples in flight, used in turn
         self._turn = 0
@@ -185,21 +187,29 @@ class ModelRunner:
 
     def sleep(self, level: int) -> None:
         """Release device memory: the cache tensors and the CUDA graphs (their pools and static
-        buffers), and the weights: level 1 copies them to (pinned) host memory, level 2 drops them
-        (a weight update refills them after ``wake_up(["weights"])``). Tensors keep their shapes;
-        their storage goes. Call with no request unfinished."""
+        buffers), and the weights: level 1 copies them to page-locked host memory (one buffer,
+        pinned at the first sleep and kept for the next: ``HostBuffer``), level 2 drops them (a
+        weight update refills them after ``wake_up(["weights"])``) and frees that host buffer.
+        Tensors keep their shapes; their storage goes. Call with no request unfinished."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.sleeping:
             raise RuntimeError(f"already asleep ({', '.join(sorted(self.sleeping))}); wake_up first")
         self._drop_graphs()
         self.cache.release()
-        pinned = self.device.type == "cuda"
-        self._host_weights = None
+        weights = self._weights()
+        self._host_saved = False
         if level == 1:
-            self._host_weights = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).copy_(p.detach())
-                                  for p in self._weights()]
-        for t in self._weights():
+            if self._host is None or not self._host.fits(weights):
+                self._host = None
+                self._host = HostBuffer(weights)
+            self._host.save(weights)
+            self._host_saved = True
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies are asynchronous: done before the storage goes
+        else:
+            self._host = None
+        for t in weights:
             t.untyped_storage().resize_(0)
         self.sleeping = {"weights", "kv_cache"}
         self.sleep_level = level
@@ -218,11 +228,12 @@ class ModelRunner:
         if bad:
             raise ValueError(f"wake_up tags must be among weights, kv_cache; got {bad}")
         if "weights" in tags and "weights" in self.sleeping:
-            for i, t in enumerate(self._weights()):
+            weights = self._weights()
+            for t in weights:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
-                if self._host_weights is not None:
-                    t.copy_(self._host_weights[i])
-            self._host_weights = None
+            if self._host_saved:
+                self._host.load(weights)
+            self._host_saved = False
             self.model.refresh_draft_head()
             self.sleeping.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.sleeping:

@@ -44,14 +44,39 @@ def test_level_2_drops_the_weights_until_an_update_refills_them():
     cfg = config()
     eng = build_engine(cfg)
     before = eng.generate(PROMPTS, PARAMS)
+    eng.runner.sleep(1)
+    eng.runner.wake_up()
+    assert eng.runner._host is not None  # level 1's host buffer is kept between sleeps...
     eng.runner.sleep(2)
-    assert eng.runner._host_weights is None
+    assert eng.runner._host is None  # ...and level 2 gives it back
     eng.runner.wake_up(["weights"])
     eng.model.embed_tokens.data.fill_(0.0)  # stand-in for whatever the fresh allocation holds
     eng.update_weights(build_engine(cfg).model.state_dict())
     eng.runner.wake_up(["kv_cache"])
     after = eng.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
+
+
+def test_level_1_host_buffer_is_pinned_once_and_reused():
+    """The host copy lives in one buffer kept from the first level-1 sleep on (pinning is the slow
+    part): a second sleep reuses it, and saves the weights of that moment (an update in between
+    must come back after the second wake, not the first sleep's values)."""
+    cfg = config()
+    eng = build_engine(cfg)
+    eng.sleep(1)
+    host = eng.runner._host
+    assert host.nbytes >= storage_bytes([t for t in eng.model.parameters()]) and host.buf.numel() == host.nbytes
+    assert all(v.data_ptr() % 256 == 0 for v in host.views)
+    eng.wake_up()
+    other = build_engine(attrs.evolve(cfg, model=attrs.evolve(cfg.model, random=attrs.evolve(cfg.model.random,
+                                                                                             seed=9))))
+    want = other.generate(PROMPTS, PARAMS)
+    eng.update_weights(other.model.state_dict())
+    eng.sleep(1)
+    assert eng.runner._host is host  # the same buffer, not pinned again
+    eng.wake_up()
+    got = eng.generate(PROMPTS, PARAMS)
+    assert [o.token_logprobs for o in got] == [o.token_logprobs for o in want]
 
 
 def test_sleep_forgets_captured_graphs_and_captures_again():
