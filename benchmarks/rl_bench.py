@@ -160,6 +160,11 @@ def sleep(eng, args, rng) -> None:
     after, t_g, _ = timed(eng, lambda: eng.generate(prompts, params))
     equal = sum(same(a, b) for a, b in zip(after, before))
     print(f"  generate after waking {t_g:.2f} s; bitwise equal to before {equal}/{len(before)}")
+    _, t_s2, _ = timed(eng, lambda: eng.sleep(1))  # the host buffer is page-locked already: copies only
+    _, t_w2, _ = timed(eng, lambda: eng.wake_up())
+    again = eng.generate(prompts, params)
+    equal = sum(same(a, b) for a, b in zip(again, before))
+    print(f"  second level-1 sleep {t_s2:.2f} s (host buffer kept), wake_up {t_w2:.2f} s; bitwise equal {equal}/{len(before)}")
     weights = random_hf_weights(eng)
     eng.update_weights(weights)
     ref = eng.generate(prompts, params)
