@@ -1,22 +1,30 @@
-"""Paged causal attention (GQA) with the KV split into fixed chunks of ``KV_SPLIT`` tokens.
+"""Paged causal attention (GQA), two kernels, each row's arithmetic fixed by the row alone.
 
-A query row's result is always the same fold: for chunks 0, 1, ... of its KV (chunk c covers
-positions [c * KV_SPLIT, (c + 1) * KV_SPLIT)), an online softmax over that chunk's fixed
-BLOCK_N blocks gives (m, l, acc); the chunk results are folded in chunk order into one
-(M, L, ACC) with explicit FMAs; the output is ACC / L, times sigmoid(gate) (Qwen3.5's output
-gate). Two launch shapes compute that same fold:
+Decode/verify rows (recurrent sequences of at most ``DECODE_TOKENS`` query tokens) split their
+KV into fixed chunks of ``KV_SPLIT`` tokens: for chunks 0, 1, ... (chunk c covers positions
+[c * KV_SPLIT, (c + 1) * KV_SPLIT)), an online softmax over that chunk's fixed BLOCK_N blocks
+gives (m, l, acc), written to a workspace by one of several programs per (sequence, KV head); a
+merge kernel folds the chunks in chunk order into (M, L, ACC) with explicit FMAs; the output is
+ACC / L, times sigmoid(gate) (Qwen3.5's output gate). The split size is fixed, so neither the
+number of chunks nor the fold depends on the batch (FlashInfer's ``fixed_split_size`` idea), and
+how many programs share a sequence's chunks changes no bit. Blocks past a row's position are
+fully masked and leave it exactly unchanged, and empty chunks fold as exact no-ops. Workspace
+slots are laid out by an in-kernel prefix sum over the decode sequences' own lengths: no
+per-step host metadata.
 
-- prefill tiles (a sequence's query tokens x the GROUP query heads of one KV head, one program
-  per tile) fold every chunk inside the program;
-- decode/verify rows (sequences of at most ``DECODE_TOKENS`` query tokens) spread their chunks
-  over several programs, which write each chunk's (m, l, acc) to a workspace; a merge kernel
-  folds them in chunk order. The split size is fixed, so neither the number of chunks nor the
-  fold depends on the batch (FlashInfer's ``fixed_split_size`` idea).
-
-Blocks past a row's position are fully masked and leave it exactly unchanged, and empty chunks
-fold as exact no-ops, so a row computes the same bits in either launch shape, alone or in any
-batch. Workspace slots are laid out by an in-kernel prefix sum over the decode sequences' own
-lengths: no per-step host metadata."""
+Prompt rows (a chunk of a prompt, not recurrent) run ``_prefill_fa_kernel``: one online softmax
+over the row's KV in blocks of ``PREFILL_BLOCK_N`` keys from position 0, in
+``PREFILL_M_ROWS``-row tiles of one sequence's tokens x the GROUP query heads of a KV head
+(FlashAttention's loop: no chunk fold, the diagonal blocks alone masked). A row's operations
+depend on its own position only (block edges are multiples of the block from 0; a block past the
+row's position is an exact no-op; masked and unmasked blocks run the same operations), so a
+prompt row gets the same bits alone, beside any batch and in chunks of any size; but not the
+decode kernel's bits (other block edges, no 256-key fold). That costs no guarantee: whether a
+token runs as a prompt row or a decode/verify row is fixed by its request alone (prompt tokens in
+prompt chunks, generated tokens in decode form, exact scoring and preemption rebuilds included),
+and the GDN layers' chunked and recurrent forms already differ. It buys the prompt rows' speed:
+the decode kernel's fold over 32-key blocks, which prompt tiles used to run, took 1.5-4.8x
+FlashInfer's time at long contexts; this kernel takes 0.95-1.11x (benchmarks section 17)."""
 
 from __future__ import annotations
 
@@ -27,10 +35,12 @@ import triton.language as tl
 from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 
 M_ROWS = 64  # rows per program (tokens per tile = M_ROWS // GROUP)
+# prompt rows (``_prefill_fa_kernel``): tile rows, keys per block (part of a prompt row's
+# arithmetic), warps and pipeline stages
+PREFILL_M_ROWS, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 3
 BLOCK_N = 32
 KV_SPLIT = 256  # tokens per KV chunk: fixed, part of every row's arithmetic
 LOG2E = 1.4426950408889634
-NUM_WARPS = 8  # prefill: a [64, 256] fp32 accumulator per program (4 warps spill)
 DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MMA tile of 16
 DECODE_WARPS, DECODE_STAGES = 4, 2
 PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
@@ -90,10 +100,47 @@ def _gated_store(OUT, G, rows, head, d, acc, denom, mask, stride_ot, stride_gt, 
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, G, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_log2,
-                    stride_qt, stride_qh, stride_gt, stride_ot, stride_kb, stride_ko, stride_kh, stride_bt,
-                    PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+def _fa_block(q, KC, VC, bt_row, kvh, pos, n0, kv_end, m_i, l_i, acc, scale_log2, stride_kb, stride_ko, stride_kh,
+              PAGE: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr, DOT: tl.constexpr):
+    """One KV block [n0, n0 + BLOCK_N) of a prompt tile's online softmax. MASK: the block may hold
+    keys past a row's position or past ``kv_end`` (the same operations on every visible key)."""
+    d = tl.arange(0, D)
+    idx = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        in_kv = idx < kv_end
+        page = tl.load(bt_row + idx // PAGE, mask=in_kv, other=0).to(tl.int64)
+        off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
+        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
+    else:
+        page = tl.load(bt_row + idx // PAGE).to(tl.int64)
+        off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
+        k = tl.load(KC + off[:, None] + d[None, :])
+        v = tl.load(VC + off[:, None] + d[None, :])
+    qk = mma(q, tl.trans(k), tl.zeros((M_ROWS, BLOCK_N), tl.float32), DOT)
+    if MASK:  # a visible key's value passes unchanged: masked and unmasked blocks run the same operations
+        qk = tl.where((idx[None, :] <= pos[:, None]) & in_kv[None, :], qk, float("-inf"))
+    # scale > 0: the max of the scaled scores is the scaled max, exactly. The exponent is an
+    # explicit fma, so no fp-fusion choice of the compiler can round one loop differently from the
+    # other (measured: with `qk * scale - m` the unmasked loop got an fma and the masked one did
+    # not, and a row's bits followed its tile's first position)
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(tl.fma(qk, scale_log2, -m_safe[:, None]))
+    l_i = tl.fma(l_i, alpha, tl.sum(p, axis=1))
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_fa_kernel(Q, KC, VC, G, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_log2,
+                       stride_qt, stride_qh, stride_gt, stride_ot, stride_kb, stride_ko, stride_kh, stride_bt,
+                       PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    """Prompt rows: one program per (tile of M_ROWS // GROUP query tokens x the GROUP heads of a KV
+    head). Blocks wholly at or before the tile's first position need no mask; the rest do."""
     pdl_start(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -112,14 +159,18 @@ def _prefill_kernel(Q, KC, VC, G, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_
     rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     kv_end = tl.minimum(ctx, past + t0 + M_ROWS // GROUP)
-    m_all = tl.full((M_ROWS,), float("-inf"), tl.float32)
-    l_all = tl.zeros((M_ROWS,), tl.float32)
-    acc_all = tl.zeros((M_ROWS, D), tl.float32)
-    for lo in range(0, kv_end, KV_SPLIT):
-        m, l_c, acc = _attend_chunk(q, KC, VC, BT + s * stride_bt, kvh, pos, lo, tl.minimum(lo + KV_SPLIT, kv_end),
-                                  scale_log2, stride_kb, stride_ko, stride_kh, PAGE, D, M_ROWS, BLOCK_N, DOT)
-        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m, l_c, acc)
-    _gated_store(OUT, G, rows, head, d, acc_all, l_all, row_ok[:, None], stride_ot, stride_gt, D)
+    full_end = (past + t0 + 1) // BLOCK_N * BLOCK_N  # keys < full_end are visible to every row of the tile
+    bt_row = BT + s * stride_bt
+    m_i = tl.full((M_ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_ROWS,), tl.float32)
+    acc = tl.zeros((M_ROWS, D), tl.float32)
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _fa_block(q, KC, VC, bt_row, kvh, pos, n0, kv_end, m_i, l_i, acc, scale_log2, stride_kb,
+                                  stride_ko, stride_kh, PAGE, D, M_ROWS, BLOCK_N, False, DOT)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _fa_block(q, KC, VC, bt_row, kvh, pos, n0, kv_end, m_i, l_i, acc, scale_log2, stride_kb,
+                                  stride_ko, stride_kh, PAGE, D, M_ROWS, BLOCK_N, True, DOT)
+    _gated_store(OUT, G, rows, head, d, acc, l_i, row_ok[:, None], stride_ot, stride_gt, D)
 
 
 @triton.jit
@@ -221,7 +272,22 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stri
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens of one decode-form tile (recurrent rows up to this many run in decode form)."""
     return M_ROWS // (num_heads // num_kv_heads)
+
+
+def prefill_config(num_heads: int, num_kv_heads: int, config: dict | None = None) -> dict:
+    """The prompt kernel's tile: M_ROWS (>= GROUP, a power of two), BLOCK_N (part of a prompt
+    row's arithmetic), warps, stages; ``config`` overrides (sweeps, tests)."""
+    cfg = {"M_ROWS": PREFILL_M_ROWS, "BLOCK_N": PREFILL_BLOCK_N, "num_warps": PREFILL_WARPS,
+           "num_stages": PREFILL_STAGES, **(config or {})}
+    cfg["M_ROWS"] = max(cfg["M_ROWS"], triton.next_power_of_2(num_heads // num_kv_heads))
+    return cfg
+
+
+def prefill_tile_tokens(num_heads: int, num_kv_heads: int, config: dict | None = None) -> int:
+    """Query tokens of one prompt tile (``make_tiles`` for ``prefill_attention``)."""
+    return prefill_config(num_heads, num_kv_heads, config)["M_ROWS"] // (num_heads // num_kv_heads)
 
 
 def make_tiles(query_lens: list[int], seqs: list[int], tile_tokens: int, device: torch.device
@@ -244,19 +310,21 @@ def workspace_slots(num_tokens: int, chunks: int, max_q_len: int) -> int:
 
 
 def prefill_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq,
-                      tile_start, scale: float) -> None:
-    """Gated attention for prefill tiles. q ``[T, Hq, D]``, gate ``[T, *]`` (head h's gate at
-    columns ``h*2D + D ...``, as q_proj lays it out), out ``[T, Hq*D]``."""
+                      tile_start, scale: float, config: dict | None = None) -> None:
+    """Gated attention for prompt tiles (``make_tiles`` with ``prefill_tile_tokens``). q ``[T, Hq,
+    D]``, gate ``[T, *]`` (head h's gate at columns ``h*2D + D ...``, as q_proj lays it out), out
+    ``[T, Hq*D]``. ``config``: a ``prefill_config`` override."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     if tile_seq.shape[0] == 0:
         return
-    _prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
-        q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq, tile_start,
-        scale * LOG2E, q.stride(0), q.stride(1), gate.stride(0), out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        PAGE=page, GROUP=num_heads // num_kv_heads, D=head_dim, M_ROWS=M_ROWS, BLOCK_N=BLOCK_N,
-        KV_SPLIT=KV_SPLIT, DOT=dot_mode(q.dtype), num_warps=NUM_WARPS, num_stages=2, **pdl())
+    args = (q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq, tile_start,
+            scale * LOG2E, q.stride(0), q.stride(1), gate.stride(0), out.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    cfg = prefill_config(num_heads, num_kv_heads, config)
+    _prefill_fa_kernel[(tile_seq.shape[0], num_kv_heads)](
+        *args, PAGE=page, GROUP=num_heads // num_kv_heads, D=head_dim, M_ROWS=cfg["M_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+        DOT=dot_mode(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
 def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, dec_seqs,

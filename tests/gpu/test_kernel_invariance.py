@@ -170,9 +170,10 @@ def _attention(hq=16, hkv=2, d=256):
 
 def test_attention_row_invariant_across_batches_and_forms():
     """The fused gated attention (q/k norm, RoPE, KV write, fixed-split attention, gate): a decode
-    row of sequence 0 gives the same bits alone, beside prefills of other lengths, as the last row
-    of its own verify tile, and as a row of a prefill tile; 1024 decode rows at mixed KV lengths
-    give row r's bits at every batch size and under permutation; prefill rows alike."""
+    row of sequence 0 gives the same bits alone, beside prefills of other lengths and as the last
+    row of its own verify tile (a prompt tile's row agrees to bf16 tolerance: another kernel);
+    1024 decode rows at mixed KV lengths give row r's bits at every batch size and under
+    permutation; prompt rows alike, and in chunks of any size."""
     torch.manual_seed(0)
     impl, (qn, kn) = _attention()
     hq, hkv, d, page = 16, 2, 256, 16
@@ -195,7 +196,8 @@ def test_attention_row_invariant_across_batches_and_forms():
     verify = run([5], [696], qkv5, [True])[4:5]
     prefill_tile = run([5], [696], qkv5, [False])[4:5]
     decode = run([1], [700], qkv5[4:])
-    assert torch.equal(verify, decode) and torch.equal(prefill_tile, decode)
+    assert torch.equal(verify, decode)
+    assert (prefill_tile.float() - decode.float()).abs().max() <= 2e-2 * decode.float().abs().max()
     # decode rows of 1024 sequences: the first m alone vs all, and permuted (pages permuted with them)
     plens = torch.randint(1, 1200, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
     q_dec = torch.randn(1024, width, device="cuda", dtype=torch.bfloat16)
@@ -216,6 +218,10 @@ def test_attention_row_invariant_across_batches_and_forms():
     # a prefill of 300 tokens alone vs packed with others
     p_alone = run([300], [0], qkv_all[1:301])
     assert torch.equal(run([300, 1, 1, 57], [0, 700, 40, 1000], qkv_all[1:360])[:300], p_alone)
+    # a 3,000-token prompt in one chunk, then its last 1,100 tokens again as a chunk after 1,900
+    # (other tiles, another masked/unmasked split): the same bits
+    whole = run([3000], [0], qkv_all[:3000])
+    assert torch.equal(run([1100], [1900], qkv_all[1900:3000]), whole[1900:])
 
 
 def test_attention_negative_control():

@@ -280,35 +280,37 @@ def _needle_and_others(device, dtype):
                                  _att_seq(12, 0, False, device, dtype), _att_seq(5, 18, False, device, dtype)]
 
 
+def _written_kv(kc, vc, blk, n):
+    """The first ``n`` positions' keys and values of the sequence on pages ``blk``."""
+    slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(n)], device=kc.device)
+    return kc.view(-1, ATT_HKV, ATT_D)[slots], vc.view(-1, ATT_HKV, ATT_D)[slots]
+
+
 def _needle_alone(impl, norms, verify):
-    """The needle's keys are what the verify step writes at 516..519: (needle sequence, verify
-    rows, prefill-form rows)."""
+    """The needle's keys are what the verify step writes at 516..519: (needle sequence, verify rows)."""
     (rows_v,), kc, vc, (blk,) = _attend(impl, norms, [verify], splits=2)
-    (rows_p,), *_ = _attend(impl, norms, [verify[:2] + (False,) + verify[3:]], splits=2)
-    slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(520)], device=kc.device)
-    needle = (1, 520, True, kc.view(-1, ATT_HKV, ATT_D)[slots], vc.view(-1, ATT_HKV, ATT_D)[slots], verify[5][4:])
-    return needle, rows_v, rows_p
+    needle = (1, 520, True, *_written_kv(kc, vc, blk, 520), verify[5][4:])
+    return needle, rows_v
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rows_invariant_across_batches_and_forms(device, dtype, seed):
     """The gated paged attention (q/k norm, RoPE, KV write, fixed 256-key KV chunks, output gate):
     a decode row at position 520 gives the same bits alone (the plan's programs per KV head), as
-    the last row of a 5-token verify row (decode form, 8 query tokens a program) and of a prefill
-    tile, and at a random place in a batch with decode rows at other lengths, a verify row and
-    prefill chunks (3 programs per KV head, a chunk each); the batch permuted gives every
-    sequence its bits with 2 programs per KV head (one folds two chunks in series). The plan
-    derives its program count from the batch; overriding it keeps the interpreter quick, and any
-    count must give the same bits."""
+    the last row of a 5-token verify row (decode form, 8 query tokens a program), and at a random
+    place in a batch with decode rows at other lengths, a verify row and prompt chunks (3
+    programs per KV head, a chunk each); the batch permuted gives every sequence its bits with 2
+    programs per KV head (one folds two chunks in series). The plan derives its program count
+    from the batch; overriding it keeps the interpreter quick, and any count must give the same bits."""
     import random
 
     from bi_core.kernels.attention import KV_SPLIT
 
     impl, norms, verify, others = _needle_and_others(device, dtype)
-    needle, rows_v, rows_p = _needle_alone(impl, norms, verify)
+    needle, rows_v = _needle_alone(impl, norms, verify)
     (alone,), *_ = _attend(impl, norms, [needle])
     assert -(-521 // KV_SPLIT) == 3
-    assert torch.equal(rows_v[4:], alone) and torch.equal(rows_p[4:], alone)
+    assert torch.equal(rows_v[4:], alone)
     at = random.Random(seed).randrange(len(others) + 1)
     batch = others[:at] + [needle] + others[at:]
     rows, *_ = _attend(impl, norms, batch, splits=3)
@@ -326,11 +328,58 @@ def test_attention_negative_control(device, monkeypatch):
     from bi_core.kernels import attention
 
     impl, norms, verify, others = _needle_and_others(device, torch.float32)
-    needle, *_ = _needle_alone(impl, norms, verify)
+    needle, _ = _needle_alone(impl, norms, verify)
     (alone,), *_ = _attend(impl, norms, [needle], splits=2)
     monkeypatch.setattr(attention, "KV_SPLIT", 128)
     rows, *_ = _attend(impl, norms, [needle] + others, splits=2)
     assert not torch.equal(rows[0], alone)
+
+
+def _prompt_case(device, dtype):
+    """A 150-token prompt written by one chunk from position 0, the keys it wrote, and other
+    sequences to batch its later chunk with (decode rows, a verify row, another prompt chunk)."""
+    impl, norms = _attention_impl(device, dtype)
+    whole = _att_seq(150, 0, False, device, dtype)
+    (rows,), kc, vc, (blk,) = _attend(impl, norms, [whole])
+    others = [_att_seq(1, 300, True, device, dtype), _att_seq(3, 40, True, device, dtype),
+              _att_seq(37, 90, False, device, dtype)]
+    return impl, norms, whole, rows, _written_kv(kc, vc, blk, 150), others
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_rows_invariant_across_batches_and_chunkings(device, dtype, seed):
+    """Prompt rows (``_prefill_fa_kernel``: one online softmax over 64-key blocks from position 0,
+    tiles of ``prefill_tile_tokens``): positions 83..149 of a prompt give the same bits computed
+    in the one 150-token chunk (tiles from token 0), as a later chunk after 83 tokens (tiles from
+    83: other tile mates, another unmasked/masked split), alone, and at a random place in a batch
+    with decode rows, a verify row and another prompt chunk, permuted too."""
+    import random
+
+    impl, norms, whole, rows, (pk, pv), others = _prompt_case(device, dtype)
+    later = (67, 83, False, pk[:83], pv[:83], whole[5][83:])
+    (alone,), *_ = _attend(impl, norms, [later])
+    assert torch.equal(alone, rows[83:])
+    at = random.Random(seed).randrange(len(others) + 1)
+    batch = others[:at] + [later] + others[at:]
+    got, *_ = _attend(impl, norms, batch, splits=2)
+    assert torch.equal(got[at], alone), at
+    order = list(range(len(batch)))
+    random.Random(seed + 1).shuffle(order)
+    permuted, *_ = _attend(impl, norms, [batch[i] for i in order], splits=2)
+    assert all(torch.equal(permuted[j], got[i]) for j, i in enumerate(order))
+
+
+def test_prompt_rows_negative_control(device, monkeypatch):
+    """A prompt kernel whose key block follows the batch (32 keys beside other sequences, 64
+    alone): the later chunk's rows differ, and the check sees it."""
+    from bi_core.kernels import attention
+
+    impl, norms, whole, rows, (pk, pv), others = _prompt_case(device, torch.float32)
+    later = (67, 83, False, pk[:83], pv[:83], whole[5][83:])
+    (alone,), *_ = _attend(impl, norms, [later])
+    monkeypatch.setattr(attention, "PREFILL_BLOCK_N", 32)
+    got, *_ = _attend(impl, norms, [later] + others, splits=2)
+    assert not torch.equal(got[0], alone)
 
 
 # ------------------------------------------------------------------------------ GDN decode

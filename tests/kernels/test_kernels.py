@@ -336,11 +336,11 @@ def test_decode_rows_over_shared_pages_read_more_keys_than_the_cache_holds(devic
     assert rel(out, want) < 1e-5
 
 
-def test_decode_form_equals_prefill_form(device):
-    """A decode row (split programs + ordered merge, a 16-row MMA tile) gives the bits the same row
-    gets inside a prefill tile (chunks folded in one program, a 64-row tile), at a KV length
-    spanning three splits. Bitwise on the GPU; under the interpreter a dot is numpy's matmul,
-    whose rounding may follow the tile's row count, so there it checks agreement to 1e-6."""
+def test_decode_form_and_prompt_form_agree(device):
+    """A decode row (split programs + ordered merge over 256-key chunks of 32-key blocks) and the
+    same row inside a prompt tile (one online softmax over 64-key blocks) at a KV length spanning
+    three splits: the same attention to float tolerance, not the same bits (the forms' block
+    edges differ; a token's form is fixed by its request, see kernels/attention.py)."""
     from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
     from bi_core.kernels.attention import KV_SPLIT
 
@@ -356,10 +356,7 @@ def test_decode_form_equals_prefill_form(device):
     ctx1, _ = ragged_ctx([1], [n - 1], device, recurrent=[True])
     decode = impl.forward(qkv[n - 1:], q_norm, k_norm, kc, vc, ctx1)  # its last token as a decode row
     assert impl.prepare(ctx1).dec_seqs.shape[0] == 1 and impl.prepare(ctx).dec_seqs.shape[0] == 0
-    if device.type == "cuda":
-        assert torch.equal(decode, prefill[n - 1:])
-    else:
-        assert rel(decode, prefill[n - 1:]) < 1e-6
+    assert rel(decode, prefill[n - 1:]) < (2e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
 def test_align_routes_every_pair_once(device):

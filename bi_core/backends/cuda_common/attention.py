@@ -48,10 +48,11 @@ class TritonPagedAttentionImpl:
     merge, prefill tiles in one program each; both end in the output gate."""
 
     def __init__(self, spec: AttentionSpec) -> None:
-        from bi_core.kernels.attention import tokens_per_tile
+        from bi_core.kernels.attention import prefill_tile_tokens, tokens_per_tile
 
         self.spec = spec
-        self.tile_tokens = tokens_per_tile(spec.num_heads, spec.num_kv_heads)
+        self.tile_tokens = tokens_per_tile(spec.num_heads, spec.num_kv_heads)  # decode form: up to this many
+        self.prefill_tokens = prefill_tile_tokens(spec.num_heads, spec.num_kv_heads)  # query tokens per prompt tile
         # Recurrent queries up to a tile run in decode form, but only up to 32 MMA rows (tokens x
         # query heads per KV head) do they get the bits of one-token decode rows: on the 35B-A3B
         # shape (8 heads per KV head) 8-token steps (64 rows) differed from decode, 1-, 2- and
@@ -81,7 +82,7 @@ class TritonPagedAttentionImpl:
             splits = max(-(-PROGRAMS_WANTED // max(1, len(dec) * self.spec.num_kv_heads)),
                          -(-longest // (KV_SPLIT * CHUNKS_PER_PROGRAM)))
             splits = max(1, min(-(-longest // KV_SPLIT), splits))
-            tile_seq, tile_start = make_tiles(lens, pre, self.tile_tokens, dev)
+            tile_seq, tile_start = make_tiles(lens, pre, self.prefill_tokens, dev)
             chunks = sum(-(-ctx.context_lens_host[i] // KV_SPLIT) for i in dec)
             ctx.op_plans[key] = _TritonPlan(dec_seqs, max((lens[i] for i in dec), default=1), splits, tile_seq,
                                           tile_start, chunks)
