@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override serve.host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="override serve.port (default 8000)")
     serve.add_argument("--api-key", help="override serve.api_key: require 'Authorization: Bearer <key>'")
+    serve.add_argument("--dev-mode", action="store_true", help="override serve.dev_mode: development routes "
+                       "(POST /collective_rpc), as vLLM's VLLM_SERVER_DEV_MODE=1")
     serve.add_argument("--data-parallel-size", type=int, help="override parallel.data_parallel_size: N > 1 replicas "
                        "placed with Ray behind sglang-router on --port, control routes on --control-port (needs the "
                        "scale extra)")
@@ -164,8 +166,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args)
     if args.port is not None and not 0 <= args.port <= 65535:
         raise BiEngineError(f"--port: expected 0..65535, got {args.port}")
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key))
-                 if v is not None}
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+                                   ("dev_mode", args.dev_mode or None)) if v is not None}
     config = config.replace(serve=overrides) if overrides else config
     if args.data_parallel_size is not None:
         if args.data_parallel_size < 1:
@@ -181,6 +183,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from bi_core.serve import run_server
 
         return run_server(config)
+    if args.dev_mode:
+        raise BiEngineError("--dev-mode: with one server only (replicas take serve.dev_mode from the config file, "
+                            "and the control front does not fan /collective_rpc out)")
     import shlex
 
     from bi_core.scale import ScaleOptions, run_replicas

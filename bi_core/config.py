@@ -7,6 +7,7 @@ rejects unknown keys and reports the first problem as ``ConfigError("a.b.c", "..
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,17 @@ def _prompts(value: Any, path: str) -> tuple[str | tuple[int, ...], ...]:
         else:
             raise ConfigError(f"{path}[{i}]", "expected a non-empty string or a non-empty list of token ids")
     return tuple(out)
+
+
+_CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[:.][A-Za-z_]\w*")
+
+
+def _class_path(value: Any, path: str) -> str:
+    """``module.path:ClassName`` or ``module.path.ClassName``; imported when the engine is built."""
+    value = _str(value, path)
+    if not _CLASS_PATH.fullmatch(value):
+        raise ConfigError(path, f"expected 'module.path:ClassName' or 'module.path.ClassName', got {value!r}")
+    return value
 
 
 def _section(cls: type) -> Parser:
@@ -297,6 +309,9 @@ class ParallelConfig:
     data_parallel_size: int = _field(_int(1, 1024), 1, doc="bi-engine serve only: replicas of the whole engine "
                                      "(each with its own tensor-parallel group), placed and supervised by Ray "
                                      "behind sglang-router (the scale extra); 1 = one server, no Ray")
+    worker_extension_cls: str | None = _field(_optional(_class_path), None, doc="vLLM's worker_extension_cls: "
+                                              "'module.path:ClassName' whose methods are mixed into every rank's "
+                                              "worker, for LLMEngine.collective_rpc (bi_core.rl.worker)")
 
 
 @attrs.frozen(kw_only=True)
@@ -336,6 +351,8 @@ class ServeConfig:
     max_waiting_requests: int = _field(_int(1), 4096, doc="requests queued beyond this are refused with 503")
     shutdown_timeout_s: float = _field(_float(0.0, 3600.0), 30.0, doc="on SIGTERM/SIGINT, in-flight requests "
                                                                      "finish within this, then are aborted")
+    dev_mode: bool = _field(_bool, False, doc="development routes (POST /collective_rpc: runs a worker method "
+                            "the client names); off: they do not exist (404). VLLM_SERVER_DEV_MODE=1 turns it on too")
 
 
 @attrs.frozen(kw_only=True)

@@ -55,3 +55,7 @@ class RequestError(BiEngineError):
 
 class PromptTooLongError(RequestError):
     """The prompt does not fit the model's context length or the KV cache."""
+
+
+class CollectiveRpcError(BiEngineError):
+    """A ``collective_rpc`` method raised on a tensor-parallel rank, or the call outlasted its timeout."""

@@ -13,8 +13,9 @@ collectives without any per-step plan being shipped. What travels is typed (``Ad
 ``ResetPrefixCache``, ``HoldAdmissions``/``ReleaseAdmissions`` around a pause's drain, ``Sleep``,
 ``WakeUp``, the
 weight-sync calls ``InitWeightsUpdateGroup``/``UpdateWeightsFromTrainer``/
-``DestroyWeightsUpdateGroup``, ``Shutdown``): the scheduler's intake plus the step, never method
-names. This is SGLang's arrangement (a scheduler
+``DestroyWeightsUpdateGroup``, ``CollectiveRpc``, ``Shutdown``): the scheduler's intake plus the
+step, never engine method names (``CollectiveRpc`` names a method of the rank's worker, ``rl/worker.py``;
+every rank answers it to rank 0 over the control group). This is SGLang's arrangement (a scheduler
 per TP rank, requests broadcast from rank 0); it keeps AR, MTP, n-sample forks, prefix caching
 and scoring working unchanged under TP. Each step also carries rank 0's step count and request
 counters, so a rank that drifted stops with an error instead of deadlocking silently."""
@@ -158,13 +159,22 @@ class DestroyWeightsUpdateGroup:
 
 
 @attrs.frozen
+class CollectiveRpc:
+    """``LLMEngine.collective_rpc`` on rank 0, checked there: every rank runs the method and answers (``gather``)."""
+
+    method: str
+    args: tuple
+    kwargs: dict
+
+
+@attrs.frozen
 class Shutdown:
     """Rank 0's engine is closing."""
 
 
 Message = (AddRequest | AddScoreRequest | Abort | Step | UpdateWeightsFromPath | ReceiveWeights | ResetPrefixCache
            | HoldAdmissions | ReleaseAdmissions | Sleep | WakeUp | InitWeightsUpdateGroup | UpdateWeightsFromTrainer
-           | DestroyWeightsUpdateGroup | Shutdown)
+           | DestroyWeightsUpdateGroup | CollectiveRpc | Shutdown)
 
 
 class Driver:
@@ -199,6 +209,13 @@ class Driver:
         self.send_now(ReceiveWeights([(n, source.shape(n), source.dtype(n)) for n in names]))
         for n in names:
             dist.broadcast(source.get(n).to(device).contiguous(), src=0, group=self.group.device_group)
+
+    def gather(self, mine: object) -> list:
+        """Every rank's answer to the message just sent (``answer`` on the others), in rank order:
+        ``mine`` first (it stays here: never pickled)."""
+        box: list = [None] * (len(self.procs) + 1)
+        dist.gather_object(None, box, dst=0, group=self.group.control)
+        return [mine, *box[1:]]
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.closed:
@@ -270,6 +287,10 @@ def replay(engine, message: Message, rank: int) -> bool:
             engine.wake_up(None if tags is None else list(tags))
         case InitWeightsUpdateGroup() | UpdateWeightsFromTrainer() | DestroyWeightsUpdateGroup():
             weight_sync(engine, message, rank)
+        case CollectiveRpc(method, args, kwargs):  # a method that fails answers its error: rank 0 reports it
+            from bi_core.rl.worker import run_method, sendable
+
+            answer(sendable(run_method(engine.worker, method, args, kwargs)))
         case Shutdown():
             return False
         case _:
@@ -291,6 +312,11 @@ def weight_sync(engine, message: Message, rank: int) -> None:
                 engine.destroy_weights_update_group(name)
     except BiEngineError as e:  # a refusal (a RequestError, CheckpointError) is rank 0's to report
         log.log(logging.WARNING if type(e) is BiEngineError else logging.INFO, "tensor-parallel rank %d: %s", rank, e)
+
+
+def answer(value: object) -> None:
+    """This rank's answer to the message just replayed, gathered by rank 0 (``Driver.gather``)."""
+    dist.gather_object(value, None, dst=0, group=state.current().control)
 
 
 def receive_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

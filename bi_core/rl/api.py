@@ -1,8 +1,9 @@
 """The engine's API for RL trainers and weights, mixed into ``LLMEngine`` (``runtime/engine.py``
 holds requests and the step loop): in-process weight updates, weight sync from a trainer process
-(``receiver.py``; the protocol in ``protocol.py``), and generation control around a sync
-(``control.py``: pause, sleep). Each method is thin: the machinery lives in those modules, its state in
-``engine.rollout`` (RolloutControl) and ``engine.weight_sync`` (WeightSync)."""
+(``receiver.py``; the protocol in ``protocol.py``), generation control around a sync
+(``control.py``: pause, sleep) and vLLM's ``collective_rpc`` (``worker.py``). Each method is thin:
+the machinery lives in those modules, its state in ``engine.rollout`` (RolloutControl),
+``engine.weight_sync`` (WeightSync) and ``engine.worker`` (RankWorker)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from bi_core.errors import RequestError
 from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
 from bi_core.rl.tensors import LOAD_FORMATS, deserialize_named_tensors
+from bi_core.rl.worker import collective_rpc
 
 
 class RolloutAPI:
@@ -140,3 +142,13 @@ class RolloutAPI:
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.weight_sync.destroy_group(group_name)
+
+    # ------------------------------------------------------------------ collective RPC (vLLM)
+
+    def collective_rpc(self, method: str, args=(), kwargs: dict | None = None, timeout: float | None = None) -> list:
+        """vLLM's ``collective_rpc``: call ``method(*args, **kwargs)`` on every tensor-parallel rank's
+        worker (``bi_core.rl.worker.RankWorker``: ``report_device_id``, ``weight_version``,
+        ``weight_checksum``, and the methods of ``parallel.worker_extension_cls``); returns one result
+        per rank, in rank order. An unknown or private (``_``) method is a RequestError; a method that
+        raises on any rank, or a call longer than ``timeout`` seconds, a CollectiveRpcError naming it."""
+        return collective_rpc(self, method, args, kwargs, timeout)

@@ -26,6 +26,7 @@ from bi_core.registry import Registry
 from bi_core.rl.api import RolloutAPI
 from bi_core.rl.control import RolloutControl
 from bi_core.rl.receiver import WeightSync
+from bi_core.rl.worker import worker_class
 from bi_core.runtime.build import build_parts, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
 from bi_core.runtime.overlap import Overlap
@@ -57,6 +58,7 @@ class LLMEngine(RolloutAPI):
         self.tp = TPInfo(tp_rank, config.parallel.tensor_parallel_size)
         check_tensor_parallel(self.args, self.tp.world)
         resolve_max_model_len(config, self.args)
+        worker_cls = worker_class(config.parallel.worker_extension_cls)  # a bad path fails before ranks start
         self._driver = None  # rank 0 of a tensor-parallel engine, once every rank is built: the other ranks
         driver = lockstep.launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
         if driver is not None:
@@ -72,6 +74,7 @@ class LLMEngine(RolloutAPI):
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
+        self.worker = worker_cls(self)  # what collective_rpc calls methods of (bi_core/rl/worker.py)
         self.num_steps = 0
         self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None

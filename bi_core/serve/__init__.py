@@ -2,9 +2,9 @@
 
 Two processes: this one runs the HTTP front (``app.py``: routes, OpenAI formats, errors;
 ``protocol.py``: request models; ``native.py``: SGLang's ``/generate``; ``control.py``: the RL
-control routes of vLLM and SGLang; ``metrics.py``: Prometheus; ``client.py``: the engine process's
-handle), and the engine process runs the engine loop (``loop.py``), so HTTP work never holds the
-engine's GIL; ``messages.py`` holds the messages between the two. Needs the ``serve`` extra:
+control routes of vLLM and SGLang; ``dev.py``: vLLM's dev-mode ``/collective_rpc``; ``metrics.py``:
+Prometheus; ``client.py``: the engine process's handle), and the engine process runs the engine
+loop (``loop.py``), so HTTP work never holds the engine's GIL; ``messages.py`` holds the messages between the two. Needs the ``serve`` extra:
 ``pip install "bi-engine[serve]"``."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The HTTP front: a FastAPI app with OpenAI's endpoints over the engine process (``client.py``),
-SGLang's native ``/generate`` (``native.py``) and the RL control routes of vLLM and SGLang
-(``control.py``: pause, sleep, weight sync, ...).
+SGLang's native ``/generate`` (``native.py``), the RL control routes of vLLM and SGLang
+(``control.py``: pause, sleep, weight sync, ...) and, in dev mode only, vLLM's ``/collective_rpc``
+(``dev.py``).
 
 Every response carries ``X-Batch-Invariant: true|false``: whether the engine behind it makes a
 request's tokens and logprobs independent of the other requests it shares steps with. Every
@@ -23,7 +24,7 @@ from bi_core.config import ServeConfig
 from bi_core.errors import CheckpointError, PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
-from bi_core.serve import control, formats, native, worker
+from bi_core.serve import control, dev, formats, native, worker
 from bi_core.serve.client import ControlError, Delta, EngineClient, Overloaded, Unavailable
 from bi_core.serve.errors import ApiError, error_response, install_error_handlers, output_failure
 from bi_core.serve.metrics import Metrics
@@ -327,11 +328,13 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     app.state.server = server
     _install_middleware(app, server)
     install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                 **native.REQUEST_MODELS, **control.REQUEST_MODELS},
+                                 **native.REQUEST_MODELS, **control.REQUEST_MODELS, **dev.REQUEST_MODELS},
                            success_style=control.SUCCESS_STYLE)
     native.install(app, server)
     control.install(app, server)
     worker.install(app, server)
+    if dev.dev_mode(config):
+        dev.install(app, server)
 
     @app.get("/health")
     async def health():

@@ -46,8 +46,11 @@ def error_response(e: ApiError, success_style: bool = False) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
-def _model_in(annotation) -> type[BaseModel] | None:
-    """The request model a field holds: itself, optional, or in a list; None for anything else."""
+def _model_in(annotation) -> type[BaseModel] | type[dict] | None:
+    """The request model a field holds: itself, optional, or in a list; ``dict`` for a mapping (its
+    keys come next in a location); None for anything else."""
+    if typing.get_origin(annotation) is dict:
+        return dict
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if not args:
         return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
@@ -64,6 +67,8 @@ def param_of(model: type[BaseModel] | None, loc: Sequence[str | int]) -> tuple[s
     for x in loc:
         if isinstance(x, int):
             param += f"[{x}]"
+        elif current is dict:  # a key of a mapping field
+            param, current = f"{param}.{x}", None
         elif current is None:  # below a field that is no model: the name of a union member
             return param or None, x
         else:

@@ -30,6 +30,7 @@ finds no request in the engine, and they run wholly on the new weights)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -37,7 +38,14 @@ from collections.abc import Callable
 
 import attrs
 
-from bi_core.errors import BiEngineError, CheckpointError, ConfigError, PromptTooLongError, RequestError
+from bi_core.errors import (
+    BiEngineError,
+    CheckpointError,
+    CollectiveRpcError,
+    ConfigError,
+    PromptTooLongError,
+    RequestError,
+)
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Sequence, Status
 from bi_core.serve.messages import (
@@ -46,6 +54,7 @@ from bi_core.serve.messages import (
     AbortRequests,
     Add,
     Added,
+    CollectiveRpc,
     ControlDone,
     ControlFailed,
     DestroyWeightsUpdateGroup,
@@ -126,7 +135,7 @@ class EngineLoop:
             UpdateWeightsFromDistributed: self._update_weights_from_distributed,
             DestroyWeightsUpdateGroup: lambda m: self.engine.destroy_weights_update_group(m.group_name),
             UpdateWeightsFromDisk: self._update_weights_from_disk,
-            UpdateWeightsFromTensor: self._update_weights_from_tensor,
+            UpdateWeightsFromTensor: self._update_weights_from_tensor, CollectiveRpc: self._collective_rpc,
         }
 
     def run(self) -> None:
@@ -339,6 +348,15 @@ class EngineLoop:
             self._sweep()  # the requests it aborted (once the checkpoint passed its checks) end here
         return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
 
+    def _collective_rpc(self, m: CollectiveRpc) -> list:
+        try:
+            results = self.engine.collective_rpc(m.method, tuple(m.args), dict(m.kwargs), timeout=m.timeout)
+        except CollectiveRpcError as e:  # the method's failure, or a timeout: the caller's to read, not a bug to log
+            raise _Failed("error", str(e)) from None
+        finally:
+            self._refresh(sleep=True)  # a method may pause the engine or put it to sleep
+        return [_rpc_result(r) for r in results]
+
     def _abort_at_shutdown(self) -> None:
         if not self.tracked:
             return
@@ -401,6 +419,19 @@ class EngineLoop:
         if self._out or counts:
             out, self._out = self._out, []
             self.channel.send(Out(out, counts, self.failure))
+
+
+def _rpc_result(value: object) -> object:
+    """vLLM's ``/collective_rpc`` answer for one rank: None, a dict or a list as it is (as JSON has it:
+    tuples as lists, keys as strings), anything else (or a dict or list JSON cannot hold) its ``str()``."""
+    if value is None:
+        return None
+    if isinstance(value, (dict, list)):
+        try:
+            return json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError):
+            pass
+    return str(value)
 
 
 def engine_main(config, channel) -> None:

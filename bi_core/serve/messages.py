@@ -4,7 +4,7 @@ dispatches on the class (``match``); a message of any other type is a bug and ra
 ``UnexpectedMessage``.
 
 HTTP -> engine: ``Add``, ``Abort``, ``Stop``, and the control calls (``CONTROL``: pause, sleep, weight
-sync, ...), each with a ``key``. Engine -> HTTP: ``Ready`` or ``StartFailed`` once at start, ``Added``
+sync, collective RPC, ...), each with a ``key``. Engine -> HTTP: ``Ready`` or ``StartFailed`` once at start, ``Added``
 or ``Refused`` per ``Add``, ``ControlDone`` or ``ControlFailed`` per control call (after the deltas
 it caused), ``Out`` per loop iteration that produced anything, ``Stopped`` once at the end."""
 
@@ -209,6 +209,17 @@ class UpdateWeightsFromDisk:
     abort_all: bool  # abort unfinished requests (else they make the update fail)
 
 
+@attrs.frozen
+class CollectiveRpc:
+    """HTTP -> engine (dev mode): call a worker method on every tensor-parallel rank; answered with the results in rank order."""
+
+    key: int
+    method: str
+    args: list[str]
+    kwargs: dict[str, str]
+    timeout: float | None
+
+
 # ---------------------------------------------------------------------- engine process -> HTTP process
 
 
@@ -277,6 +288,6 @@ class Stopped:
 
 CONTROL = (PauseGeneration, ResumeGeneration, IsPaused, AbortRequests, ResetPrefixCache, Sleep, WakeUp, IsSleeping,
            GetWeightVersion, InitWeightsUpdateGroup, UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup,
-           UpdateWeightsFromDisk, UpdateWeightsFromTensor)
+           UpdateWeightsFromDisk, UpdateWeightsFromTensor, CollectiveRpc)
 TO_ENGINE = (Add, Abort, Stop, *CONTROL)
 FROM_ENGINE = (Ready, StartFailed, Added, Refused, ControlDone, ControlFailed, Out, Stopped)

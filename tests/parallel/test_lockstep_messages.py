@@ -42,7 +42,8 @@ MESSAGES = [ls.AddRequest([1, 2], SamplingParams(max_new_tokens=3), True),
 
 
 def test_messages_round_trip_through_pickle():
-    for m in [*MESSAGES, ls.ReceiveWeights([("w", (2, 3), torch.bfloat16)]), ls.Shutdown()]:
+    for m in [*MESSAGES, ls.ReceiveWeights([("w", (2, 3), torch.bfloat16)]), ls.CollectiveRpc("echo", ("a",), {"k": 1}),
+              ls.Shutdown()]:
         assert pickle.loads(pickle.dumps(m)) == m
 
 

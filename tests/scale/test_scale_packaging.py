@@ -77,6 +77,7 @@ def test_replicas_without_the_scale_extra_is_one_error_naming_it(tmp_path, how):
     (["--data-parallel-size", "2", "--router-policy", "fastest"],
      "--router-policy: expected one of cache_aware, round_robin, power_of_two, random; got 'fastest'"),
     (["--data-parallel-size", "0"], "--data-parallel-size: expected a positive int, got 0"),
+    (["--data-parallel-size", "2", "--dev-mode"], "--dev-mode: with one server only"),
     (["--data-parallel-size", "2", "--router-args", "--policy random"], "--router-args: --policy are set by"),
     (["--data-parallel-size", "2", "--router-args", "--cache-threshold 'x"], "--router-args: No closing quotation"),
 ])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import API_KEY, httpx
 
+from bi_core.serve.dev import CollectiveRpcBody
 from bi_core.serve.errors import param_of
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 from bi_core.serve.threads import available_cores, engine_threads
@@ -50,6 +51,7 @@ def test_the_engine_process_logs_its_thread_count(server):
     (CompletionRequest, ("stream_options", "include_usage"), ("stream_options.include_usage", None)),
     (ChatCompletionRequest, ("messages", 3, "role"), ("messages[3].role", None)),
     (ChatCompletionRequest, ("messages", 0, "content", "str"), ("messages[0].content", "str")),
+    (CollectiveRpcBody, ("kwargs", "k"), ("kwargs.k", None)),  # a mapping's key, not a union member
 ])
 def test_param_of_names_the_field_as_openai_does(model, loc, expected):
     assert param_of(model, loc) == expected
