@@ -4,7 +4,12 @@ with quantization as its own launch, quantize_act alone, and the bf16 Triton GEM
 microseconds per call (CUDA graphs of 20 calls, so launch gaps do not count), and each one's weight
 bytes over the copy bandwidth (the floor).
 
-  python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)"""
+  python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)
+  python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
+
+``--sweep``: the GEMM alone (activations quantized once, outside the timing) at each decode tile
+(BLOCK_N, warps, stages; the same K order, so the same bits: checked against the tree's config)
+and at other split counts (another K order: other bits, listed for the record), fastest first."""
 
 from __future__ import annotations
 
@@ -40,7 +45,49 @@ def timed_us(fn) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * REPS)
 
 
+def sweep(ms: list[int]) -> None:
+    from bi_core.kernels.fp8 import fp8_gemm, split_k_for
+
+    dev = torch.device("cuda")
+    bw = measure_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; GEMM alone, us per call")
+    for n, k in SHAPES[:3]:
+        wq, ws = quantize_blocks(torch.randn(n, k, device=dev) * 0.02, (128, 128))
+        split = split_k_for(n, k)
+        for m in ms:
+            xq, xs = quantize_act(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+            base = fp8_config(m, n, k)
+            ref = fp8_gemm(xq, xs, wq, ws, config=base)
+            rows = []
+            for bn in (16, 32, 64, 128):
+                for warps in (4,):
+                    for stages in (2, 3, 4):
+                        for sp in sorted({split, split * 2}):
+                            cfg = {**base, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SPLIT_K": sp,
+                                   "INLINE": False}
+                            try:
+                                out = fp8_gemm(xq, xs, wq, ws, config=cfg)
+                                t = timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))
+                            except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                                rows.append((float("inf"), cfg, type(e).__name__))
+                                continue
+                            same = torch.equal(out, ref)
+                            if sp == split and not same:
+                                raise SystemExit(f"{n}x{k} M={m} {cfg}: bits differ from the tree's config")
+                            rows.append((t, cfg, "same bits" if same else "other K order"))
+            rows.sort(key=lambda r: r[0])
+            t_base = timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base))
+            print(f"{n:>6} x {k:<5} M={m:<3} tree {t_base:6.1f}us (BLOCK_N {base['BLOCK_N']}, {base['num_warps']} warps, "
+                  f"{base['num_stages']} stages, split {split}); floor {n * k / bw * 1e6:.1f}us; best:")
+            for t, cfg, note in rows[:4]:
+                print(f"      {t:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} stages "
+                      f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--sweep"]:
+        sweep([int(a) for a in sys.argv[2:]] or [1, 8, 64])
+        return
     ms = [int(a) for a in sys.argv[1:]] or [1, 8, 64]
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
