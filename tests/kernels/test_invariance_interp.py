@@ -293,6 +293,21 @@ def _needle_alone(impl, norms, verify):
     return needle, rows_v
 
 
+def _check_batched_and_permuted(impl, norms, seq, alone, others, seed, splits):
+    """``seq`` at a random place among ``others`` gives ``alone`` (programs per KV head
+    ``splits[0]``), and the batch permuted gives every sequence its bits (``splits[1]``)."""
+    import random
+
+    at = random.Random(seed).randrange(len(others) + 1)
+    batch = others[:at] + [seq] + others[at:]
+    rows, *_ = _attend(impl, norms, batch, splits=splits[0])
+    assert torch.equal(rows[at], alone), at
+    order = list(range(len(batch)))
+    random.Random(seed + 1).shuffle(order)
+    permuted, *_ = _attend(impl, norms, [batch[i] for i in order], splits=splits[1])
+    assert all(torch.equal(permuted[j], rows[i]) for j, i in enumerate(order))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rows_invariant_across_batches_and_forms(device, dtype, seed):
     """The gated paged attention (q/k norm, RoPE, KV write, fixed 256-key KV chunks, output gate):
@@ -302,7 +317,6 @@ def test_attention_rows_invariant_across_batches_and_forms(device, dtype, seed):
     programs per KV head, a chunk each); the batch permuted gives every sequence its bits with 2
     programs per KV head (one folds two chunks in series). The plan derives its program count
     from the batch; overriding it keeps the interpreter quick, and any count must give the same bits."""
-    import random
 
     from bi_core.kernels.attention import KV_SPLIT
 
@@ -311,14 +325,7 @@ def test_attention_rows_invariant_across_batches_and_forms(device, dtype, seed):
     (alone,), *_ = _attend(impl, norms, [needle])
     assert -(-521 // KV_SPLIT) == 3
     assert torch.equal(rows_v[4:], alone)
-    at = random.Random(seed).randrange(len(others) + 1)
-    batch = others[:at] + [needle] + others[at:]
-    rows, *_ = _attend(impl, norms, batch, splits=3)
-    assert torch.equal(rows[at], alone), at
-    order = list(range(len(batch)))
-    random.Random(seed + 1).shuffle(order)
-    permuted, *_ = _attend(impl, norms, [batch[i] for i in order], splits=2)
-    assert all(torch.equal(permuted[j], rows[i]) for j, i in enumerate(order))
+    _check_batched_and_permuted(impl, norms, needle, alone, others, seed, splits=(3, 2))
 
 
 def test_attention_negative_control(device, monkeypatch):
@@ -353,20 +360,12 @@ def test_prompt_rows_invariant_across_batches_and_chunkings(device, dtype, seed)
     in the one 150-token chunk (tiles from token 0), as a later chunk after 83 tokens (tiles from
     83: other tile mates, another unmasked/masked split), alone, and at a random place in a batch
     with decode rows, a verify row and another prompt chunk, permuted too."""
-    import random
 
     impl, norms, whole, rows, (pk, pv), others = _prompt_case(device, dtype)
     later = (67, 83, False, pk[:83], pv[:83], whole[5][83:])
     (alone,), *_ = _attend(impl, norms, [later])
     assert torch.equal(alone, rows[83:])
-    at = random.Random(seed).randrange(len(others) + 1)
-    batch = others[:at] + [later] + others[at:]
-    got, *_ = _attend(impl, norms, batch, splits=2)
-    assert torch.equal(got[at], alone), at
-    order = list(range(len(batch)))
-    random.Random(seed + 1).shuffle(order)
-    permuted, *_ = _attend(impl, norms, [batch[i] for i in order], splits=2)
-    assert all(torch.equal(permuted[j], got[i]) for j, i in enumerate(order))
+    _check_batched_and_permuted(impl, norms, later, alone, others, seed, splits=(2, 2))
 
 
 def test_prompt_rows_negative_control(device, monkeypatch):
