@@ -10,6 +10,7 @@ import attrs
 
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError
+from bi_core.tools.flags import positive_ints
 
 SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench", "serve", "draft-vocab")
 INVARIANT_HELP = (
@@ -106,13 +107,6 @@ def load_config(args: argparse.Namespace, path: str | None = None) -> EngineConf
     return config
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BiEngineError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-
-
 VERIFY_FLAGS = {"num_prompts": "--num-prompts", "batch_sizes": "--batch-sizes", "max_new_tokens": "--max-new-tokens",
                 "modes": "--modes", "mtp": "--strategies ar,mtp"}
 
@@ -128,7 +122,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"batch sizes: {','.join(map(str, batch_sizes))} (the defaults up to scheduler.max_num_seqs="
               f"{max_num_seqs})")
     else:
-        batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+        batch_sizes = positive_ints(args.batch_sizes, "--batch-sizes")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     verify.check_plan(num_prompts=args.num_prompts, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens,
                       modes=modes, max_num_seqs=max_num_seqs, names=VERIFY_FLAGS)

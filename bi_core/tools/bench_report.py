@@ -19,6 +19,7 @@ from bi_core.tools.bench import (
     measure_bandwidth,
     measure_matmul_flops,
 )
+from bi_core.tools.flags import positive_ints
 
 
 def _label(cfg: EngineConfig) -> str:
@@ -54,20 +55,10 @@ def _triple(text: str, flag: str, n: int) -> list[int] | None:
     return parts
 
 
-def _positive_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise BiEngineError(f"{flag}: expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def check_bench_args(args) -> None:
     """Every flag's value, before a GPU is looked for or an engine built: one error naming the flag."""
-    _positive_ints(args.batch_sizes, "--batch-sizes")
-    _positive_ints(args.context_len, "--context-len")
+    positive_ints(args.batch_sizes, "--batch-sizes")
+    positive_ints(args.context_len, "--context-len")
     if args.steps < 1:
         raise BiEngineError(f"--steps: expected a positive integer, got {args.steps}")
     for text, flag, n in ((args.throughput, "--throughput", 3), (args.prefill, "--prefill", 2)):
@@ -85,7 +76,7 @@ def _free() -> None:
 def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float) -> dict:
     from bi_core import build_engine
 
-    batch_sizes = _positive_ints(args.batch_sizes, "--batch-sizes")
+    batch_sizes = positive_ints(args.batch_sizes, "--batch-sizes")
     tput = _triple(args.throughput, "--throughput", 3)
     pre = _triple(args.prefill, "--prefill", 2)
     t0 = time.perf_counter()
@@ -93,7 +84,7 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
     out: dict = {"label": _label(cfg), "backend": engine.policy.backend, "invariant": cfg.policy.batch_invariant,
                  "graphs": cfg.graph.enabled, "decode": [], "startup_s": time.perf_counter() - t0}
     print(f"  engine start {out['startup_s']:.1f} s" + (f" ({engine.warmup})" if engine.warmup else ""), flush=True)
-    contexts = _positive_ints(args.context_len, "--context-len")
+    contexts = positive_ints(args.context_len, "--context-len")
     for b, context in ((b, c) for c in contexts for b in batch_sizes):
         r = bench_decode(engine, b, context, args.steps, bandwidth)
         layers = engine.args.num_hidden_layers

@@ -63,7 +63,7 @@ def test_bench_and_verify_errors_are_clear(tmp_path):
     r = cli("verify", "--config", CONFIG, "--strategies", "mtp,ar")
     assert r.returncode == 2 and "--strategies: expected 'ar' or 'ar,mtp'" in r.stderr
     r = cli("verify", "--config", CONFIG, "--batch-sizes", "1,x")
-    assert r.returncode == 2 and "--batch-sizes: expected comma-separated integers" in r.stderr
+    assert r.returncode == 2 and "--batch-sizes: expected comma-separated positive integers" in r.stderr
 
 
 @pytest.mark.parametrize("flag,value,message", [
@@ -97,7 +97,7 @@ def test_verify_refuses_an_audit_that_would_run_less_than_asked(capsys):
     cases = {
         ("--batch-sizes", "1,64"): "--batch-sizes: the audit cannot run batch sizes above scheduler.max_num_seqs=16 "
                                    "(got 64)",
-        ("--batch-sizes", "0"): "--batch-sizes: batch sizes must be positive, got 0",
+        ("--batch-sizes", "0"): "--batch-sizes: expected comma-separated positive integers, got '0'",
         ("--modes", "gredy"): "--modes: expected greedy and/or sampled, got 'gredy'",
         ("--modes", "greedy,foo"): "--modes: expected greedy and/or sampled, got 'foo'",
         ("--num-prompts", "0"): "--num-prompts: expected a positive number of prompts, got 0",
