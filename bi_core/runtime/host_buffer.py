@@ -6,8 +6,8 @@ about 1 GB/s on an H200 host (``cudaHostAlloc`` zeroes and locks every page), an
 allocator rounds each block up to a power of two, so a 35B-A3B model (67 GB) could ask for much
 more than its size of a 128 GiB host. Here one plain allocation of exactly the weights' bytes is
 registered with CUDA (``cudaHostRegister``) at the first sleep and kept for the next ones: only the
-first sleep pays the pinning, later ones just copy. Sleep level 2 (weights dropped) and ``free``
-give the memory back."""
+first sleep pays the pinning, later ones just copy. A level-2 sleep (weights dropped) lets go of
+the buffer, as does the engine's end (the registration is undone when the buffer is collected)."""
 
 from __future__ import annotations
 

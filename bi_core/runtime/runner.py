@@ -201,7 +201,7 @@ class ModelRunner:
         self._host_saved = False
         if level == 1:
             if self._host is None or not self._host.fits(weights):
-                self._host = None
+                self._host = None  # the old buffer goes before a new one is pinned (never two at once)
                 self._host = HostBuffer(weights)
             self._host.save(weights)
             self._host_saved = True
