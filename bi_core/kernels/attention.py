@@ -276,18 +276,17 @@ def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
     return M_ROWS // (num_heads // num_kv_heads)
 
 
-def prefill_config(num_heads: int, num_kv_heads: int, config: dict | None = None) -> dict:
+def prefill_config(num_heads: int, num_kv_heads: int) -> dict:
     """The prompt kernel's tile: M_ROWS (>= GROUP, a power of two), BLOCK_N (part of a prompt
-    row's arithmetic), warps, stages; ``config`` overrides (sweeps, tests)."""
-    cfg = {"M_ROWS": PREFILL_M_ROWS, "BLOCK_N": PREFILL_BLOCK_N, "num_warps": PREFILL_WARPS,
-           "num_stages": PREFILL_STAGES, **(config or {})}
-    cfg["M_ROWS"] = max(cfg["M_ROWS"], triton.next_power_of_2(num_heads // num_kv_heads))
-    return cfg
+    row's arithmetic), warps, stages (the module's PREFILL_* values, read at call time: sweeps
+    set them)."""
+    return {"M_ROWS": max(PREFILL_M_ROWS, triton.next_power_of_2(num_heads // num_kv_heads)),
+            "BLOCK_N": PREFILL_BLOCK_N, "num_warps": PREFILL_WARPS, "num_stages": PREFILL_STAGES}
 
 
-def prefill_tile_tokens(num_heads: int, num_kv_heads: int, config: dict | None = None) -> int:
+def prefill_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens of one prompt tile (``make_tiles`` for ``prefill_attention``)."""
-    return prefill_config(num_heads, num_kv_heads, config)["M_ROWS"] // (num_heads // num_kv_heads)
+    return prefill_config(num_heads, num_kv_heads)["M_ROWS"] // (num_heads // num_kv_heads)
 
 
 def make_tiles(query_lens: list[int], seqs: list[int], tile_tokens: int, device: torch.device
@@ -310,20 +309,20 @@ def workspace_slots(num_tokens: int, chunks: int, max_q_len: int) -> int:
 
 
 def prefill_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq,
-                      tile_start, scale: float, config: dict | None = None) -> None:
+                      tile_start, scale: float) -> None:
     """Gated attention for prompt tiles (``make_tiles`` with ``prefill_tile_tokens``). q ``[T, Hq,
     D]``, gate ``[T, *]`` (head h's gate at columns ``h*2D + D ...``, as q_proj lays it out), out
-    ``[T, Hq*D]``. ``config``: a ``prefill_config`` override."""
+    ``[T, Hq*D]``."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     if tile_seq.shape[0] == 0:
         return
-    args = (q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq, tile_start,
-            scale * LOG2E, q.stride(0), q.stride(1), gate.stride(0), out.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
-    cfg = prefill_config(num_heads, num_kv_heads, config)
+    cfg = prefill_config(num_heads, num_kv_heads)
     _prefill_fa_kernel[(tile_seq.shape[0], num_kv_heads)](
-        *args, PAGE=page, GROUP=num_heads // num_kv_heads, D=head_dim, M_ROWS=cfg["M_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+        q, k_cache, v_cache, gate, out, block_tables, context_lens, cu_seqlens, tile_seq, tile_start,
+        scale * LOG2E, q.stride(0), q.stride(1), gate.stride(0), out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        PAGE=page, GROUP=num_heads // num_kv_heads, D=head_dim, M_ROWS=cfg["M_ROWS"], BLOCK_N=cfg["BLOCK_N"],
         DOT=dot_mode(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
