@@ -111,22 +111,30 @@ def score(eng, args, rng) -> None:
           f"(max abs diff {err:.3g})")
 
 
-def random_hf_weights(eng) -> dict[str, torch.Tensor]:
-    """Every tensor of the model in Hugging Face names (experts fused, as transformers' state_dict
-    has them), random; the layers of one type share source tensors, so the source costs little memory."""
+def weight_specs(eng) -> list[tuple[str, tuple, tuple]]:
+    """``(Hugging Face name, source key, shape)`` of every tensor of the model (experts fused, as
+    transformers' state_dict has them); the layers of one type share a source key."""
     from bi_core.models.weight_map import weight_map
 
     wmap = weight_map(eng.args, with_mtp=eng.model.mtp is not None)
-    by_suffix: dict[tuple, torch.Tensor] = {}
-    weights = {}
-    for name, place in wmap.by_name.items():
-        if ".experts." in name and name.split(".experts.")[1][0].isdigit():
-            continue  # the per-expert spelling of the fused tensors
-        key = (name.split(".layers.")[-1].split(".", 1)[-1], place.shape)
-        if key not in by_suffix:
-            by_suffix[key] = (torch.randn(place.shape, device=eng.device) * 0.02).to(eng.dtype)
-        weights[name] = by_suffix[key]
-    return weights
+    return [(name, (name.split(".layers.")[-1].split(".", 1)[-1], tuple(place.shape)), tuple(place.shape))
+            for name, place in wmap.by_name.items()
+            if not (".experts." in name and name.split(".experts.")[1][0].isdigit())]  # per-expert spellings
+
+
+def random_weights(specs, dtype: torch.dtype, device, generator: torch.Generator | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Random tensors for ``specs``, one source per key, so the source costs little memory."""
+    by_key: dict[tuple, torch.Tensor] = {}
+    for _, key, shape in specs:
+        if key not in by_key:
+            by_key[key] = (torch.randn(shape, device=device, generator=generator) * 0.02).to(dtype)
+    return {name: by_key[key] for name, key, _ in specs}
+
+
+def random_hf_weights(eng) -> dict[str, torch.Tensor]:
+    """Every tensor of the model in Hugging Face names, random (``weight_specs``, ``random_weights``)."""
+    return random_weights(weight_specs(eng), eng.dtype, eng.device)
 
 
 def update(eng, args, rng) -> None:
@@ -188,15 +196,11 @@ def _trainer(specs: list[tuple[str, tuple, tuple]], dtype: torch.dtype, device: 
     from bi_core.rl import serialize_named_tensors
 
     while (seed := conn.recv()) is not None:
-        g = torch.Generator(device=device).manual_seed(seed)
-        by_key = {}
-        for _, key, shape in specs:
-            if key not in by_key:
-                by_key[key] = (torch.randn(shape, device=device, generator=g) * 0.02).to(dtype)
+        weights = random_weights(specs, dtype, device, torch.Generator(device=device).manual_seed(seed))
         sync()
-        conn.send(serialize_named_tensors([(name, by_key[key]) for name, key, _ in specs]))
+        conn.send(serialize_named_tensors(weights.items()))
         conn.recv()  # the engine has copied them
-        del by_key
+        del weights
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -208,12 +212,7 @@ def loop(eng, args, rng) -> None:
     model) -> the next round on the new weights."""
     import multiprocessing as mp
 
-    from bi_core.models.weight_map import weight_map
-
-    wmap = weight_map(eng.args, with_mtp=eng.model.mtp is not None)
-    specs = [(name, (name.split(".layers.")[-1].split(".", 1)[-1], tuple(place.shape)), tuple(place.shape))
-             for name, place in wmap.by_name.items()
-             if not (".experts." in name and name.split(".experts.")[1][0].isdigit())]
+    specs = weight_specs(eng)
     numel = sum(torch.Size(shape).numel() for *_, shape in specs)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
