@@ -354,6 +354,7 @@ class Qwen35Model(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat batch of token ids ``[T]`` -> (hidden states after the final norm ``[T, H]``, logits of
         the rows ``ctx.logits_indices``)."""
+        ctx.step_tensors = {}  # derived anew by this forward (a graph's warm-up and capture share a context)
         x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx, caches)
@@ -386,6 +387,7 @@ class Qwen35Model(nn.Module):
                     caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head on rows (next token, main hidden of the previous position): (its output
         ``[T, H]``, the greedy draft token of each ``ctx.logits_indices`` row)."""
+        ctx.step_tensors = {}
         m = self.mtp(self.embed(input_ids), hidden, ctx, caches)
         rows = _logits_rows(m, ctx)
         if self.draft_ids is None:

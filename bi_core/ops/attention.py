@@ -29,6 +29,9 @@ class AttentionImpl(Protocol):
     # rows to get the arithmetic of one-token decode steps (longer ones may take a prefill path);
     # None: any length. Exact scoring steps its continuations by this much.
     decode_query_len: int | None
+    # Optional (default False): prompt rows can run inside a captured CUDA graph, i.e. nothing the
+    # impl plans on the host depends on more than the step's shape (graph.mixed)
+    graph_prompt_rows: bool
 
     def forward(
         self,

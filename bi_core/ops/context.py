@@ -13,15 +13,26 @@ import torch
 
 @attrs.frozen
 class GraphShape:
-    """The uniform step a CUDA graph runs: ``bucket`` sequences (padding included) of ``q_len``
-    tokens each."""
+    """The step a CUDA graph runs: ``bucket`` recurrent sequences (padding included) of ``q_len``
+    tokens each, then, when ``chunk`` > 0 (a mixed step), one prompt sequence of ``chunk`` tokens
+    in the chunked form."""
 
     q_len: int
     bucket: int
+    chunk: int = 0
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.q_len, self.bucket
+    def key(self) -> tuple[int, ...]:
+        return (self.q_len, self.bucket) if not self.chunk else (self.q_len, self.bucket, self.chunk)
+
+    def spans(self, num_seqs: int) -> list[tuple[int, int]]:
+        """Where the tokens of a step of ``num_seqs`` real sequences lie among the graph's rows, in
+        order: padding sequences follow the real recurrent ones (before the prompt chunk)."""
+        if not self.chunk:
+            return [(0, num_seqs * self.q_len)]
+        decode = (num_seqs - 1) * self.q_len
+        start = self.bucket * self.q_len
+        return [(0, decode), (start, start + self.chunk)] if decode else [(start, start + self.chunk)]
 
 
 @attrs.define
@@ -54,6 +65,10 @@ class ForwardContext:
     # per-step plans an op impl computes once and reuses in every layer; each impl reads only the
     # keys it wrote (a graph's static context keeps one dict for all its replays)
     op_plans: dict = attrs.field(factory=dict)
+    # device tensors an op derives from this context's device tensors inside the forward, once,
+    # for every layer (inside a captured graph they are recomputed by every replay, where an
+    # op_plans entry would keep the values of the capture); the model's forward empties it first
+    step_tensors: dict = attrs.field(factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -118,11 +118,13 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     exact_step_tokens = min(limits, default=None)
     strategy_cls.check(config, model, batch_invariant=policy.batch_invariant, exact_step_tokens=exact_step_tokens,
                        checkpoint_has_mtp=has_mtp)
+    query_lens = strategy_cls.graph_query_lens(config)
     spec = GraphRunnerSpec(
         **factory.base, use_graphs=config.graph.enabled,
         max_batch_size=config.graph.max_batch_size or config.scheduler.max_num_seqs,
         max_blocks_per_seq=cache.blocks_for(max_model_len + lookahead), scratch_page=cache.scratch_page,
-        scratch_slot=cache.scratch_slot, state_ring=cache.state_ring, query_lens=strategy_cls.graph_query_lens(config))
+        scratch_slot=cache.scratch_slot, state_ring=cache.state_ring, query_lens=query_lens,
+        prompt_chunk=chunk_size if _mixed_graphs(config, model, query_lens) else 0)
     runner = ModelRunner(model, cache, lambda s: factory.build("graph_runner", s), spec,
                          with_mtp_graphs=strategy_cls.uses_mtp_head)
     if config.model.enable_return_routed_experts:
@@ -134,6 +136,26 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
                           lookahead=lookahead, decode_tokens=decode_tokens, exact_step_tokens=exact_step_tokens,
                           eos_ids=args.eos_token_ids)
     return Parts(model, runner, scheduler, strategy_cls(config, runner), max_model_len, has_mtp)
+
+
+def _mixed_graphs(config: EngineConfig, model: Qwen35Model, query_lens: tuple[int, ...]) -> bool:
+    """``graph.mixed`` resolved: graphs of one-token decode rows plus a full prompt chunk, where
+    every attention impl can replay prompt rows (``graph_prompt_rows``: nothing planned on the
+    host from the step's positions or pages) and the strategy decodes one token a step (AR)."""
+    want = config.graph.mixed
+    if not config.graph.enabled or want is False:
+        return False
+    refusing = sorted({type(m.attn).__name__ for m in model.modules()
+                       if getattr(m, "attn", None) is not None and not getattr(m.attn, "graph_prompt_rows", False)})
+    if want is True and refusing:
+        raise ConfigError("graph.mixed", f"{', '.join(refusing)} plans prompt rows on the host every step and "
+                          "cannot replay them from a CUDA graph (the invariant backend's attention can); "
+                          "use graph.mixed: auto or false")
+    if want is True and query_lens != (1,):
+        raise ConfigError("graph.mixed", f"strategy {config.strategy.name!r} decodes in steps of {max(query_lens)} "
+                          "tokens; mixed graphs hold one-token decode rows beside a prompt chunk; use graph.mixed: "
+                          "auto or false")
+    return not refusing and query_lens == (1,)
 
 
 def _prune_draft_vocab(config: EngineConfig, model: Qwen35Model, factory: OpFactory, args: ModelArgs,

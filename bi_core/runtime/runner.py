@@ -98,7 +98,7 @@ class ModelRunner:
         self.model, self.cache, self.spec = model, cache, spec
         self.device = spec.device
         self.main_graphs = build_graphs(spec)
-        self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp")) if with_mtp_graphs else None
+        self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp", prompt_chunk=0)) if with_mtp_graphs else None
         self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
         self.sleep_level = 0
         self._host: HostBuffer | None = None  # level 1's host copy of the weights, kept between sleeps
@@ -120,7 +120,8 @@ class ModelRunner:
     def execute(self, fwd: Forward) -> StepOutput:
         """Pack ``fwd`` (straight into a graph's static buffers when one replays it) and run it."""
         graphs = self.main_graphs if fwd.head == "model" else self.mtp_graphs
-        input_ids, ctx = graphs.make_context(self._host_batch(fwd), self.device)
+        hb = self._host_batch(fwd)
+        input_ids, ctx = graphs.make_context(hb, self.device)
         if fwd.head == "model":
             outs = graphs.run(self._model_step, input_ids, ctx, self.model.prepare_step, ids_from=fwd.ids_from)
         else:
@@ -129,8 +130,10 @@ class ModelRunner:
         routed = None
         if self.routing is not None and fwd.head == "model" and any(r.seq.params.return_routed_experts
                                                                     for r in fwd.rows):
-            routed = self.routing[:, : fwd.num_tokens].clone()  # before the next step writes the buffer
-        return StepOutput(outs[0], outs[1], samples, ctx.cu_seqlens_host[:-1], ctx.graph, routed)
+            # this step's rows (a mixed graph's chunk sits after its padding), before the next step writes the buffer
+            spans = ctx.graph.spans(len(fwd.rows)) if ctx.graph is not None else [(0, fwd.num_tokens)]
+            routed = torch.cat([self.routing[:, a:b] for a, b in spans], dim=1)
+        return StepOutput(outs[0], outs[1], samples, hb.cu_seqlens[:-1], ctx.graph, routed)
 
     def _host_batch(self, fwd: Forward):
         rows = fwd.rows

@@ -195,3 +195,78 @@ def test_mtp_graphs_default_backend_matches_eager():
         # rows 1..4: the first verify step (pending token + 3 drafts, the same drafts in both runs)
         eager, graphed = torch.stack(calls[False][i][1:5]), torch.stack(calls[True][i][1:5])
         assert float((graphed - eager).norm() / eager.norm()) < 2e-2, i
+
+
+def test_chunk_rule_equals_fla_and_replays_in_a_graph():
+    """``chunk_rule`` (fla's chunked gated delta rule below its autograd wrapper, on our chunk
+    indices) gives fla's public call's bits, and a captured graph of it replays new inputs to the
+    same bits as eager (no device sync, no cached index tensor read after it is dropped)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from bi_core.backends.cuda_common.gdn import FLA_CHUNK, chunk_rule
+
+    lens, h, hv, d = [70, 5, 130, 64], 2, 4, 128
+    t, dev = sum(lens), "cuda"
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
+    offsets, indices = [0], []
+    for j, n in enumerate(lens):
+        chunks = -(-n // FLA_CHUNK)
+        offsets.append(offsets[-1] + chunks)
+        indices += [(j, c) for c in range(chunks)]
+    meta = dict(cu=cu, chunk_indices=torch.tensor(indices, device=dev), chunk_offsets=torch.tensor(offsets, device=dev))
+
+    def inputs(seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        q, k = (torch.randn(1, t, h, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(1, t, hv, d, device=dev, generator=g, dtype=torch.bfloat16)
+        gate = -torch.rand(1, t, hv, device=dev, generator=g) * 0.5
+        beta = torch.rand(1, t, hv, device=dev, generator=g).to(torch.bfloat16)
+        return q, k, v, gate, beta, torch.randn(len(lens), hv, d, d, device=dev, generator=g)
+
+    x = inputs(0)
+    ref_o, ref_f = chunk_gated_delta_rule(*x[:3], g=x[3], beta=x[4], scale=d**-0.5, initial_state=x[5],
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    o, f = chunk_rule(*x[:5], d**-0.5, x[5], meta)
+    assert torch.equal(o, ref_o) and torch.equal(f, ref_f)
+    static = [a.clone() for a in inputs(1)]
+    for _ in range(2):
+        chunk_rule(*static[:5], d**-0.5, static[5], meta)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chunk_rule(*static[:5], d**-0.5, static[5], meta)
+    for a, b in zip(static, inputs(2)):
+        a.copy_(b)
+    graph.replay()
+    want = chunk_rule(*inputs(2)[:5], d**-0.5, inputs(2)[5], meta)
+    assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
+
+
+def test_mixed_graphs_bitwise_equal_eager_invariant():
+    """``graph.mixed``: a long needle's full chunks replay (decode rows, padding, chunk) graphs
+    beside running fillers, and alone (bucket 0); its tokens and logprobs are the bits of the same
+    runs with mixed graphs off. Negative control: other chunk boundaries (128 instead of 256
+    tokens) change the needle's bits, so the comparison sees the prompt path."""
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
+    needle = torch.randint(0, 248320, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
+    fillers = prompts(9, seed=2, vocab=248320)
+
+    def cfg(mixed, chunk=256):
+        c = gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True)
+        return c.replace(graph={"mixed": mixed}, scheduler={"prefill_chunk_size": chunk, "max_num_batched_tokens": 320})
+
+    eng = build_engine(cfg("auto"))
+    assert eng.runner.spec.prompt_chunk == 256
+    del eng
+    graphed_alone = invariance_run(cfg("auto"), needle, [], params)
+    graphed = invariance_run(cfg("auto"), needle, fillers, params)
+    eager = invariance_run(cfg(False), needle, fillers, params)
+    assert graphed == eager == graphed_alone
+    eng = build_engine(cfg("auto"))
+    seqs = [eng.add_request(p, params) for p in fillers[:4]]
+    eng.step()
+    eng.add_request(needle, params)
+    while eng.scheduler.has_work():
+        eng.step()
+    assert eng.runner.main_graphs.mixed_replays >= 3 and any(len(k) == 3 for k in eng.runner.main_graphs.graphs)
+    del eng, seqs
+    assert invariance_run(cfg(False, chunk=128), needle, fillers, params) != eager

@@ -47,6 +47,8 @@ class TritonPagedAttentionImpl:
     of ``kernels/attention.py``: decode/verify sequences through split programs and an ordered
     merge, prefill tiles in one program each; both end in the output gate."""
 
+    graph_prompt_rows = True  # its plan depends on the step's shape only: mixed steps replay from graphs
+
     def __init__(self, spec: AttentionSpec) -> None:
         from bi_core.kernels.attention import prefill_tile_tokens, tokens_per_tile
 
@@ -112,6 +114,7 @@ class FlashInferAttentionImpl:
     and shared by all attention layers of the step."""
 
     decode_query_len = None  # not bitwise with decode steps at any length (its own split heuristics)
+    graph_prompt_rows = False  # the prefill wrapper plans from the step's pages on the host (no mixed graphs)
 
     def __init__(self, spec: AttentionSpec) -> None:
         import flashinfer

@@ -11,6 +11,7 @@ import torch
 
 from bi_core.ops.context import ForwardContext
 from bi_core.ops.gdn import GdnSpec, GdnWeights
+from bi_core.runtime.batch import to_device
 
 
 def pin_fla_autotune() -> int:
@@ -56,37 +57,53 @@ class CudaGdnImpl:
             self._prefill(proj, weights, conv_state, state, ctx, meta, out)
         return out
 
-    def _chunk_meta(self, ctx: ForwardContext):
-        """Token rows, cu_seqlens, read slots, has-past flags, last-token slots and ids of the
-        chunked-form sequences (None in decode-only steps, e.g. every captured graph)."""
+    def _chunk_meta(self, ctx: ForwardContext) -> dict | None:
+        """The chunked-form sequences' plan, from the step's shape alone (None in decode-only
+        steps): their token rows, cu_seqlens, fla's chunk indices and offsets, their indices in
+        the batch, query lengths and last rows; one upload. A graph's static context keeps it
+        for every replay, so nothing in it may depend on positions, slots or pages: those are
+        ``_step_tensors``, derived on the device."""
         key = "gdn_chunk"
         if key not in ctx.op_plans:
             seqs = [i for i, r in enumerate(ctx.is_recurrent_host) if not r]
             if not seqs:
                 ctx.op_plans[key] = None
                 return None
-            dev = ctx.positions.device
-            tokens, cu, longest = [], [0], 0
-            for i in seqs:
-                a, b = ctx.token_range(i)
-                tokens += range(a, b)
-                cu.append(cu[-1] + b - a)
-                longest = max(longest, b - a)
-            last = [ctx.token_state_slots_host[ctx.token_range(i)[1] - 1] for i in seqs]
+            spans = [ctx.token_range(i) for i in seqs]
+            lens = [b - a for a, b in spans]
+            tokens = [t for a, b in spans for t in range(a, b)]
             contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
-            ctx.op_plans[key] = dict(
-                rows=slice(tokens[0], tokens[0] + len(tokens)) if contiguous
-                else torch.tensor(tokens, dtype=torch.int64, device=dev),
-                cu=torch.tensor(cu, dtype=torch.int64, device=dev),
-                slots=torch.tensor([ctx.state_slots_host[i] for i in seqs], dtype=torch.int64, device=dev),
-                has_past=torch.tensor([ctx.past_len(i) > 0 for i in seqs], dtype=torch.bool, device=dev),
-                final_slots=torch.tensor(last, dtype=torch.int64, device=dev),
-                seq_ids=torch.tensor(seqs, dtype=torch.int64, device=dev), longest=longest)
+            cu, offsets, indices = [0], [0], []
+            for j, n in enumerate(lens):
+                cu.append(cu[-1] + n)
+                chunks = -(-n // FLA_CHUNK)
+                offsets.append(offsets[-1] + chunks)
+                indices += [x for t in range(chunks) for x in (j, t)]
+            fields = dict(cu=cu, chunk_indices=indices, chunk_offsets=offsets, seq_ids=seqs, query_lens=lens,
+                          last_rows=[b - 1 for _, b in spans], rows=[] if contiguous else tokens)
+            flat = [x for f in fields.values() for x in f + [0] * (len(f) % 2)]  # 16-byte aligned views
+            parts = torch.split(to_device(flat, ctx.positions.device), [len(f) + len(f) % 2 for f in fields.values()])
+            plan = {name: t[: len(f)] for (name, f), t in zip(fields.items(), parts)}
+            plan["chunk_indices"] = plan["chunk_indices"].view(-1, 2)
+            plan["rows"] = slice(tokens[0], tokens[0] + len(tokens)) if contiguous else plan["rows"]
+            plan["longest"] = max(lens)
+            ctx.op_plans[key] = plan
         return ctx.op_plans[key]
 
-    def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    @staticmethod
+    def _step_tensors(ctx: ForwardContext, meta: dict) -> dict:
+        """Per forward, on the device: the state slot each chunked sequence reads, whether it has
+        a past (else its state starts at zero), and the slot its final state goes to."""
+        key = "gdn_chunk"
+        if key not in ctx.step_tensors:
+            ids = meta["seq_ids"]
+            ctx.step_tensors[key] = dict(
+                slots=ctx.state_slots.index_select(0, ids),
+                has_past=ctx.context_lens.index_select(0, ids) > meta["query_lens"],
+                final_slots=ctx.token_state_slots.index_select(0, meta["last_rows"]))
+        return ctx.step_tensors[key]
 
+    def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
         from bi_core.backends.reference.gdn import gates, split_proj
         from bi_core.kernels.conv1d import causal_conv1d
         from bi_core.kernels.norm import gated_rms_norm
@@ -105,15 +122,46 @@ class CudaGdnImpl:
         q, k, v = (t[rows] for t in qkv)
         n = q.shape[0]
         g, beta = gates(a[rows], b[rows], weights)
+        step = self._step_tensors(ctx, meta)
         # fla's states are [N, Hv, Dk, Dv]; the cache holds them transposed ([Hv, Dv, Dk])
-        init = torch.where(meta["has_past"][:, None, None, None], state[meta["slots"]].float().transpose(-1, -2), 0.0)
-        o, final = chunk_gated_delta_rule(
+        init = torch.where(step["has_past"][:, None, None, None], state[step["slots"]].float().transpose(-1, -2), 0.0)
+        o, final = chunk_rule(
             q.view(1, n, s.num_k_heads, s.head_k_dim), k.view(1, n, s.num_k_heads, s.head_k_dim),
-            v.view(1, n, s.num_v_heads, s.head_v_dim), g=g[None], beta=beta[None], scale=self.scale,
-            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=meta["cu"])
-        state.index_copy_(0, meta["final_slots"], final.transpose(-1, -2).to(state.dtype))
+            v.view(1, n, s.num_v_heads, s.head_v_dim), g[None], beta[None], self.scale, init, meta)
+        state.index_copy_(0, step["final_slots"], final.transpose(-1, -2).to(state.dtype))
         o = o[0].to(proj.dtype).reshape(n, s.value_dim)
         if isinstance(rows, slice):  # normalised straight into the layer output's rows
             gated_rms_norm(o, z[rows], weights.norm, s.norm_eps, head_dim=s.head_v_dim, out=out[rows])
         else:
             out.index_copy_(0, rows, gated_rms_norm(o, z[rows], weights.norm, s.norm_eps, head_dim=s.head_v_dim))
+
+
+FLA_CHUNK = 64  # fla's chunk length for the gated delta rule
+
+
+def chunk_rule(q, k, v, g, beta, scale: float, initial_state, meta: dict):
+    """fla's chunked gated delta rule, forward only (what ``chunk_gated_delta_rule`` runs with
+    ``use_qk_l2norm_in_kernel``, without its autograd Function, argument guards and backend
+    dispatch: ~0.7 ms of host time a layer), on the plan's own chunk indices and offsets. fla
+    would otherwise derive them from ``cu_seqlens`` (a device sync a step) and keep them in an
+    identity cache of 4 entries: a CUDA graph replaying a tensor that cache then drops reads
+    freed memory. Returns (o [1, T, Hv, Dv] in q's dtype, final states [N, Hv, Dk, Dv] fp32)."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    cu, indices = meta["cu"], meta["chunk_indices"]
+    q, _ = l2norm_fwd(q)
+    k, _ = l2norm_fwd(k)
+    g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=indices)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_size=FLA_CHUNK,
+                                               chunk_indices=indices)
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(
+        k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=True, chunk_size=FLA_CHUNK,
+        cu_seqlens=cu, chunk_indices=indices, chunk_offsets=meta["chunk_offsets"])
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu, chunk_size=FLA_CHUNK,
+                    chunk_indices=indices)
+    return o.to(q.dtype), final

@@ -1,16 +1,22 @@
 """CUDA graphs for uniform steps: every sequence runs the same number L of recurrent tokens
-(L = 1: an AR decode step; L = 1 + N: an MTP verify step or MTP head catch-up).
+(L = 1: an AR decode step; L = 1 + N: an MTP verify step or MTP head catch-up); and for mixed
+steps: one-token decode rows, then one prompt chunk of exactly the scheduler's chunk size
+(``spec.prompt_chunk``), the step a long prompt runs among decoding streams.
 
-One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16. A step of B
-sequences is packed straight into the static buffers of the smallest bucket >= B (one transfer
-of the integer fields, one of the block table); sequences B..bucket-1 are padding whose KV
-writes go to a reserved scratch page and whose GDN state is a reserved scratch slot, so padding
-never touches a real sequence. A graph computes the logits of every row and samples every row
-(greedy or plain temperature, keys and temperatures are static inputs too: decode and verify
-sample every row). Other steps (prefill rows, mixed lengths, L not captured, more sequences
-than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's)
-runs before every forward, outside the graph. ``extra`` is an optional per-token input (the MTP
-head's main-model hidden states) that gets a static buffer like the token ids."""
+One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16; one per (1,
+bucket, chunk) with buckets 0, 1, 2, 4, 8, 16, then multiples of 32 (a mixed step's cost is
+mostly its chunk: coarser buckets, fewer graphs). A step of B sequences is packed straight into
+the static buffers of the smallest bucket >= B (one transfer of the integer fields, one of the
+block table); sequences B..bucket-1 are padding whose KV writes go to a reserved scratch page and
+whose GDN state is a reserved scratch slot, so padding never touches a real sequence; in a mixed
+step they sit between the real decode rows and the prompt chunk, which keeps its rows at a fixed
+offset (``GraphShape.spans``). A uniform graph computes the logits of every row and samples every
+row (greedy or plain temperature, keys and temperatures are static inputs too: decode and verify
+sample every row); a mixed graph those of the decode rows and the chunk's last row. Other steps
+(other prompt rows, mixed lengths, L not captured, more sequences than the largest bucket) run
+eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's) runs before every forward,
+outside the graph. ``extra`` is an optional per-token input (the MTP head's main-model hidden
+states) that gets a static buffer like the token ids."""
 
 from __future__ import annotations
 
@@ -30,6 +36,12 @@ def buckets(max_batch: int) -> list[int]:
     return sorted(set(out + [max_batch]))
 
 
+def mixed_buckets(max_batch: int) -> list[int]:
+    """Decode-row buckets of mixed steps: 0 (the chunk alone), then as ``buckets`` up to 16, then
+    multiples of 32 (and the largest)."""
+    return [0] + [b for b in buckets(max_batch) if b <= 16 or b % 32 == 0 or b == max_batch]
+
+
 def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A host tensor shaped like ``like`` (holding its current values), pinned when the device
     copies from it asynchronously."""
@@ -38,68 +50,94 @@ def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
 
 
 class StaticBatch:
-    """The static inputs of one (L, bucket) graph: int64 device buffers the graph reads, filled
-    per step from pinned host staging buffers of the same layout (reused: a step waits for the
-    previous step's copy out of them first). The block table is staged row by row: a row is
-    rewritten only when its sequence's pages differ from what the row holds, and copied only
-    when a row changed (a decode step at 256 sequences no longer converts 256 page lists)."""
+    """The static inputs of one graph: int64 device buffers the graph reads, filled per step
+    from pinned host staging buffers of the same layout (reused: a step waits for the previous
+    step's copy out of them first). The block table is staged row by row: a row is rewritten
+    only when its sequence's pages differ from what the row holds, and copied only when a row
+    changed (a decode step at 256 sequences no longer converts 256 page lists)."""
 
-    def __init__(self, spec: GraphRunnerSpec, q: int, bucket: int, block_size: int, device: torch.device) -> None:
-        self.spec, self.q, self.bucket, self.block_size = spec, q, bucket, block_size
-        t = bucket * q
+    def __init__(self, spec: GraphRunnerSpec, q: int, bucket: int, block_size: int, device: torch.device,
+                 chunk: int = 0) -> None:
+        self.spec, self.q, self.bucket, self.block_size, self.chunk = spec, q, bucket, block_size, chunk
+        decode = bucket * q
+        t = decode + chunk
+        seqs = bucket + (1 if chunk else 0)
         self.num_tokens = t
-        self.region = torch.zeros(6 * t + 2 * bucket, dtype=torch.int64, device=device)
-        self.block_tables = torch.full((bucket, spec.max_blocks_per_seq), spec.scratch_page, dtype=torch.int64,
+        # the rows whose logits the graph computes (and samples): every row of a uniform step; the
+        # decode rows and the chunk's last row of a mixed one
+        self.logits_rows = list(range(t)) if not chunk else list(range(decode)) + [t - 1]
+        self._logit_pos = {row: i for i, row in enumerate(self.logits_rows)}
+        r = len(self.logits_rows)
+        self.region = torch.zeros(4 * t + 2 * r + 2 * seqs, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((seqs, spec.max_blocks_per_seq), spec.scratch_page, dtype=torch.int64,
                                        device=device)
         ids, pos, slots, token_states, keys, temps, ctx_lens, states = torch.split(
-            self.region, [t, t, t, t, t, t, bucket, bucket])
+            self.region, [t, t, t, t, r, r, seqs, seqs])
         self.input_ids = ids
         self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
                           state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64))
-        self.cu_seqlens = torch.arange(0, t + 1, q, dtype=torch.int64, device=device)
-        self.all_rows = torch.arange(t, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.tensor(list(range(0, decode + 1, q)) + ([t] if chunk else []), dtype=torch.int64,
+                                       device=device)
+        self.logits_indices = torch.tensor(self.logits_rows, dtype=torch.int64, device=device)
         self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
-        self.shape = GraphShape(q, bucket)
+        self.shape = GraphShape(q, bucket, chunk)
         self.op_plans: dict = {}  # shared by every step of this graph (ops keep the plans made at capture)
         self.extra: torch.Tensor | None = None  # static per-token input, allocated at capture
         self.current: HostBatch | None = None  # the real batch last loaded
         pinned = device.type == "cuda"
         self._stage_region = _staging(self.region, pinned)
         self._stage_table = _staging(self.block_tables, pinned)
-        self._table_rows: list[list[int] | None] = [None] * bucket  # the pages each staged row holds
+        self._table_rows: list[list[int] | None] = [None] * seqs  # the pages each staged row holds
         self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the staging buffers
 
     def padded(self, hb: HostBatch | None) -> HostBatch:
         """``hb`` plus padding sequences up to the bucket (all padding when ``hb`` is None): q
-        tokens at positions 0..q-1 of the scratch page, the scratch state slot, no logits."""
-        q, pad = self.q, self.bucket - (hb.num_seqs if hb else 0)
+        tokens at positions 0..q-1 of the scratch page, the scratch state slot, no logits; in a
+        mixed step they go before the prompt chunk (a padding chunk: ``chunk`` tokens, all in the
+        scratch page, from position 0)."""
+        q, bs = self.q, self.block_size
         page, slot = self.spec.scratch_page, self.spec.scratch_slot
-        bs = self.block_size
         real = hb or HostBatch([], [], [], [], [], [], [], [], [], [], bs, self.spec.state_ring)
+        if self.chunk and hb is None:  # the padding chunk
+            n = self.chunk
+            real = HostBatch(token_ids=[0] * n, positions=list(range(n)), slot_mapping=[page * bs + i % bs for i in range(n)],
+                             token_state_slots=[slot] * n, query_lens=[n], context_lens=[n], state_slots=[slot],
+                             blocks=[[page] * -(-n // bs)], is_recurrent=[False], logits_rows=[], block_size=bs,
+                             ring=self.spec.state_ring)
+        head = real.num_seqs - (1 if self.chunk else 0)  # real decode sequences
+        cut, pad = head * q, self.bucket - head
+
+        def split(values: list, tail: list) -> list:  # decode part, padding, then the chunk's part
+            return values[:cut] + tail + values[cut:]
+
+        def per_seq(values: list, tail: list) -> list:
+            return values[:head] + tail + values[head:]
+
         return HostBatch(
-            token_ids=real.token_ids + [0] * (pad * q), positions=real.positions + list(range(q)) * pad,
-            slot_mapping=real.slot_mapping + [page * bs + i for i in range(q)] * pad,
-            token_state_slots=real.token_state_slots + [slot] * (pad * q), query_lens=real.query_lens + [q] * pad,
-            context_lens=real.context_lens + [q] * pad, state_slots=real.state_slots + [slot] * pad,
-            blocks=real.blocks + [[page]] * pad, is_recurrent=real.is_recurrent + [True] * pad,
-            logits_rows=real.logits_rows, block_size=bs, ring=real.ring, sample_keys=real.sample_keys,
-            temperatures=real.temperatures)
+            token_ids=split(real.token_ids, [0] * (pad * q)), positions=split(real.positions, list(range(q)) * pad),
+            slot_mapping=split(real.slot_mapping, [page * bs + i for i in range(q)] * pad),
+            token_state_slots=split(real.token_state_slots, [slot] * (pad * q)),
+            query_lens=per_seq(real.query_lens, [q] * pad), context_lens=per_seq(real.context_lens, [q] * pad),
+            state_slots=per_seq(real.state_slots, [slot] * pad), blocks=per_seq(real.blocks, [[page]] * pad),
+            is_recurrent=per_seq(real.is_recurrent, [True] * pad),
+            logits_rows=self.graph_rows(real, real.logits_rows) if hb else [], block_size=bs, ring=real.ring,
+            sample_keys=real.sample_keys, temperatures=real.temperatures)
 
     def load(self, hb: HostBatch | None) -> HostBatch:
         """Copy a (padded) batch into the static buffers; returns the padded batch."""
         p = self.padded(hb)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again (normally long since)
-        t = self.num_tokens
+        t, r = self.num_tokens, len(self.logits_rows)
         region = self._stage_region.numpy()
         region[: 4 * t] = p.token_ids + p.positions + p.slot_mapping + p.token_state_slots
-        region[4 * t: 6 * t] = 0  # every row samples in a graph (padding: greedy, key 0)
+        region[4 * t: 4 * t + 2 * r] = 0  # every logits row samples in a graph (padding: greedy, key 0)
         n = min(len(p.logits_rows), len(p.sample_keys))  # rows sampled with a key (none when the caller samples)
         if n:
-            rows = np.asarray(p.logits_rows[:n])
-            region[4 * t + rows] = p.sample_keys[:n]
-            region[5 * t: 6 * t].view(np.float64)[rows] = p.temperatures[:n]
-        region[6 * t:] = p.context_lens + p.state_slots
+            at = np.asarray([self._logit_pos[row] for row in p.logits_rows[:n]])
+            region[4 * t + at] = p.sample_keys[:n]
+            region[4 * t + r: 4 * t + 2 * r].view(np.float64)[at] = p.temperatures[:n]
+        region[4 * t + 2 * r:] = p.context_lens + p.state_slots
         self.region.copy_(self._stage_region, non_blocking=True)
         table, rows, changed = self._stage_table.numpy(), self._table_rows, False
         for i, pages in enumerate(p.blocks):
@@ -115,8 +153,45 @@ class StaticBatch:
 
     def context(self, p: HostBatch) -> ForwardContext:
         return context_from(p, cu_seqlens=self.cu_seqlens, block_tables=self.block_tables,
-                            logits_indices=self.all_rows, recurrent_ids=self.seq_ids, graph=self.shape, op_plans=self.op_plans,
-                            logits_all_rows=True, **self.views)
+                            logits_indices=self.logits_indices, recurrent_ids=self.seq_ids, graph=self.shape,
+                            op_plans=self.op_plans, logits_all_rows=not self.chunk, **self.views)
+
+    def graph_rows(self, hb: HostBatch, rows: list[int]) -> list[int]:
+        """Flat rows of the real batch ``hb`` -> rows of the graph (a mixed step's chunk comes
+        after the padding)."""
+        if not self.chunk:
+            return list(rows)
+        head = hb.num_seqs - 1
+        cut, shift = head * self.q, (self.bucket - head) * self.q
+        return [r if r < cut else r + shift for r in rows]
+
+    def outputs(self, outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The graph's static outputs as the real batch (``current``) lays them out: its tokens'
+        rows of the per-token output, and the logits rows it asked for (a graph computes more)."""
+        hb = self.current
+        at = [self._logit_pos[r] for r in self.graph_rows(hb, hb.logits_rows)]
+        return (_rows(outs[0], self.shape.spans(hb.num_seqs)), *(_rows(o, _runs(at)) for o in outs[1:]))
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of ``rows`` as (start, end) spans."""
+    spans: list[tuple[int, int]] = []
+    for r in rows:
+        if spans and spans[-1][1] == r:
+            spans[-1] = (spans[-1][0], r + 1)
+        else:
+            spans.append((r, r + 1))
+    return spans
+
+
+def _rows(t: torch.Tensor, spans: list[tuple[int, int]], dim: int = 0) -> torch.Tensor:
+    """The rows of ``spans`` of ``t`` along ``dim``: a view for one span, else one concatenation
+    (no index upload: a host-to-device copy from pageable memory would wait for the stream)."""
+    if len(spans) == 1:
+        return t.narrow(dim, spans[0][0], spans[0][1] - spans[0][0])
+    if not spans:
+        return t.narrow(dim, 0, 0)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in spans], dim=dim)
 
 
 class _Captured:
@@ -163,56 +238,66 @@ class CudaGraphRunnerImpl:
         self.spec = spec
         self.capture = capture
         self.buckets = buckets(spec.max_batch_size)
-        self.statics: dict[tuple[int, int], StaticBatch] = {}
-        self.graphs: dict[tuple[int, int], _Captured | _Rerun] = {}
+        self.mixed_buckets = mixed_buckets(spec.max_batch_size) if spec.prompt_chunk else []
+        self.statics: dict[tuple[int, ...], StaticBatch] = {}
+        self.graphs: dict[tuple[int, ...], _Captured | _Rerun] = {}
         self.pool = None
-        self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length
-        self.capture_s: dict[tuple[int, int], float] = {}  # seconds each capture_all capture took (host clock)
+        self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length (uniform steps)
+        self.mixed_replays = 0  # mixed steps (decode rows + a prompt chunk) replayed
+        self.capture_s: dict[tuple[int, ...], float] = {}  # seconds each capture_all capture took (host clock)
         # recorded after a step's host-staged inputs are queued, before it runs (wait_inputs)
         self._inputs = torch.cuda.Event() if spec.device.type == "cuda" else None
 
-    def graph_key(self, hb: HostBatch) -> tuple[int, int] | None:
-        """(L, bucket) if this step can replay a graph, else None."""
-        lens = hb.query_lens
+    def graph_key(self, hb: HostBatch) -> tuple[int, ...] | None:
+        """(L, bucket) if this step can replay a uniform graph, (1, bucket, chunk) a mixed one,
+        else None."""
+        lens, rec = hb.query_lens, hb.is_recurrent
+        if not self.spec.use_graphs or hb.ring != self.spec.state_ring:
+            return None
         q = lens[0]
-        if not (self.spec.use_graphs and hb.num_seqs <= self.buckets[-1] and q in self.spec.query_lens):
-            return None
-        if hb.ring != self.spec.state_ring or any(x != q for x in lens) or not all(hb.is_recurrent):
-            return None
-        return q, next(x for x in self.buckets if x >= hb.num_seqs)
+        if all(rec) and q in self.spec.query_lens and all(x == q for x in lens) and hb.num_seqs <= self.buckets[-1]:
+            return q, next(x for x in self.buckets if x >= hb.num_seqs)
+        chunk, head = self.spec.prompt_chunk, hb.num_seqs - 1
+        if (chunk and not rec[-1] and lens[-1] == chunk and all(rec[:-1]) and all(x == 1 for x in lens[:-1])
+                and head <= self.mixed_buckets[-1]):
+            return 1, next(x for x in self.mixed_buckets if x >= head), chunk
+        return None
+
+    def _static(self, key: tuple[int, ...], block_size: int, device: torch.device) -> StaticBatch:
+        if key not in self.statics:
+            assert key[0] <= block_size, "a padding sequence's tokens must fit in the scratch page"
+            self.statics[key] = StaticBatch(self.spec, *key[:2], block_size, device, chunk=key[2] if len(key) > 2 else 0)
+        return self.statics[key]
 
     def make_context(self, hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
         key = self.graph_key(hb)
         if key is None:
             return upload(hb, device)
-        if key not in self.statics:
-            assert key[0] <= hb.block_size, "a padding sequence's tokens must fit in the scratch page"
-            self.statics[key] = StaticBatch(self.spec, *key, hb.block_size, device)
-        static = self.statics[key]
+        static = self._static(key, hb.block_size, device)
         static.current = hb
         ctx = static.context(static.load(hb))
-        ctx.logits_indices_host = list(hb.logits_rows)  # the rows the caller wants (a graph computes all)
-        return static.input_ids[: len(hb.token_ids)], ctx
+        ctx.logits_indices_host = list(hb.logits_rows)  # the rows the caller wants (a graph computes more)
+        ids = static.input_ids if static.chunk else static.input_ids[: len(hb.token_ids)]
+        return ids, ctx
 
     def capture_all(self, step, block_size: int, prepare=None, extra: torch.Tensor | None = None) -> int:
-        """Capture every (L, bucket) graph now, largest bucket first (smaller graphs then reuse the
-        largest one's memory pool), so no capture or first-time compile stalls a running batch.
-        ``extra``: an example per-token input (its trailing shape and dtype). Returns how many
-        graphs were captured."""
+        """Capture every graph now, mixed ones first (the largest steps), then uniform ones by
+        bucket, largest first (smaller graphs then reuse the largest one's memory pool), so no
+        capture or first-time compile stalls a running batch. ``extra``: an example per-token
+        input (its trailing shape and dtype). Returns how many graphs were captured."""
         if not self.spec.use_graphs:
             return 0
+        keys = [(1, b, self.spec.prompt_chunk) for b in reversed(self.mixed_buckets)]
+        keys += [(q, b) for q in self.spec.query_lens for b in reversed(self.buckets)]
         n = 0
-        for q in self.spec.query_lens:
-            for bucket in reversed(self.buckets):
-                key = (q, bucket)
-                if key in self.graphs:
-                    continue
-                if key not in self.statics:
-                    self.statics[key] = StaticBatch(self.spec, q, bucket, block_size, self.spec.device)
-                t0 = time.perf_counter()
-                self._record(key, step, prepare, extra)
-                self.capture_s[key] = time.perf_counter() - t0
-                n += 1
+        for key in keys:
+            if key in self.graphs:
+                continue
+            self._static(key, block_size, self.spec.device)
+            t0 = time.perf_counter()
+            self._record(key, step, prepare, extra)
+            self.capture_s[key] = time.perf_counter() - t0
+            n += 1
         return n
 
     def run(self, step, input_ids, ctx: ForwardContext, prepare=None, extra: torch.Tensor | None = None,
@@ -227,6 +312,7 @@ class CudaGraphRunnerImpl:
             self._mark_inputs()
             return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
         static = self.statics[key]
+        assert not static.chunk or (ids_from is None and extra is None), "mixed graphs: host token ids, main model"
         if key not in self.graphs:
             self._record(key, step, prepare, extra)
             static.load(static.current)  # capture ran on padding: put this step's rows back
@@ -238,8 +324,11 @@ class CudaGraphRunnerImpl:
             prepare(ctx)
         self._mark_inputs()
         outs = self.graphs[key].replay(ctx)
-        self.num_replays[key[0]] += 1
-        return self._outputs(outs, ctx, input_ids.shape[0])
+        if static.chunk:
+            self.mixed_replays += 1
+        else:
+            self.num_replays[key[0]] += 1
+        return static.outputs(outs)
 
     def _mark_inputs(self) -> None:
         """Record that everything the host staged for this step is queued (``wait_inputs``)."""
@@ -255,15 +344,6 @@ class CudaGraphRunnerImpl:
         self.statics.clear()
         self.pool = None
         self.capture_s.clear()
-
-    @staticmethod
-    def _outputs(outs, ctx: ForwardContext, num_tokens: int):
-        """Real rows of the padded outputs; logits rows the caller asked for (a graph computes all)."""
-        rows = ctx.logits_indices_host
-        if rows == list(range(num_tokens)):
-            return tuple(o[:num_tokens] for o in outs)
-        index = torch.tensor(rows, dtype=torch.int64, device=outs[0].device)
-        return (outs[0][:num_tokens], *(o[index] for o in outs[1:]))
 
     def _record(self, key, step, prepare, extra) -> None:
         """Capture the graph of ``key`` on padding rows only (the static buffers hold this step's

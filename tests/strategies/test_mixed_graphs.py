@@ -1,0 +1,141 @@
+"""Mixed graphs (``graph.mixed``, issue 22): a step of one-token decode rows plus one full prompt
+chunk replays a graph of (1, bucket, chunk), with padding decode rows between the real ones and
+the chunk. On the CPU the graph runner reruns each step on its static buffers (``capture=False``)
+against the reference backend: bucketing, the padded layout, the logits rows and the per-token
+outputs mapped back must give eager's outputs."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from helpers import tiny_config
+from test_graph_steps import clear_scratch, scratch_written
+
+from bi_core import EngineConfig, SamplingParams, build_engine
+from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl, mixed_buckets
+from bi_core.errors import ConfigError
+from bi_core.runtime.batch import plan_batch
+
+CHUNK = 32
+
+
+def config(preset: str, **extra) -> EngineConfig:
+    # 3 short prompts fill the first step; the long ones then prefill in 32-token chunks beside
+    # their decode rows, one chunk a step (the budget holds 8 decode rows + one chunk)
+    return EngineConfig.from_dict(tiny_config(model={"random": {"preset": preset, "seed": 1},
+                                                     "enable_return_routed_experts": preset == "tiny-moe"},
+                                              scheduler={"prefill_chunk_size": CHUNK, "max_num_batched_tokens": 40},
+                                              **extra))
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    # 96 = 3 full chunks (its last chunk is full too: the graph's chunk logits row is asked for), 75 = 2 + 11
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 7, 6, 96, 75)]
+
+
+def with_mixed_runner(eng):
+    clear_scratch(eng)
+    spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size)
+    eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
+    return eng
+
+
+PARAMS = {
+    "greedy": SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+    "sampled": SamplingParams(max_new_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+    "routed": SamplingParams(max_new_tokens=6, ignore_eos=True, return_routed_experts=True),
+}
+
+
+@pytest.mark.parametrize("preset,mode", [("tiny-dense", "greedy"), ("tiny-dense", "sampled"),
+                                         ("tiny-moe", "sampled"), ("tiny-moe", "routed")])
+def test_mixed_steps_replay_and_equal_eager(preset, mode):
+    ps, params = prompts(), PARAMS[mode]
+    eager = build_engine(config(preset)).generate(ps, params)
+    eng = with_mixed_runner(build_engine(config(preset)))
+    out = eng.generate(ps, params)
+    graphs = eng.runner.main_graphs
+    assert graphs.mixed_replays > 0 and any(len(k) == 3 and k[2] == CHUNK for k in graphs.graphs)
+    assert scratch_written(eng)
+    for a, b in zip(out, eager):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-5, rtol=1e-5)
+        if mode == "greedy":  # the chunk's rows (hidden states) come back in the request's layout
+            assert [sorted(d) for d in a.prompt_logprobs[1:]] == [sorted(d) for d in b.prompt_logprobs[1:]]
+            torch.testing.assert_close(torch.tensor([v for d in a.prompt_logprobs[1:] for _, v in sorted(d.items())]),
+                                       torch.tensor([v for d in b.prompt_logprobs[1:] for _, v in sorted(d.items())]),
+                                       atol=1e-5, rtol=1e-5)
+        if mode == "routed":  # every prompt token's experts, the chunk's rows past the padding included
+            assert torch.equal(torch.as_tensor(a.routed_experts), torch.as_tensor(b.routed_experts))
+
+
+def test_mixed_graph_keys():
+    """(1, bucket of the decode rows, chunk) for one-token recurrent rows then one chunk of
+    exactly the chunk size; a short (final) chunk, two chunks, a chunk not last or multi-token
+    decode rows run eagerly."""
+    eng = build_engine(config("tiny-dense"))
+    runner = CudaGraphRunnerImpl(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
+    assert runner.mixed_buckets == mixed_buckets(8) == [0, 1, 2, 4, 8]
+    assert mixed_buckets(72) == [0, 1, 2, 4, 8, 16, 32, 64, 72]
+
+    def key(lens, recurrent):
+        hb = plan_batch([[1] * q for q in lens], [40] * len(lens), [[0, 1, 2, 3, 4]] * len(lens),
+                        list(range(len(lens))), recurrent, block_size=16)
+        return runner.graph_key(hb)
+
+    assert key([1, 1, 1, CHUNK], [True] * 3 + [False]) == (1, 4, CHUNK)
+    assert key([CHUNK], [False]) == (1, 0, CHUNK)
+    assert key([1] * 8 + [CHUNK], [True] * 8 + [False]) == (1, 8, CHUNK)
+    assert key([1, 1, 1], [True] * 3) == (1, 4)  # uniform as before
+    assert key([1, 1, 20], [True, True, False]) is None  # a final (shorter) chunk
+    assert key([1, CHUNK, CHUNK], [True, False, False]) is None
+    assert key([CHUNK, 1], [False, True]) is None
+    assert key([2, 2, CHUNK], [True, True, False]) is None
+
+
+def test_mixed_outputs_layout():
+    """Padding sits between the decode rows and the chunk; ``spans`` and ``graph_rows`` map the
+    request's rows there and back."""
+    eng = build_engine(config("tiny-dense"))
+    runner = CudaGraphRunnerImpl(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
+    hb = plan_batch([[7], [8], [9] * CHUNK], [10, 11, 0], [[0], [1], [2, 3]], [0, 1, 2], [True, True, False],
+                    block_size=16, logits_rows=[[0], [0], [CHUNK - 1]])
+    ids, ctx = runner.make_context(hb, torch.device("cpu"))
+    assert ctx.graph.spans(3) == [(0, 2), (2, 2 + CHUNK)]  # bucket 2: no padding
+    hb3 = plan_batch([[7], [8], [6], [9] * CHUNK], [10, 11, 12, 0], [[0], [1], [4], [2, 3]], [0, 1, 3, 2],
+                     [True, True, True, False], block_size=16)
+    ids, ctx = runner.make_context(hb3, torch.device("cpu"))
+    static = runner.statics[(1, 4, CHUNK)]
+    assert ctx.graph.spans(4) == [(0, 3), (4, 4 + CHUNK)]
+    assert static.graph_rows(hb3, [0, 1, 2, 3 + CHUNK - 1]) == [0, 1, 2, 4 + CHUNK - 1]
+    assert ctx.token_state_slots_host[3] == eng.runner.spec.scratch_slot  # the padding row
+    assert ids[:3].tolist() == [7, 8, 6] and ids[3].item() == 0 and ids[4:].tolist() == [9] * CHUNK
+    assert ctx.logits_indices.tolist() == [0, 1, 2, 3, 4 + CHUNK - 1]
+    outs = (torch.arange(4 + CHUNK)[:, None].float(), torch.arange(5)[:, None].float())
+    hidden, logits = static.outputs(outs)
+    assert hidden[:, 0].tolist() == [0, 1, 2] + list(range(4, 4 + CHUNK))
+    assert logits[:, 0].tolist() == [0, 1, 2, 4]  # the request asked for its rows 0, 1, 2 and the chunk's last
+
+
+def test_mixed_graphs_config(monkeypatch):
+    """auto: on where every attention impl can replay prompt rows and the strategy decodes one
+    token a step; true where an impl cannot (the reference backend's reads host lists) or with
+    MTP: one ConfigError naming why; graphs off: never."""
+    from bi_core.backends.reference.attention import ReferenceAttentionImpl
+    from bi_core.runtime.build import _mixed_graphs
+
+    model = build_engine(config("tiny-dense")).model
+
+    def resolve(query_lens=(1,), **graph):
+        return _mixed_graphs(config("tiny-dense", graph=graph), model, query_lens)
+
+    assert not resolve(enabled=True) and not resolve(enabled=False, mixed=True)
+    with pytest.raises(ConfigError, match="graph.mixed.*ReferenceAttentionImpl plans prompt rows on the host"):
+        resolve(enabled=True, mixed=True)
+    monkeypatch.setattr(ReferenceAttentionImpl, "graph_prompt_rows", True, raising=False)
+    assert resolve(enabled=True) and resolve(enabled=True, mixed=True) and not resolve(enabled=True, mixed=False)
+    assert not resolve((1, 4), enabled=True)
+    with pytest.raises(ConfigError, match="graph.mixed.*decodes in steps of 4 tokens"):
+        resolve((1, 4), enabled=True, mixed=True)
