@@ -77,6 +77,9 @@ class Overlap:
 
     def _flies(self, plan: StepPlan, out: StepOutput) -> bool:
         rows = plan.forward.rows
-        return (out.samples is not None and out.graph is not None and self.runner.on_logits is None
+        # a uniform (decode) graph only: plan_ahead moves every row one token on, and a mixed
+        # graph's step (decode rows plus a prompt's last chunk) samples every row too
+        return (out.samples is not None and out.graph is not None and not out.graph.chunk
+                and self.runner.on_logits is None
                 and all(r.sample for r in rows) and not any(r.seq.followers for r in rows)
                 and device_sampled([r.seq for r in rows]))

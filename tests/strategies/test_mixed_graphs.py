@@ -139,3 +139,15 @@ def test_mixed_graphs_config(monkeypatch):
     assert not resolve((1, 4), enabled=True)
     with pytest.raises(ConfigError, match="graph.mixed.*decodes in steps of 4 tokens"):
         resolve((1, 4), enabled=True, mixed=True)
+
+
+def test_a_last_chunk_replayed_alone_is_not_launched_ahead_of():
+    """A prompt of exactly one chunk, alone, sampled on the device: its step replays a mixed graph
+    (bucket 0) whose rows all sample, but it is no decode step, so overlapped decode must not plan
+    the next step from it (that plans every row one token on: the warm-up's first wave crashed)."""
+    ps = [torch.randint(0, 256, (CHUNK,), generator=torch.Generator().manual_seed(1)).tolist()]
+    params = PARAMS["sampled"]
+    eager = build_engine(config("tiny-dense")).generate(ps, params)
+    eng = with_mixed_runner(build_engine(config("tiny-dense")))
+    assert [o.token_ids for o in eng.generate(ps, params)] == [o.token_ids for o in eager]
+    assert eng.runner.main_graphs.mixed_replays == 1 and eng.num_ahead > 0  # the decode steps did fly
