@@ -242,14 +242,28 @@ async def mixed_load(url: str, model: str, streams: list[list[int]], long: list[
         r = await client.post(f"{url}/v1/completions", json={**body, "prompt": long, "max_tokens": 1})
         first = time.perf_counter()
         times = await asyncio.gather(*tasks)
-    gaps_during, gaps_before = [], []
+    gaps_during, gaps_before, ends = [], [], []
     for ts in times:
         for a, b in zip(ts, ts[1:]):
             if sent <= a and b <= first + 0.001:
                 gaps_during.append(b - a)
+                ends.append((b - sent, b - a))
             elif b < sent and a > sent - 1.0:
                 gaps_before.append(b - a)
-    return {"ttft_s": first - sent, "long": outcome(r.json()), "gaps_during": gaps_during, "gaps_before": gaps_before}
+    return {"ttft_s": first - sent, "long": outcome(r.json()), "gaps_during": gaps_during, "gaps_before": gaps_before,
+            "steps": _steps(ends)}
+
+
+def _steps(ends: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Engine steps seen from the streams: tokens arriving within 5 ms of each other came from one
+    step; per step (its end after the long prompt was sent, its longest gap), in order."""
+    steps: list[tuple[float, float]] = []
+    for end, gap in sorted(ends):
+        if steps and end - steps[-1][0] < 0.005:
+            steps[-1] = (end, max(steps[-1][1], gap))
+        else:
+            steps.append((end, gap))
+    return steps
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -294,6 +308,8 @@ def cmd_mixed(args) -> int:
           f"({len(before)} gaps); while it prefills: p50 {_pct(during, 0.5):.2f} ms, p99 {_pct(during, 0.99):.2f} ms, "
           f"max {max(during) * 1e3:.2f} ms ({len(during)} gaps); p99 while / p50 before "
           f"{_pct(during, 0.99) / _pct(before, 0.5):.2f}x")
+    print("steps while it prefills (ms after it was sent: the streams' gap): "
+          + ", ".join(f"+{end * 1e3:.0f}: {gap * 1e3:.1f}" for end, gap in m["steps"]))
     return 0
 
 
