@@ -59,7 +59,8 @@ def test_cuda_backend_matches_reference(backend, preset):
 
 
 def invariance_run(config, needle, fillers, params):
-    eng = build_engine(config)
+    """The needle's (tokens, logprobs) among ``fillers``; ``config`` or an engine built from one."""
+    eng = build_engine(config) if isinstance(config, EngineConfig) else config
     seqs = [eng.add_request(p, params) for p in fillers[: len(fillers) // 2]]
     eng.step()  # fillers already running when the needle arrives
     n = eng.add_request(needle, params)
@@ -254,19 +255,12 @@ def test_mixed_graphs_bitwise_equal_eager_invariant():
         c = gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True)
         return c.replace(graph={"mixed": mixed}, scheduler={"prefill_chunk_size": chunk, "max_num_batched_tokens": 320})
 
+    graphed_alone = invariance_run(cfg("auto"), needle, [], params)
     eng = build_engine(cfg("auto"))
     assert eng.runner.spec.prompt_chunk == 256
+    graphed = invariance_run(eng, needle, fillers, params)
+    assert eng.runner.main_graphs.mixed_replays >= 3 and any(len(k) == 3 for k in eng.runner.main_graphs.graphs)
     del eng
-    graphed_alone = invariance_run(cfg("auto"), needle, [], params)
-    graphed = invariance_run(cfg("auto"), needle, fillers, params)
     eager = invariance_run(cfg(False), needle, fillers, params)
     assert graphed == eager == graphed_alone
-    eng = build_engine(cfg("auto"))
-    seqs = [eng.add_request(p, params) for p in fillers[:4]]
-    eng.step()
-    eng.add_request(needle, params)
-    while eng.scheduler.has_work():
-        eng.step()
-    assert eng.runner.main_graphs.mixed_replays >= 3 and any(len(k) == 3 for k in eng.runner.main_graphs.graphs)
-    del eng, seqs
     assert invariance_run(cfg(False, chunk=128), needle, fillers, params) != eager
