@@ -261,7 +261,7 @@ def test_mixed_graphs_bitwise_equal_eager_invariant():
     assert eng.runner.main_graphs.mixed_replays == 3  # chunks 0, 256, 512 (the last, 232 tokens, eager)
     eng = build_engine(cfg("auto"))
     graphed = invariance_run(eng, needle, fillers, params)
-    assert eng.runner.main_graphs.mixed_replays >= 1 and (1, 8, 256) in eng.runner.main_graphs.graphs
+    assert eng.runner.main_graphs.mixed_replays >= 1 and any(len(k) == 3 for k in eng.runner.main_graphs.graphs)
     del eng
     eager = invariance_run(cfg(False), needle, fillers, params)
     assert graphed == eager == graphed_alone
