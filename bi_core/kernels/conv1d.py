@@ -34,8 +34,9 @@ def _input(X, STATE_ROW, i, start, has_past, stride_x, c, mask):
 
 
 @triton.jit
-def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, stride_x, stride_o, stride_ss, stride_sc,
-                   C, chunk, BLOCK_C: tl.constexpr, PER_TOKEN: tl.constexpr, PDL: tl.constexpr):
+def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, VALID, stride_x, stride_o, stride_ss,
+                   stride_sc, C, chunk, BLOCK_C: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_VALID: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_start(PDL)
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     cb = tl.program_id(1)
@@ -60,10 +61,13 @@ def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, strid
         h1 = _input(X, base, lo + 1, start, has_past, stride_x, c, mask)
         h2 = _input(X, base, lo + 2, start, has_past, stride_x, c, mask)
         if not PER_TOKEN:
-            if run == 0:  # the only reader of the stored window writes the new one: the last 3 inputs
-                e0 = _input(X, base, n, start, has_past, stride_x, c, mask)
-                e1 = _input(X, base, n + 1, start, has_past, stride_x, c, mask)
-                e2 = _input(X, base, n + 2, start, has_past, stride_x, c, mask)
+            if run == 0:  # the only reader of the stored window writes the new one: the last 3 real inputs
+                nv = n
+                if HAS_VALID:  # rows past the sequence's valid tokens are padding (a graph's prompt piece)
+                    nv = tl.load(VALID + s).to(tl.int64)
+                e0 = _input(X, base, nv, start, has_past, stride_x, c, mask)
+                e1 = _input(X, base, nv + 1, start, has_past, stride_x, c, mask)
+                e2 = _input(X, base, nv + 2, start, has_past, stride_x, c, mask)
                 dst = STATE + tl.load(TOKEN_SLOTS + end - 1) * stride_ss + cs
                 tl.store(dst + 0, e0.to(STATE.dtype.element_ty), mask=mask)
                 tl.store(dst + 1, e1.to(STATE.dtype.element_ty), mask=mask)
@@ -84,9 +88,12 @@ def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, strid
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                   context_lens: torch.Tensor, slots: torch.Tensor, token_slots: torch.Tensor, *,
                   per_token: bool = False, seq_ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  block_c: int = 256, max_tokens: int | None = None, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                  block_c: int = 256, max_tokens: int | None = None, chunk: int = CHUNK_TOKENS,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, C]`` pre-conv rows, ``weight [C, 4]``, ``state [slots, C, 3]``: read from
     ``slots[seq]``, written to ``token_slots[t]``. ``seq_ids`` selects sequences (default: all).
+    ``valid`` ``[B]``: a sequence's rows past ``valid[seq]`` are padding, so its stored window is
+    taken from the rows before them (not with ``per_token``).
     ``max_tokens`` (host int, at least the longest selected sequence's tokens) lets a sequence's
     tokens spread over programs of ``chunk`` tokens; without it each sequence runs in one."""
     assert weight.shape[1] == 4 and x.stride(-1) == 1
@@ -103,7 +110,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu
         runs = triton.cdiv(max(1, max_tokens), chunk)
     channels = x.shape[1]
     grid = (seq_ids.shape[0], triton.cdiv(channels, block_c), runs)
-    _conv1d_kernel[grid](x, weight, state, out, cu_seqlens, context_lens, slots, token_slots, seq_ids, x.stride(0),
-                         out.stride(0), state.stride(0), state.stride(1), channels, chunk, BLOCK_C=block_c,
-                         PER_TOKEN=per_token, num_warps=4, **pdl())
+    assert valid is None or not per_token, "padded sequences keep only their final window"
+    _conv1d_kernel[grid](x, weight, state, out, cu_seqlens, context_lens, slots, token_slots, seq_ids,
+                         seq_ids if valid is None else valid, x.stride(0), out.stride(0), state.stride(0),
+                         state.stride(1), channels, chunk, BLOCK_C=block_c, PER_TOKEN=per_token,
+                         HAS_VALID=valid is not None, num_warps=4, **pdl())
     return out

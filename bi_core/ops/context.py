@@ -25,14 +25,15 @@ class GraphShape:
     def key(self) -> tuple[int, ...]:
         return (self.q_len, self.bucket) if not self.chunk else (self.q_len, self.bucket, self.chunk)
 
-    def spans(self, num_seqs: int) -> list[tuple[int, int]]:
+    def spans(self, num_seqs: int, tail: int | None = None) -> list[tuple[int, int]]:
         """Where the tokens of a step of ``num_seqs`` real sequences lie among the graph's rows, in
-        order: padding sequences follow the real recurrent ones (before the prompt chunk)."""
+        order: padding sequences follow the real recurrent ones (before the prompt chunk), and a
+        prompt piece of ``tail`` < ``chunk`` tokens (a prompt's last) is padded at its end."""
         if not self.chunk:
             return [(0, num_seqs * self.q_len)]
         decode = (num_seqs - 1) * self.q_len
-        start = self.bucket * self.q_len
-        return [(0, decode), (start, start + self.chunk)] if decode else [(start, start + self.chunk)]
+        start, n = self.bucket * self.q_len, self.chunk if tail is None else tail
+        return [(0, decode), (start, start + n)] if decode else [(start, start + n)]
 
 
 @attrs.define
@@ -62,6 +63,11 @@ class ForwardContext:
     sample_keys: torch.Tensor | None = None  # [R] int64 per logits row: mix_seed(request seed, position)
     temperatures: torch.Tensor | None = None  # [R] float64 per logits row (0 = greedy)
     graph: GraphShape | None = None  # set when the step runs as (or is captured into) a CUDA graph
+    # [B] real tokens of each sequence when a graph pads a sequence at its end (a prompt's last
+    # chunk in a mixed graph: its rows past these are padding, their KV on the scratch page);
+    # None: every row is real
+    valid_tokens: torch.Tensor | None = None
+    valid_tokens_host: list[int] | None = None
     # per-step plans an op impl computes once and reuses in every layer; each impl reads only the
     # keys it wrote (a graph's static context keeps one dict for all its replays)
     op_plans: dict = attrs.field(factory=dict)
@@ -84,6 +90,11 @@ class ForwardContext:
     def token_range(self, i: int) -> tuple[int, int]:
         return self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]
 
+    def real_range(self, i: int) -> tuple[int, int]:
+        """``token_range`` without the padding rows at its end (``valid_tokens``)."""
+        a, b = self.token_range(i)
+        return (a, a + self.valid_tokens_host[i]) if self.valid_tokens_host is not None else (a, b)
+
 
 @attrs.define
 class HostBatch:
@@ -103,6 +114,7 @@ class HostBatch:
     ring: int
     sample_keys: list[int] = attrs.field(factory=list)  # per logits row, when the step samples on the device
     temperatures: list[float] = attrs.field(factory=list)
+    valid_tokens: list[int] | None = None  # [B] real tokens per sequence, when a graph pads one (else all)
 
     @property
     def num_seqs(self) -> int:

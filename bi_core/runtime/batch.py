@@ -70,8 +70,8 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
                  state_slots: torch.Tensor, logits_indices: torch.Tensor, token_state_slots: torch.Tensor,
                  recurrent_ids: torch.Tensor, graph: GraphShape | None = None, op_plans: dict | None = None,
                  logits_all_rows: bool = False,
-                 sample_keys: torch.Tensor | None = None, temperatures: torch.Tensor | None = None
-                 ) -> ForwardContext:
+                 sample_keys: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
+                 valid_tokens: torch.Tensor | None = None) -> ForwardContext:
     """A ForwardContext over device tensors (fresh or static views) and the host lists of ``hb``."""
     return ForwardContext(
         positions=positions, cu_seqlens_q=cu_seqlens, context_lens=context_lens, block_tables=block_tables,
@@ -82,7 +82,8 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
         is_recurrent_host=list(hb.is_recurrent), recurrent_ids=recurrent_ids,
         block_tables_host=hb.blocks, block_size=hb.block_size,
         logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows, sample_keys=sample_keys,
-        temperatures=temperatures, graph=graph, op_plans=op_plans if op_plans is not None else {})
+        temperatures=temperatures, graph=graph, op_plans=op_plans if op_plans is not None else {},
+        valid_tokens=valid_tokens, valid_tokens_host=list(hb.valid_tokens) if hb.valid_tokens is not None else None)
 
 
 def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:

@@ -131,7 +131,8 @@ class ModelRunner:
         if self.routing is not None and fwd.head == "model" and any(r.seq.params.return_routed_experts
                                                                     for r in fwd.rows):
             # this step's rows (a mixed graph's chunk sits after its padding), before the next step writes the buffer
-            spans = ctx.graph.spans(len(fwd.rows)) if ctx.graph is not None else [(0, fwd.num_tokens)]
+            spans = (ctx.graph.spans(len(fwd.rows), len(fwd.rows[-1].tokens)) if ctx.graph is not None
+                     else [(0, fwd.num_tokens)])
             routed = torch.cat([self.routing[:, a:b] for a, b in spans], dim=1)
         return StepOutput(outs[0], outs[1], samples, hb.cu_seqlens[:-1], ctx.graph, routed)
 

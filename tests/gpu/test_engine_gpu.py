@@ -243,8 +243,9 @@ def test_chunk_rule_equals_fla_and_replays_in_a_graph():
 
 
 def test_mixed_graphs_bitwise_equal_eager_invariant():
-    """``graph.mixed``: a long needle's full chunks replay (decode rows, padding, chunk) graphs
-    beside running fillers, and alone (bucket 0); its tokens and logprobs are the bits of the same
+    """``graph.mixed``: a long needle's chunks replay (decode rows, padding, chunk) graphs beside
+    running fillers, and alone (bucket 0), its last piece padded at its end (the decode tokens
+    after it read the GDN state it left); its tokens and logprobs are the bits of the same
     runs with mixed graphs off. Negative control: other chunk boundaries (128 instead of 256
     tokens) change the needle's bits, so the comparison sees the prompt path."""
     params = SamplingParams(max_new_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
@@ -258,7 +259,7 @@ def test_mixed_graphs_bitwise_equal_eager_invariant():
     eng = build_engine(cfg("auto"))
     assert eng.runner.spec.prompt_chunk == 256
     graphed_alone = invariance_run(eng, needle, [], params)
-    assert eng.runner.main_graphs.mixed_replays == 3  # chunks 0, 256, 512 (the last, 232 tokens, eager)
+    assert eng.runner.main_graphs.mixed_replays == 4  # chunks 0, 256, 512 and the last 232 tokens, padded
     eng = build_engine(cfg("auto"))
     graphed = invariance_run(eng, needle, fillers, params)
     assert eng.runner.main_graphs.mixed_replays >= 1 and any(len(k) == 3 for k in eng.runner.main_graphs.graphs)
@@ -266,3 +267,44 @@ def test_mixed_graphs_bitwise_equal_eager_invariant():
     eager = invariance_run(cfg(False), needle, fillers, params)
     assert graphed == eager == graphed_alone
     assert invariance_run(cfg(False, chunk=128), needle, fillers, params) != eager
+
+
+def test_padded_piece_gives_the_unpadded_bits():
+    """A prompt piece padded at its end, as a mixed graph runs a prompt's last piece: with the
+    padding rows' q, k, v, g, beta zeroed, fla's real rows and final state are the unpadded
+    call's bits (its masked loads read the same zeros; whole chunks of zeros leave the state);
+    the conv kernel with ``valid`` stores the window of the real rows."""
+    from bi_core.backends.cuda_common.gdn import FLA_CHUNK, chunk_rule
+    from bi_core.kernels.conv1d import causal_conv1d
+
+    h, hv, d, dev = 2, 4, 128, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    for r, padded in ((100, 256), (64, 256), (3, 256), (250, 256)):
+        x = [torch.randn(1, r, h, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2)]
+        x.append(torch.randn(1, r, hv, d, device=dev, generator=g, dtype=torch.bfloat16))
+        x.append(-torch.rand(1, r, hv, device=dev, generator=g) * 0.5)
+        x.append(torch.rand(1, r, hv, device=dev, generator=g).to(torch.bfloat16))
+        init = torch.randn(1, hv, d, d, device=dev, generator=g)
+
+        def meta(n):
+            chunks = -(-n // FLA_CHUNK)
+            return dict(cu=torch.tensor([0, n], device=dev), chunk_indices=torch.tensor([(0, c) for c in range(chunks)],
+                        device=dev), chunk_offsets=torch.tensor([0, chunks], device=dev))
+
+        o, f = chunk_rule(*x, d**-0.5, init, meta(r))
+        pad = [torch.cat([t, t.new_zeros((1, padded - r, *t.shape[2:]))], dim=1) for t in x]
+        po, pf = chunk_rule(*pad, d**-0.5, init, meta(padded))
+        assert torch.equal(po[:, :r], o) and torch.equal(pf, f), r
+    c, slots = 512, 4
+    rows = torch.randn(256, c, device=dev, generator=g, dtype=torch.bfloat16)
+    weight = torch.randn(c, 4, device=dev, generator=g, dtype=torch.bfloat16)
+    for r in (100, 2, 256):
+        state = torch.randn(slots, c, 3, device=dev, generator=g, dtype=torch.bfloat16)
+        want, got = state.clone(), state.clone()
+        read = torch.tensor([1], device=dev)  # the window is read from slot 1, the new one goes to slot 2
+        out = causal_conv1d(rows[:r], weight, want, torch.tensor([0, r], device=dev), torch.tensor([40 + r], device=dev),
+                            read, torch.full((r,), 2, device=dev), max_tokens=r)
+        pout = causal_conv1d(rows, weight, got, torch.tensor([0, 256], device=dev), torch.tensor([40 + 256], device=dev),
+                             read, torch.full((256,), 2, device=dev), max_tokens=256,
+                             valid=torch.tensor([r], device=dev))
+        assert torch.equal(pout[:r], out) and torch.equal(got, want), r

@@ -134,6 +134,30 @@ def test_conv1d_token_runs_change_no_bit(device, dtype):
     assert not torch.equal(runs[0][1], state)
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_conv1d_valid_rows_keep_the_real_window(device, chunk):
+    """A sequence padded at its end (a mixed graph's last prompt piece): with ``valid`` the real
+    rows' outputs and the stored window are those of the sequence without its padding, bit for
+    bit, for a continuing and a new sequence, a real part shorter than the window included."""
+    from bi_core.kernels.conv1d import causal_conv1d
+
+    c, pad = 40, 9
+    for real, past in ((6, 5), (2, 5), (7, 0)):
+        x = torch.randn(real + pad, c, device=device)
+        w = torch.randn(c, 4, device=device)
+        state = torch.randn(3, c, 3, device=device)
+        slots, token_slots = torch.tensor([1], device=device), torch.full((real + pad,), 2, device=device)
+        results = []
+        for n, valid in ((real, None), (real + pad, torch.tensor([real], device=device))):
+            s = state.clone()
+            kw = {} if chunk is None else {"max_tokens": n, "chunk": chunk}
+            out = causal_conv1d(x[:n], w, s, torch.tensor([0, n], device=device), torch.tensor([past + n], device=device),
+                                slots, token_slots[:n], block_c=16, valid=valid, **kw)
+            results.append((out[:real], s))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+        assert not torch.equal(results[0][1], state)
+
+
 def run_gdn_decode(spec, proj, weights, conv, state, ctx, out=None):
     from bi_core.kernels.gdn_decode import gdn_decode
 

@@ -1,6 +1,6 @@
-"""Mixed graphs (``graph.mixed``, issue 22): a step of one-token decode rows plus one full prompt
-chunk replays a graph of (1, bucket, chunk), with padding decode rows between the real ones and
-the chunk. On the CPU the graph runner reruns each step on its static buffers (``capture=False``)
+"""Mixed graphs (``graph.mixed``, issue 22): a step of one-token decode rows plus one prompt piece
+(a full chunk, or a prompt's last piece padded at its end) replays a graph of (1, bucket, chunk),
+with padding decode rows between the real ones and the piece. On the CPU the graph runner reruns each step on its static buffers (``capture=False``)
 against the reference backend: bucketing, the padded layout, the logits rows and the per-token
 outputs mapped back must give eager's outputs."""
 
@@ -72,9 +72,9 @@ def test_mixed_steps_replay_and_equal_eager(preset, mode):
 
 
 def test_mixed_graph_keys():
-    """(1, bucket of the decode rows, chunk) for one-token recurrent rows then one chunk of
-    exactly the chunk size; a short (final) chunk, two chunks, a chunk not last or multi-token
-    decode rows run eagerly."""
+    """(1, bucket of the decode rows, chunk) for one-token recurrent rows then one prompt piece of
+    at most the chunk size (a prompt's last piece is padded at its end); two pieces, a piece not
+    last or multi-token decode rows run eagerly."""
     eng = build_engine(config("tiny-dense"))
     runner = CudaGraphRunnerImpl(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
     assert runner.mixed_buckets == mixed_buckets(8) == [0, 1, 2, 4, 8]
@@ -89,7 +89,8 @@ def test_mixed_graph_keys():
     assert key([CHUNK], [False]) == (1, 0, CHUNK)
     assert key([1] * 8 + [CHUNK], [True] * 8 + [False]) == (1, 8, CHUNK)
     assert key([1, 1, 1], [True] * 3) == (1, 4)  # uniform as before
-    assert key([1, 1, 20], [True, True, False]) is None  # a final (shorter) chunk
+    assert key([1, 1, 20], [True, True, False]) == (1, 2, CHUNK)  # a last (shorter) piece: padded at its end
+    assert key([1, 1, CHUNK + 1], [True, True, False]) is None
     assert key([1, CHUNK, CHUNK], [True, False, False]) is None
     assert key([CHUNK, 1], [False, True]) is None
     assert key([2, 2, CHUNK], [True, True, False]) is None
@@ -151,3 +152,29 @@ def test_a_last_chunk_replayed_alone_is_not_launched_ahead_of():
     eng = with_mixed_runner(build_engine(config("tiny-dense")))
     assert [o.token_ids for o in eng.generate(ps, params)] == [o.token_ids for o in eager]
     assert eng.runner.main_graphs.mixed_replays == 1 and eng.num_ahead > 0  # the decode steps did fly
+
+
+def test_a_last_piece_is_padded_at_its_end():
+    """A prompt's last piece (r < chunk tokens) fills the chunk's first r rows; the rest are
+    padding: KV on the scratch page, positions after it, its final-state slot, ``valid_tokens``
+    r; its logits row is the last real one, an index filled per step."""
+    eng = build_engine(config("tiny-dense"))
+    spec = eng.runner.spec
+    runner = CudaGraphRunnerImpl(attrs.evolve(spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
+    r, past = 11, 64
+    hb = plan_batch([[7], [8], [9] * r], [10, 11, past], [[0], [1], [2, 3, 4, 5, 6]], [0, 1, 2], [True, True, False],
+                    block_size=16)
+    ids, ctx = runner.make_context(hb, torch.device("cpu"))
+    static = runner.statics[(1, 2, CHUNK)]
+    assert ctx.query_lens_host == [1, 1, CHUNK] and ctx.valid_tokens_host == [1, 1, r]
+    assert ctx.context_lens_host[-1] == past + CHUNK and ctx.valid_tokens.tolist() == [1, 1, r]
+    assert ctx.positions.tolist()[2:] == list(range(past, past + CHUNK))
+    page = spec.scratch_page
+    assert ctx.slot_mapping.tolist()[2 + r:] == [page * 16 + i % 16 for i in range(CHUNK - r)]
+    assert set(ctx.token_state_slots.tolist()[2 + r - 1:]) == {hb.token_state_slots[-1]}
+    assert ctx.block_tables[2].tolist()[:6] == [2, 3, 4, 5, 6, page]  # positions past the pages: scratch
+    assert ctx.logits_indices.tolist() == [0, 1, 2 + r - 1]
+    assert ctx.graph.spans(3, r) == [(0, 2), (2, 2 + r)]
+    outs = (torch.arange(2 + CHUNK)[:, None].float(), torch.arange(3)[:, None].float())
+    hidden, logits = static.outputs(outs)
+    assert hidden[:, 0].tolist() == list(range(2 + r)) and logits[:, 0].tolist() == [0, 1, 2]

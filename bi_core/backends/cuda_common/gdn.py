@@ -80,7 +80,10 @@ class CudaGdnImpl:
                 offsets.append(offsets[-1] + chunks)
                 indices += [x for t in range(chunks) for x in (j, t)]
             fields = dict(cu=cu, chunk_indices=indices, chunk_offsets=offsets, seq_ids=seqs, query_lens=lens,
-                          last_rows=[b - 1 for _, b in spans], rows=[] if contiguous else tokens)
+                          last_rows=[b - 1 for _, b in spans], rows=[] if contiguous else tokens,
+                          # each row's sequence (among these) and offset in it: padding masks (graphs)
+                          row_seq=[j for j, n in enumerate(lens) for _ in range(n)] if ctx.graph else [],
+                          row_offset=[t for n in lens for t in range(n)] if ctx.graph else [])
             flat = [x for f in fields.values() for x in f + [0] * (len(f) % 2)]  # 16-byte aligned views
             parts = torch.split(to_device(flat, ctx.positions.device), [len(f) + len(f) % 2 for f in fields.values()])
             plan = {name: t[: len(f)] for (name, f), t in zip(fields.items(), parts)}
@@ -101,6 +104,9 @@ class CudaGdnImpl:
                 slots=ctx.state_slots.index_select(0, ids),
                 has_past=ctx.context_lens.index_select(0, ids) > meta["query_lens"],
                 final_slots=ctx.token_state_slots.index_select(0, meta["last_rows"]))
+            if ctx.valid_tokens is not None:  # a graph may pad a sequence at its end: its real rows
+                real = ctx.valid_tokens.index_select(0, ids).index_select(0, meta["row_seq"])
+                ctx.step_tensors[key]["real"] = meta["row_offset"] < real
         return ctx.step_tensors[key]
 
     def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
@@ -117,12 +123,18 @@ class CudaGdnImpl:
                 mixed[:, lo:lo + width], weights.conv1d[lo:lo + width], conv_state[:, lo:lo + width],
                 ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
                 per_token=ctx.state_ring > 1, seq_ids=meta["seq_ids"], max_tokens=meta["longest"],
-                out=torch.empty((proj.shape[0], width), dtype=proj.dtype, device=proj.device)))
+                out=torch.empty((proj.shape[0], width), dtype=proj.dtype, device=proj.device), valid=ctx.valid_tokens))
         rows = meta["rows"]  # the chunked-form rows: a slice when they are contiguous (views), else an index
         q, k, v = (t[rows] for t in qkv)
         n = q.shape[0]
         g, beta = gates(a[rows], b[rows], weights)
         step = self._step_tensors(ctx, meta)
+        if "real" in step:
+            # Padding rows at a sequence's end enter fla as zeros: what its masked loads give past a
+            # sequence, so the real rows get the bits they would get unpadded, and a chunk of zeros
+            # (decay exp2(0) = 1, no update) leaves the final state as it is
+            real = step["real"][:, None]
+            q, k, v, g, beta = (torch.where(real, x, 0) for x in (q, k, v, g, beta))
         # fla's states are [N, Hv, Dk, Dv]; the cache holds them transposed ([Hv, Dv, Dk])
         init = torch.where(step["has_past"][:, None, None, None], state[step["slots"]].float().transpose(-1, -2), 0.0)
         o, final = chunk_rule(

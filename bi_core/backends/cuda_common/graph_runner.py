@@ -1,7 +1,9 @@
 """CUDA graphs for uniform steps: every sequence runs the same number L of recurrent tokens
 (L = 1: an AR decode step; L = 1 + N: an MTP verify step or MTP head catch-up); and for mixed
-steps: one-token decode rows, then one prompt chunk of exactly the scheduler's chunk size
-(``spec.prompt_chunk``), the step a long prompt runs among decoding streams.
+steps: one-token decode rows, then one prompt piece of at most the scheduler's chunk size
+(``spec.prompt_chunk``), the step a long prompt runs among decoding streams; a prompt's last,
+shorter piece is padded at its end to the chunk (its padding rows' KV on the scratch page,
+``ForwardContext.valid_tokens`` marks them: GDN zeroes them and keeps the real rows' state).
 
 One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16; one per (1,
 bucket, chunk) with buckets 0, 1, 2, 4, 8, 16, then multiples of 32 (a mixed step's cost is
@@ -12,9 +14,9 @@ whose GDN state is a reserved scratch slot, so padding never touches a real sequ
 step they sit between the real decode rows and the prompt chunk, which keeps its rows at a fixed
 offset (``GraphShape.spans``). A uniform graph computes the logits of every row and samples every
 row (greedy or plain temperature, keys and temperatures are static inputs too: decode and verify
-sample every row); a mixed graph those of the decode rows and the chunk's last row. Other steps
-(other prompt rows, mixed lengths, L not captured, more sequences than the largest bucket) run
-eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's) runs before every forward,
+sample every row); a mixed graph those of the decode rows and of one prompt row (an index filled
+per step: the piece's last real row). Other steps (two prompt pieces, mixed lengths, L not
+captured, more sequences than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's) runs before every forward,
 outside the graph. ``extra`` is an optional per-token input (the MTP head's main-model hidden
 states) that gets a static buffer like the token ids."""
 
@@ -59,26 +61,26 @@ class StaticBatch:
     def __init__(self, spec: GraphRunnerSpec, q: int, bucket: int, block_size: int, device: torch.device,
                  chunk: int = 0) -> None:
         self.spec, self.q, self.bucket, self.block_size, self.chunk = spec, q, bucket, block_size, chunk
-        decode = bucket * q
+        self.decode = decode = bucket * q
         t = decode + chunk
         seqs = bucket + (1 if chunk else 0)
         self.num_tokens = t
         # the rows whose logits the graph computes (and samples): every row of a uniform step; the
-        # decode rows and the chunk's last row of a mixed one
-        self.logits_rows = list(range(t)) if not chunk else list(range(decode)) + [t - 1]
-        self._logit_pos = {row: i for i, row in enumerate(self.logits_rows)}
-        r = len(self.logits_rows)
-        self.region = torch.zeros(4 * t + 2 * r + 2 * seqs, dtype=torch.int64, device=device)
+        # decode rows and one row of the prompt piece of a mixed one (its last real row, or the
+        # chunk's last when no prompt row is asked for), an index filled per step
+        self.num_logits = t if not chunk else decode + 1
+        r = self.num_logits
+        self.region = torch.zeros(4 * t + 3 * r + 3 * seqs, dtype=torch.int64, device=device)
         self.block_tables = torch.full((seqs, spec.max_blocks_per_seq), spec.scratch_page, dtype=torch.int64,
                                        device=device)
-        ids, pos, slots, token_states, keys, temps, ctx_lens, states = torch.split(
-            self.region, [t, t, t, t, r, r, seqs, seqs])
+        ids, pos, slots, token_states, keys, temps, logits, ctx_lens, states, valid = torch.split(
+            self.region, [t, t, t, t, r, r, r, seqs, seqs, seqs])
         self.input_ids = ids
         self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
-                          state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64))
+                          state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64),
+                          logits_indices=logits, valid_tokens=valid if chunk else None)
         self.cu_seqlens = torch.tensor(list(range(0, decode + 1, q)) + ([t] if chunk else []), dtype=torch.int64,
                                        device=device)
-        self.logits_indices = torch.tensor(self.logits_rows, dtype=torch.int64, device=device)
         self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
         self.shape = GraphShape(q, bucket, chunk)
         self.op_plans: dict = {}  # shared by every step of this graph (ops keep the plans made at capture)
@@ -92,52 +94,75 @@ class StaticBatch:
 
     def padded(self, hb: HostBatch | None) -> HostBatch:
         """``hb`` plus padding sequences up to the bucket (all padding when ``hb`` is None): q
-        tokens at positions 0..q-1 of the scratch page, the scratch state slot, no logits; in a
-        mixed step they go before the prompt chunk (a padding chunk: ``chunk`` tokens, all in the
-        scratch page, from position 0)."""
-        q, bs = self.q, self.block_size
+        tokens at positions 0..q-1 of the scratch page, the scratch state slot, no logits. In a
+        mixed step they go before the prompt piece, which is padded at its end to the chunk (its
+        extra rows: KV on the scratch page, its final state slot, ``valid_tokens`` says how many
+        are real); with no batch, a padding chunk (all in the scratch page, from position 0)."""
+        q, bs, chunk = self.q, self.block_size, self.chunk
         page, slot = self.spec.scratch_page, self.spec.scratch_slot
         real = hb or HostBatch([], [], [], [], [], [], [], [], [], [], bs, self.spec.state_ring)
-        if self.chunk and hb is None:  # the padding chunk
-            n = self.chunk
-            real = HostBatch(token_ids=[0] * n, positions=list(range(n)), slot_mapping=[page * bs + i % bs for i in range(n)],
-                             token_state_slots=[slot] * n, query_lens=[n], context_lens=[n], state_slots=[slot],
-                             blocks=[[page] * -(-n // bs)], is_recurrent=[False], logits_rows=[], block_size=bs,
-                             ring=self.spec.state_ring)
-        head = real.num_seqs - (1 if self.chunk else 0)  # real decode sequences
+        if chunk and hb is None:  # the padding chunk
+            real = HostBatch(token_ids=[0] * chunk, positions=list(range(chunk)),
+                             slot_mapping=[page * bs + i % bs for i in range(chunk)], token_state_slots=[slot] * chunk,
+                             query_lens=[chunk], context_lens=[chunk], state_slots=[slot], blocks=[[page] * -(-chunk // bs)],
+                             is_recurrent=[False], logits_rows=[], block_size=bs, ring=self.spec.state_ring)
+        head = real.num_seqs - (1 if chunk else 0)  # real decode sequences
         cut, pad = head * q, self.bucket - head
+        extra = chunk - real.query_lens[-1] if chunk else 0  # padding rows at the prompt piece's end
+        after = real.positions[-1] + 1 if chunk else 0
 
-        def split(values: list, tail: list) -> list:  # decode part, padding, then the chunk's part
-            return values[:cut] + tail + values[cut:]
+        def split(values: list, between: list, end: list = ()) -> list:  # decode rows, padding, the prompt, its padding
+            return values[:cut] + between + values[cut:] + list(end)
 
-        def per_seq(values: list, tail: list) -> list:
-            return values[:head] + tail + values[head:]
+        def per_seq(values: list, between: list) -> list:
+            return values[:head] + between + values[head:]
 
+        lens = per_seq(real.query_lens, [q] * pad)
+        ctx_lens = per_seq(real.context_lens, [q] * pad)
+        blocks = per_seq(real.blocks, [[page]] * pad)
+        if chunk:  # the prompt piece: its padding rows' positions read the scratch page
+            lens[-1], ctx_lens[-1] = chunk, ctx_lens[-1] + extra
+            blocks[-1] = blocks[-1] + [page] * max(0, -(-ctx_lens[-1] // bs) - len(blocks[-1]))
         return HostBatch(
-            token_ids=split(real.token_ids, [0] * (pad * q)), positions=split(real.positions, list(range(q)) * pad),
-            slot_mapping=split(real.slot_mapping, [page * bs + i for i in range(q)] * pad),
-            token_state_slots=split(real.token_state_slots, [slot] * (pad * q)),
-            query_lens=per_seq(real.query_lens, [q] * pad), context_lens=per_seq(real.context_lens, [q] * pad),
-            state_slots=per_seq(real.state_slots, [slot] * pad), blocks=per_seq(real.blocks, [[page]] * pad),
-            is_recurrent=per_seq(real.is_recurrent, [True] * pad),
+            token_ids=split(real.token_ids, [0] * (pad * q), [0] * extra),
+            positions=split(real.positions, list(range(q)) * pad, range(after, after + extra)),
+            slot_mapping=split(real.slot_mapping, [page * bs + i for i in range(q)] * pad,
+                               [page * bs + i % bs for i in range(extra)]),
+            token_state_slots=split(real.token_state_slots, [slot] * (pad * q),
+                                    [real.token_state_slots[-1]] * extra if extra else []),
+            query_lens=lens, context_lens=ctx_lens, state_slots=per_seq(real.state_slots, [slot] * pad),
+            blocks=blocks, is_recurrent=per_seq(real.is_recurrent, [True] * pad),
             logits_rows=self.graph_rows(real, real.logits_rows) if hb else [], block_size=bs, ring=real.ring,
-            sample_keys=real.sample_keys, temperatures=real.temperatures)
+            sample_keys=real.sample_keys, temperatures=real.temperatures,
+            valid_tokens=per_seq(real.query_lens, [q] * pad) if chunk else None)
+
+    def logit_pos(self, row: int) -> int:
+        """Where a graph row's logits are among the graph's logits rows."""
+        return row if row < self.decode or not self.chunk else self.num_logits - 1
 
     def load(self, hb: HostBatch | None) -> HostBatch:
         """Copy a (padded) batch into the static buffers; returns the padded batch."""
         p = self.padded(hb)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again (normally long since)
-        t, r = self.num_tokens, len(self.logits_rows)
+        t, r = self.num_tokens, self.num_logits
         region = self._stage_region.numpy()
         region[: 4 * t] = p.token_ids + p.positions + p.slot_mapping + p.token_state_slots
         region[4 * t: 4 * t + 2 * r] = 0  # every logits row samples in a graph (padding: greedy, key 0)
         n = min(len(p.logits_rows), len(p.sample_keys))  # rows sampled with a key (none when the caller samples)
         if n:
-            at = np.asarray([self._logit_pos[row] for row in p.logits_rows[:n]])
+            at = np.asarray([self.logit_pos(row) for row in p.logits_rows[:n]])
             region[4 * t + at] = p.sample_keys[:n]
             region[4 * t + r: 4 * t + 2 * r].view(np.float64)[at] = p.temperatures[:n]
-        region[4 * t + 2 * r:] = p.context_lens + p.state_slots
+        logits = list(range(self.decode))
+        if self.chunk:
+            prompt = [row for row in p.logits_rows if row >= self.decode]
+            assert len(prompt) <= 1, "a mixed graph computes one logits row of its prompt piece"
+            logits.append(prompt[0] if prompt else t - 1)
+        else:
+            logits += range(self.decode, t)
+        region[4 * t + 2 * r: 4 * t + 3 * r] = logits
+        region[4 * t + 3 * r:] = p.context_lens + p.state_slots + (p.valid_tokens or [0] * len(p.state_slots))
         self.region.copy_(self._stage_region, non_blocking=True)
         table, rows, changed = self._stage_table.numpy(), self._table_rows, False
         for i, pages in enumerate(p.blocks):
@@ -152,9 +177,8 @@ class StaticBatch:
         return p
 
     def context(self, p: HostBatch) -> ForwardContext:
-        return context_from(p, cu_seqlens=self.cu_seqlens, block_tables=self.block_tables,
-                            logits_indices=self.logits_indices, recurrent_ids=self.seq_ids, graph=self.shape,
-                            op_plans=self.op_plans, logits_all_rows=not self.chunk, **self.views)
+        return context_from(p, cu_seqlens=self.cu_seqlens, block_tables=self.block_tables, recurrent_ids=self.seq_ids,
+                            graph=self.shape, op_plans=self.op_plans, logits_all_rows=not self.chunk, **self.views)
 
     def graph_rows(self, hb: HostBatch, rows: list[int]) -> list[int]:
         """Flat rows of the real batch ``hb`` -> rows of the graph (a mixed step's chunk comes
@@ -169,8 +193,9 @@ class StaticBatch:
         """The graph's static outputs as the real batch (``current``) lays them out: its tokens'
         rows of the per-token output, and the logits rows it asked for (a graph computes more)."""
         hb = self.current
-        at = [self._logit_pos[r] for r in self.graph_rows(hb, hb.logits_rows)]
-        return (_rows(outs[0], self.shape.spans(hb.num_seqs)), *(_rows(o, _runs(at)) for o in outs[1:]))
+        at = [self.logit_pos(r) for r in self.graph_rows(hb, hb.logits_rows)]
+        spans = self.shape.spans(hb.num_seqs, hb.query_lens[-1] if self.chunk else None)
+        return (_rows(outs[0], spans), *(_rows(o, _runs(at)) for o in outs[1:]))
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
@@ -225,6 +250,8 @@ def check_mirrors(ctx: ForwardContext) -> None:
              "token_state_slots": (ctx.token_state_slots, ctx.token_state_slots_host),
              "context_lens": (ctx.context_lens, ctx.context_lens_host),
              "cu_seqlens_q": (ctx.cu_seqlens_q, ctx.cu_seqlens_host)}
+    if ctx.valid_tokens is not None:
+        pairs["valid_tokens"] = (ctx.valid_tokens, ctx.valid_tokens_host)
     for name, (tensor, host) in pairs.items():
         assert tensor.tolist() == list(host), f"{name}: device {tensor.tolist()} != host {list(host)}"
     for i, pages in enumerate(ctx.block_tables_host):
@@ -258,7 +285,7 @@ class CudaGraphRunnerImpl:
         if all(rec) and q in self.spec.query_lens and all(x == q for x in lens) and hb.num_seqs <= self.buckets[-1]:
             return q, next(x for x in self.buckets if x >= hb.num_seqs)
         chunk, head = self.spec.prompt_chunk, hb.num_seqs - 1
-        if (chunk and not rec[-1] and lens[-1] == chunk and all(rec[:-1]) and all(x == 1 for x in lens[:-1])
+        if (chunk and not rec[-1] and lens[-1] <= chunk and all(rec[:-1]) and all(x == 1 for x in lens[:-1])
                 and head <= self.mixed_buckets[-1]):
             return 1, next(x for x in self.mixed_buckets if x >= head), chunk
         return None

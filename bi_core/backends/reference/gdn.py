@@ -102,7 +102,7 @@ class ReferenceGdnImpl:
         out = torch.zeros_like(x)
         w = weight.float()
         for i in range(ctx.num_seqs) if seqs is None else seqs:
-            start, end = ctx.token_range(i)
+            start, end = ctx.real_range(i)  # padding rows (a graph's) stay zero
             slot = ctx.state_slots_host[i]
             if ctx.past_len(i) > 0:
                 history = conv_state[slot].transpose(0, 1).to(x.dtype)
@@ -122,7 +122,7 @@ class ReferenceGdnImpl:
         out = torch.zeros_like(v)
         scale = self.spec.head_k_dim**-0.5
         for i in range(ctx.num_seqs) if seqs is None else seqs:
-            start, end = ctx.token_range(i)
+            start, end = ctx.real_range(i)  # padding rows (a graph's) stay zero
             slot = ctx.state_slots_host[i]
             qi = l2norm(q[start:end].float().repeat_interleave(self.group, dim=1)).transpose(0, 1) * scale
             ki = l2norm(k[start:end].float().repeat_interleave(self.group, dim=1)).transpose(0, 1)
