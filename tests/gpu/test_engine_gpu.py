@@ -274,12 +274,14 @@ def test_padded_piece_gives_the_unpadded_bits():
     padding rows' q, k, v, g, beta zeroed, fla's real rows and final state are the unpadded
     call's bits (its masked loads read the same zeros; whole chunks of zeros leave the state);
     the conv kernel with ``valid`` stores the window of the real rows."""
-    from bi_core.backends.cuda_common.gdn import FLA_CHUNK, chunk_rule
+    from bi_core.backends.cuda_common.gdn import FLA_CHUNK, chunk_rule, pin_fla_autotune
     from bi_core.kernels.conv1d import causal_conv1d
 
+    pin_fla_autotune()  # as the invariant backend runs fla: one config per kernel, whatever the length
     h, hv, d, dev = 2, 4, 128, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    for r, padded in ((100, 256), (64, 256), (3, 256), (250, 256)):
+    unfixed = []
+    for r, padded in ((100, 256), (64, 256), (3, 256), (250, 256), (1, 256), (65, 256)):
         x = [torch.randn(1, r, h, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2)]
         x.append(torch.randn(1, r, hv, d, device=dev, generator=g, dtype=torch.bfloat16))
         x.append(-torch.rand(1, r, hv, device=dev, generator=g) * 0.5)
@@ -292,9 +294,14 @@ def test_padded_piece_gives_the_unpadded_bits():
                         device=dev), chunk_offsets=torch.tensor([0, chunks], device=dev))
 
         o, f = chunk_rule(*x, d**-0.5, init, meta(r))
-        pad = [torch.cat([t, t.new_zeros((1, padded - r, *t.shape[2:]))], dim=1) for t in x]
-        po, pf = chunk_rule(*pad, d**-0.5, init, meta(padded))
+        padded_x = [torch.cat([t, t.new_zeros((1, padded - r, *t.shape[2:]))], dim=1) for t in x]
+        off = torch.arange(padded, device=dev)
+        pad = dict(real=off < r, last=torch.full_like(off, r - 1), same=off // FLA_CHUNK == (r - 1) // FLA_CHUNK)
+        po, pf = chunk_rule(*padded_x, d**-0.5, init, meta(padded), pad)
         assert torch.equal(po[:, :r], o) and torch.equal(pf, f), r
+        if r % FLA_CHUNK:  # negative control: without the decay fix the state may differ (another association)
+            unfixed.append(not torch.equal(chunk_rule(*padded_x, d**-0.5, init, meta(padded))[1], f))
+    assert any(unfixed), "the padded chunk's decay never mattered: the check above cannot fail"
     c, slots = 512, 4
     rows = torch.randn(256, c, device=dev, generator=g, dtype=torch.bfloat16)
     weight = torch.randn(c, 4, device=dev, generator=g, dtype=torch.bfloat16)

@@ -83,7 +83,8 @@ class CudaGdnImpl:
                           last_rows=[b - 1 for _, b in spans], rows=[] if contiguous else tokens,
                           # each row's sequence (among these) and offset in it: padding masks (graphs)
                           row_seq=[j for j, n in enumerate(lens) for _ in range(n)] if ctx.graph else [],
-                          row_offset=[t for n in lens for t in range(n)] if ctx.graph else [])
+                          row_offset=[t for n in lens for t in range(n)] if ctx.graph else [],
+                          row_start=[c for c, n in zip(cu, lens) for _ in range(n)] if ctx.graph else [])
             flat = [x for f in fields.values() for x in f + [0] * (len(f) % 2)]  # 16-byte aligned views
             parts = torch.split(to_device(flat, ctx.positions.device), [len(f) + len(f) % 2 for f in fields.values()])
             plan = {name: t[: len(f)] for (name, f), t in zip(fields.items(), parts)}
@@ -105,8 +106,13 @@ class CudaGdnImpl:
                 has_past=ctx.context_lens.index_select(0, ids) > meta["query_lens"],
                 final_slots=ctx.token_state_slots.index_select(0, meta["last_rows"]))
             if ctx.valid_tokens is not None:  # a graph may pad a sequence at its end: its real rows
-                real = ctx.valid_tokens.index_select(0, ids).index_select(0, meta["row_seq"])
-                ctx.step_tensors[key]["real"] = meta["row_offset"] < real
+                n = ctx.valid_tokens.index_select(0, ids).index_select(0, meta["row_seq"])  # per row: its sequence's
+                off = meta["row_offset"]
+                ctx.step_tensors[key]["pad"] = dict(
+                    real=off < n,
+                    # a padding row's decay: its fla chunk's last real row's (what fla reads at a
+                    # chunk's end), or none (0) in a chunk of padding only
+                    last=meta["row_start"] + (n - 1).clamp(min=0), same=off // FLA_CHUNK == (n - 1) // FLA_CHUNK)
         return ctx.step_tensors[key]
 
     def _prefill(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext, meta: dict, out) -> None:
@@ -129,17 +135,19 @@ class CudaGdnImpl:
         n = q.shape[0]
         g, beta = gates(a[rows], b[rows], weights)
         step = self._step_tensors(ctx, meta)
-        if "real" in step:
+        pad = step.get("pad")
+        if pad is not None:
             # Padding rows at a sequence's end enter fla as zeros: what its masked loads give past a
             # sequence, so the real rows get the bits they would get unpadded, and a chunk of zeros
-            # (decay exp2(0) = 1, no update) leaves the final state as it is
-            real = step["real"][:, None]
+            # (decay exp2(0) = 1, no update) leaves the final state as it is (chunk_rule also gives
+            # them the decay fla reads at a chunk's end)
+            real = pad["real"][:, None]
             q, k, v, g, beta = (torch.where(real, x, 0) for x in (q, k, v, g, beta))
         # fla's states are [N, Hv, Dk, Dv]; the cache holds them transposed ([Hv, Dv, Dk])
         init = torch.where(step["has_past"][:, None, None, None], state[step["slots"]].float().transpose(-1, -2), 0.0)
         o, final = chunk_rule(
             q.view(1, n, s.num_k_heads, s.head_k_dim), k.view(1, n, s.num_k_heads, s.head_k_dim),
-            v.view(1, n, s.num_v_heads, s.head_v_dim), g[None], beta[None], self.scale, init, meta)
+            v.view(1, n, s.num_v_heads, s.head_v_dim), g[None], beta[None], self.scale, init, meta, pad)
         state.index_copy_(0, step["final_slots"], final.transpose(-1, -2).to(state.dtype))
         o = o[0].to(proj.dtype).reshape(n, s.value_dim)
         if isinstance(rows, slice):  # normalised straight into the layer output's rows
@@ -151,13 +159,19 @@ class CudaGdnImpl:
 FLA_CHUNK = 64  # fla's chunk length for the gated delta rule
 
 
-def chunk_rule(q, k, v, g, beta, scale: float, initial_state, meta: dict):
+def chunk_rule(q, k, v, g, beta, scale: float, initial_state, meta: dict, pad: dict | None = None):
     """fla's chunked gated delta rule, forward only (what ``chunk_gated_delta_rule`` runs with
     ``use_qk_l2norm_in_kernel``, without its autograd Function, argument guards and backend
     dispatch: ~0.7 ms of host time a layer), on the plan's own chunk indices and offsets. fla
     would otherwise derive them from ``cu_seqlens`` (a device sync a step) and keep them in an
     identity cache of 4 entries: a CUDA graph replaying a tensor that cache then drops reads
-    freed memory. Returns (o [1, T, Hv, Dv] in q's dtype, final states [N, Hv, Dk, Dv] fp32)."""
+    freed memory. Returns (o [1, T, Hv, Dv] in q's dtype, final states [N, Hv, Dk, Dv] fp32).
+
+    ``pad`` (sequences padded at their end, zero inputs there): per row ``real``, ``last`` (its
+    fla chunk's last real row) and ``same`` (that chunk holds real rows). fla reads a chunk's
+    decay at its last row, the sequence's last in a partial chunk; its cumulative sum is a
+    parallel scan, so the padded chunk's last row holds the same sum in another association (other
+    bits): padding rows take their chunk's last real row's value, or 0 in a chunk of padding."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
@@ -169,6 +183,9 @@ def chunk_rule(q, k, v, g, beta, scale: float, initial_state, meta: dict):
     q, _ = l2norm_fwd(q)
     k, _ = l2norm_fwd(k)
     g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=indices)
+    if pad is not None:
+        fill = torch.where(pad["same"][:, None], g[0].index_select(0, pad["last"]), 0.0)
+        g = torch.where(pad["real"][:, None], g[0], fill)[None]
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_size=FLA_CHUNK,
                                                chunk_indices=indices)
     h, v_new, final = chunk_gated_delta_rule_fwd_h(
