@@ -173,6 +173,13 @@ def test_a_last_piece_is_padded_at_its_end():
     assert ctx.slot_mapping.tolist()[2 + r:] == [page * 16 + i % 16 for i in range(CHUNK - r)]
     assert set(ctx.token_state_slots.tolist()[2 + r - 1:]) == {hb.token_state_slots[-1]}
     assert ctx.block_tables[2].tolist()[:6] == [2, 3, 4, 5, 6, page]  # positions past the pages: scratch
+    assert ctx.block_tables.shape[1] == spec.max_blocks_per_seq + CHUNK // 16  # room for a piece padded past the end
+    # a piece ending at the longest context still has its padding rows inside the table
+    end = eng.runner.spec.max_blocks_per_seq * 16 - r
+    pages = list(range(spec.max_blocks_per_seq))
+    hb = plan_batch([[7], [8], [9] * r], [10, 11, end], [[0], [1], pages], [0, 1, 2], [True, True, False], block_size=16)
+    ids, ctx = runner.make_context(hb, torch.device("cpu"))
+    assert ctx.block_tables[2].tolist()[-(CHUNK // 16):] == [page] * (CHUNK // 16)
     assert ctx.logits_indices.tolist() == [0, 1, 2 + r - 1]
     assert ctx.graph.spans(3, r) == [(0, 2), (2, 2 + r)]
     outs = (torch.arange(2 + CHUNK)[:, None].float(), torch.arange(3)[:, None].float())

@@ -71,8 +71,10 @@ class StaticBatch:
         self.num_logits = t if not chunk else decode + 1
         r = self.num_logits
         self.region = torch.zeros(4 * t + 3 * r + 3 * seqs, dtype=torch.int64, device=device)
-        self.block_tables = torch.full((seqs, spec.max_blocks_per_seq), spec.scratch_page, dtype=torch.int64,
-                                       device=device)
+        # a padded prompt piece's padding rows sit past the sequence's pages, up to a chunk past
+        # max_model_len: their reads go to the scratch page, inside the table
+        width = spec.max_blocks_per_seq + (-(-chunk // block_size) if chunk else 0)
+        self.block_tables = torch.full((seqs, width), spec.scratch_page, dtype=torch.int64, device=device)
         ids, pos, slots, token_states, keys, temps, logits, ctx_lens, states, valid = torch.split(
             self.region, [t, t, t, t, r, r, r, seqs, seqs, seqs])
         self.input_ids = ids
