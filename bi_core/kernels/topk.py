@@ -19,7 +19,7 @@ def _softmax_topk_kernel(L, W, IDS, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: t
     x = tl.load(L + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
-    p = tl.where(mask, p, -1.0)
+    p = tl.where(mask & (p == p), p, -1.0)  # a NaN row (a graph's padding) still picks experts in range
     total = 0.0
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)

@@ -108,7 +108,9 @@ class CacheManager:
         num_states = num_slots * state_ring + 1 + num_snapshots
         self.snapshot_slots = list(range(num_slots * state_ring + 1, num_states))
         kv_shape = (self.num_blocks + 1, self.block_size, args.num_key_value_heads, args.head_dim)
-        kv = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
+        # zeroed: reads past a sequence's written keys (a padded prompt piece's padding rows, masked
+        # key blocks) see finite values, never NaN garbage (0 * NaN would reach a real row)
+        kv = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
         conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
         # the state is stored transposed, [Hv, Dv, Dk] (Dk contiguous): the recurrent kernel's
