@@ -297,10 +297,11 @@ class GraphConfig:
     max_batch_size: int | None = _field(_optional(_int(1)), None, doc="default: scheduler.max_num_seqs")
     warmup: bool = _field(_bool, True, doc="at start (CUDA, graphs enabled): capture every graph, largest batch "
                           "first, and run a few dummy prompts so no capture or kernel compile stalls a running batch")
-    mixed: bool | str = _field(_auto_or(_bool), "auto", doc="also capture steps of decode rows plus one full prompt "
-                               "chunk (scheduler chunk size), so a long prompt's chunks among running streams replay a "
-                               "graph instead of ~2 ms of eager launches a layer; auto = on where the attention kernel "
-                               "can replay prompt rows (the invariant backend's), off with FlashInfer's host planning")
+    mixed: bool | str = _field(_auto_or(_bool), "auto", doc="also capture steps of decode rows plus one prompt piece "
+                               "(up to the scheduler's chunk size; a shorter last piece is padded), so a long prompt's "
+                               "chunks among running streams replay a graph instead of ~2 ms of eager launches a layer; "
+                               "auto = on where the attention kernel can replay prompt rows (the invariant backend's), "
+                               "off with FlashInfer's host planning or MTP")
     overlap: bool = _field(_bool, True, doc="launch the next decode step before this one's tokens reach the host "
                            "(AR steps replayed from a graph, sampled on the device): the host plans and books steps "
                            "while the device runs; outputs are the same")

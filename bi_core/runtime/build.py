@@ -139,7 +139,7 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
 
 
 def _mixed_graphs(config: EngineConfig, model: Qwen35Model, query_lens: tuple[int, ...]) -> bool:
-    """``graph.mixed`` resolved: graphs of one-token decode rows plus a full prompt chunk, where
+    """``graph.mixed`` resolved: graphs of one-token decode rows plus a prompt piece, where
     every attention impl can replay prompt rows (``graph_prompt_rows``: nothing planned on the
     host from the step's positions or pages) and the strategy decodes one token a step (AR)."""
     want = config.graph.mixed
