@@ -14,8 +14,8 @@ import torch
 @attrs.frozen
 class GraphShape:
     """The step a CUDA graph runs: ``bucket`` recurrent sequences (padding included) of ``q_len``
-    tokens each, then, when ``chunk`` > 0 (a mixed step), one prompt sequence of ``chunk`` tokens
-    in the chunked form."""
+    tokens each, then, when ``chunk`` > 0 (a mixed step), one prompt sequence of ``chunk`` rows
+    in the chunked form (a shorter piece padded at its end: ``ForwardContext.valid_tokens``)."""
 
     q_len: int
     bucket: int

@@ -24,8 +24,9 @@ class GraphRunnerSpec(OpSpec):
     scratch_slot: int = 0  # GDN state slot of padding rows (never given to a sequence)
     state_ring: int = 1  # GDN state slots per sequence
     query_lens: tuple[int, ...] = (1,)  # tokens per sequence of the uniform steps worth capturing
-    # > 0: also capture mixed steps, one-token decode rows plus one prompt chunk of exactly this
-    # many tokens (the scheduler's chunk size); 0: steps with prompt rows run eagerly
+    # > 0: also capture mixed steps, one-token decode rows plus one prompt piece of at most this
+    # many tokens (the scheduler's chunk size; a shorter last piece is padded); 0: steps with
+    # prompt rows run eagerly
     prompt_chunk: int = 0
 
 

@@ -143,6 +143,9 @@ def _mixed_graphs(config: EngineConfig, model: Qwen35Model, query_lens: tuple[in
     every attention impl can replay prompt rows (``graph_prompt_rows``: nothing planned on the
     host from the step's positions or pages) and the strategy decodes one token a step (AR)."""
     want = config.graph.mixed
+    if want is True and not config.graph.enabled:
+        raise ConfigError("graph.mixed", "mixed steps replay CUDA graphs; set graph.enabled: true, or graph.mixed: "
+                          "auto or false")
     if not config.graph.enabled or want is False:
         return False
     refusing = sorted({type(m.attn).__name__ for m in model.modules()

@@ -122,8 +122,8 @@ def test_mixed_outputs_layout():
 
 def test_mixed_graphs_config(monkeypatch):
     """auto: on where every attention impl can replay prompt rows and the strategy decodes one
-    token a step; true where an impl cannot (the reference backend's reads host lists) or with
-    MTP: one ConfigError naming why; graphs off: never."""
+    token a step; true where an impl cannot (the reference backend's reads host lists), with
+    MTP or with graphs off: one ConfigError naming why."""
     from bi_core.backends.reference.attention import ReferenceAttentionImpl
     from bi_core.runtime.build import _mixed_graphs
 
@@ -132,7 +132,9 @@ def test_mixed_graphs_config(monkeypatch):
     def resolve(query_lens=(1,), **graph):
         return _mixed_graphs(config("tiny-dense", graph=graph), model, query_lens)
 
-    assert not resolve(enabled=True) and not resolve(enabled=False, mixed=True)
+    assert not resolve(enabled=True) and not resolve(enabled=False)
+    with pytest.raises(ConfigError, match="graph.mixed.*set graph.enabled: true"):  # a setting that would do nothing
+        resolve(enabled=False, mixed=True)
     with pytest.raises(ConfigError, match="graph.mixed.*ReferenceAttentionImpl plans prompt rows on the host"):
         resolve(enabled=True, mixed=True)
     monkeypatch.setattr(ReferenceAttentionImpl, "graph_prompt_rows", True, raising=False)

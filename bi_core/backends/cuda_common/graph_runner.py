@@ -16,9 +16,10 @@ offset (``GraphShape.spans``). A uniform graph computes the logits of every row 
 row (greedy or plain temperature, keys and temperatures are static inputs too: decode and verify
 sample every row); a mixed graph those of the decode rows and of one prompt row (an index filled
 per step: the piece's last real row). Other steps (two prompt pieces, mixed lengths, L not
-captured, more sequences than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side planning, e.g. FlashInfer's) runs before every forward,
-outside the graph. ``extra`` is an optional per-token input (the MTP head's main-model hidden
-states) that gets a static buffer like the token ids."""
+captured, more sequences than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side
+planning, e.g. FlashInfer's) runs before every forward, outside the graph. ``extra`` is an
+optional per-token input (the MTP head's main-model hidden states) that gets a static buffer
+like the token ids."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ class StaticBatch:
         self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
                           state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64),
                           logits_indices=logits, valid_tokens=valid if chunk else None)
+        if not chunk:  # every row, never rewritten (a uniform graph reads all rows: logits_all_rows)
+            logits.copy_(torch.arange(t, dtype=torch.int64, device=device))
         self.cu_seqlens = torch.tensor(list(range(0, decode + 1, q)) + ([t] if chunk else []), dtype=torch.int64,
                                        device=device)
         self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
@@ -138,9 +141,11 @@ class StaticBatch:
             sample_keys=real.sample_keys, temperatures=real.temperatures,
             valid_tokens=per_seq(real.query_lens, [q] * pad) if chunk else None)
 
-    def logit_pos(self, row: int) -> int:
-        """Where a graph row's logits are among the graph's logits rows."""
-        return row if row < self.decode or not self.chunk else self.num_logits - 1
+    def logit_pos(self, rows: list[int]) -> list[int]:
+        """Where graph rows' logits are among the graph's logits rows (a uniform graph: the same)."""
+        if not self.chunk:
+            return rows
+        return [row if row < self.decode else self.num_logits - 1 for row in rows]
 
     def load(self, hb: HostBatch | None) -> HostBatch:
         """Copy a (padded) batch into the static buffers; returns the padded batch."""
@@ -153,17 +158,13 @@ class StaticBatch:
         region[4 * t: 4 * t + 2 * r] = 0  # every logits row samples in a graph (padding: greedy, key 0)
         n = min(len(p.logits_rows), len(p.sample_keys))  # rows sampled with a key (none when the caller samples)
         if n:
-            at = np.asarray([self.logit_pos(row) for row in p.logits_rows[:n]])
+            at = np.asarray(self.logit_pos(p.logits_rows[:n]))
             region[4 * t + at] = p.sample_keys[:n]
             region[4 * t + r: 4 * t + 2 * r].view(np.float64)[at] = p.temperatures[:n]
-        logits = list(range(self.decode))
-        if self.chunk:
+        if self.chunk:  # the prompt row whose logits the graph computes (the decode rows' are fixed)
             prompt = [row for row in p.logits_rows if row >= self.decode]
             assert len(prompt) <= 1, "a mixed graph computes one logits row of its prompt piece"
-            logits.append(prompt[0] if prompt else t - 1)
-        else:
-            logits += range(self.decode, t)
-        region[4 * t + 2 * r: 4 * t + 3 * r] = logits
+            region[4 * t + 2 * r: 4 * t + 3 * r] = list(range(self.decode)) + [prompt[0] if prompt else t - 1]
         region[4 * t + 3 * r:] = p.context_lens + p.state_slots + (p.valid_tokens or [0] * len(p.state_slots))
         self.region.copy_(self._stage_region, non_blocking=True)
         table, rows, changed = self._stage_table.numpy(), self._table_rows, False
@@ -186,7 +187,7 @@ class StaticBatch:
         """Flat rows of the real batch ``hb`` -> rows of the graph (a mixed step's chunk comes
         after the padding)."""
         if not self.chunk:
-            return list(rows)
+            return rows
         head = hb.num_seqs - 1
         cut, shift = head * self.q, (self.bucket - head) * self.q
         return [r if r < cut else r + shift for r in rows]
@@ -195,13 +196,15 @@ class StaticBatch:
         """The graph's static outputs as the real batch (``current``) lays them out: its tokens'
         rows of the per-token output, and the logits rows it asked for (a graph computes more)."""
         hb = self.current
-        at = [self.logit_pos(r) for r in self.graph_rows(hb, hb.logits_rows)]
+        at = self.logit_pos(self.graph_rows(hb, hb.logits_rows))
         spans = self.shape.spans(hb.num_seqs, hb.query_lens[-1] if self.chunk else None)
         return (_rows(outs[0], spans), *(_rows(o, _runs(at)) for o in outs[1:]))
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
     """Consecutive runs of ``rows`` as (start, end) spans."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return [(rows[0], rows[-1] + 1)]  # the usual case (every row of a decode step): one list compare
     spans: list[tuple[int, int]] = []
     for r in rows:
         if spans and spans[-1][1] == r:
