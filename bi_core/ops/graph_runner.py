@@ -46,8 +46,8 @@ class GraphRunnerImpl(Protocol):
         """Run ``step(input_ids, ctx)`` (or ``step(input_ids, ctx, extra)`` with a per-token input
         such as the MTP head's hidden states). The step returns a tuple: a per-token output, then
         outputs with one row per ``ctx.logits_indices`` row; so does ``run``. ``prepare(ctx)`` does
-        host-side per-step planning and always runs outside any captured graph. ``ids_from``: the
-        input ids are row indices into it, replaced by its tokens on the device first
+        host-side per-step planning and always runs outside any captured graph. ``ids_from``: an
+        input id staged as ``-1 - i`` is replaced by token i of it on the device first
         (``runtime.batch.gather_ids``)."""
 
     def wait_inputs(self) -> None:

@@ -109,10 +109,15 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
 
 
 def gather_ids(input_ids: torch.Tensor, ids_from: torch.Tensor) -> None:
-    """Input ids staged as row indices into ``ids_from`` (a step's device samples, [R, 2] float64
-    (token, logprob)) become those rows' tokens, on the device: the next decode step is launched
-    before this step's tokens reach the host (strategies/ar.py)."""
-    input_ids.copy_(ids_from[:, 0].index_select(0, input_ids))
+    """Input ids staged as ``-1 - i`` become token i of ``ids_from`` on the device; the others are
+    token ids already. ``ids_from``: token ids [R], or a step's device samples [R, 2] float64
+    (token, logprob). So a step can be launched before some of its tokens reach the host: the
+    next decode step behind a running one (strategies/ar.py), a verify behind the draft chain
+    that proposes its drafts (strategies/mtp.py)."""
+    tokens = ids_from[:, 0] if ids_from.dim() == 2 else ids_from
+    staged = input_ids < 0
+    picked = tokens.index_select(0, (-1 - input_ids).clamp_(min=0)).to(input_ids.dtype)
+    input_ids.copy_(torch.where(staged, picked, input_ids))
 
 
 def build_context(token_ids, past_lens, blocks, state_slots, is_recurrent, *, block_size: int, device: torch.device,

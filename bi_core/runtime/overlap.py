@@ -9,7 +9,8 @@ next decode step (``Scheduler.plan_decode``: exactly what ``schedule`` would ret
 step, else None: requests waiting, pages short, ...), the strategy plans its model call with
 each row's *source row* in the running step's samples in place of a token id
 (``Strategy.plan_ahead``; None for a strategy that cannot, such as MTP, whose next verify needs
-the drafts of this one), and the runner launches it, gathering the tokens on the device
+this one's accepted drafts: MTP instead launches its draft chain without waiting for it and its
+next verify behind the chain, strategies/mtp.py), and the runner launches it, gathering the tokens on the device
 (``runtime.batch.gather_ids``). Only then does the engine wait for this step's samples and
 commit it.
 

@@ -49,8 +49,9 @@ class SeqRows:
 @attrs.frozen
 class Forward:
     """One model call: ``rows`` laid end to end. ``head="mtp"``: the MTP head, whose per-token
-    input ``hidden`` pairs with the tokens. ``ids_from``: the tokens are row indices into a
-    previous step's device samples (a step launched before those tokens reach the host)."""
+    input ``hidden`` pairs with the tokens. ``ids_from``: a token staged as ``-1 - i`` is token i
+    of this device tensor (a previous step's samples, or drafts not yet on the host: a step
+    launched before those tokens reach the host; ``runtime.batch.gather_ids``)."""
 
     rows: list[SeqRows]
     head: Literal["model", "mtp"] = "model"
@@ -79,9 +80,10 @@ class StepOutput:
 
 @attrs.define
 class Landing:
-    """A step's device samples on their way to pinned host memory (overlapped decode)."""
+    """A device tensor on its way to pinned host memory: a step's samples (overlapped decode),
+    MTP drafts."""
 
-    samples: torch.Tensor  # [R, 2] on the device (a graph's static output)
+    samples: torch.Tensor  # on the device (a step's samples [R, 2]: a graph's static output)
     host: torch.Tensor
     ready: torch.cuda.Event | None
 
@@ -125,7 +127,8 @@ class ModelRunner:
         if fwd.head == "model":
             outs = graphs.run(self._model_step, input_ids, ctx, self.model.prepare_step, ids_from=fwd.ids_from)
         else:
-            outs = graphs.run(self._mtp_step, input_ids, ctx, self.model.prepare_step, extra=fwd.hidden)
+            outs = graphs.run(self._mtp_step, input_ids, ctx, self.model.prepare_step, extra=fwd.hidden,
+                              ids_from=fwd.ids_from)
         samples = outs[2] if len(outs) > 2 else None
         routed = None
         if self.routing is not None and fwd.head == "model" and any(r.seq.params.return_routed_experts
@@ -186,6 +189,17 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         return Landing(samples, host, ready)
+
+    def to_host(self, t: torch.Tensor) -> Landing:
+        """Queue the copy of a device tensor to fresh page-locked host memory, behind the work
+        that produces it (``Landing.wait`` returns the host copy)."""
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=True)
+        ready = None
+        if t.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return Landing(t, host, ready)
 
     # ------------------------------------------------------------------ sleep / wake (RL: a colocated trainer)
 

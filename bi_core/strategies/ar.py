@@ -2,7 +2,7 @@
 
 A step whose samples fly (a CUDA graph replay, every row sampled on the device) can have the
 next decode step planned and launched before its tokens reach the host: ``plan_ahead`` stages
-each row's *source row* in the running step's samples instead of a token id, and the graph
+each row's *source row* in the running step's samples (as ``-1 - row``) instead of a token id, and the graph
 runner gathers the tokens on the device (``runtime.batch.gather_ids``). The engine loop decides
 when (``runtime/overlap.py``, whose docstring says what stays true)."""
 
@@ -30,9 +30,10 @@ class ARStrategy(Strategy):
         return StepPlan(scheduled, Forward(rows))
 
     def plan_ahead(self, scheduled: list[Scheduled], running: StepPlan, out: StepOutput) -> StepPlan:
-        # each row's token is the one it samples in the running step, at position num_computed + 1
+        # each row's token is the one it samples in the running step (staged as -1 - its sample row),
+        # at position num_computed + 1
         source = {id(r.seq): i for i, r in enumerate(running.forward.rows)}
-        rows = [SeqRows(s.seq, [source[id(s.seq)]], s.seq.num_computed + 1, True, (0,), True) for s in scheduled]
+        rows = [SeqRows(s.seq, [-1 - source[id(s.seq)]], s.seq.num_computed + 1, True, (0,), True) for s in scheduled]
         return StepPlan(scheduled, Forward(rows, ids_from=out.samples), ahead=True)
 
     def commit(self, plan: StepPlan, out: StepOutput, landed: torch.Tensor | None = None) -> StepCommit:

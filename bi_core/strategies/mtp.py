@@ -18,7 +18,17 @@ with the token sampled for q + 1; rows past the accepted ones only write MTP KV 
 that the next step rewrites before anything reads them), takes its first draft from the row of
 the last accepted token, and chains N-1 more single-row steps (greedy). The head runs through
 its own graph runner: catch-up steps of verify sequences are uniform (1+N rows), chain steps
-are single-row."""
+are single-row.
+
+Nothing in the chain waits for the device: each chain step takes its token from the previous
+step's draft on the device (``Forward.ids_from``), the drafts go to host memory behind the chain,
+and the next verify is planned and launched with its drafts staged as indices into the chain's
+device tensor (``runtime.batch.gather_ids``), so the device runs head catch-up, chain and the
+next verify back to back while the host plans. Only the verify's samples are waited for (the
+accept rule runs on the host); by then the drafts have landed too. A ``draft_hook`` (tests: it
+sees the proposals) waits for them; a ``draft_override`` (benchmarks, audits: forced drafts that
+do not read the proposals) is written over them on the device, so forced drafts take the path
+real ones take."""
 
 from __future__ import annotations
 
@@ -30,12 +40,26 @@ import torch
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
-from bi_core.runtime.runner import Forward, SeqRows, StepOutput
+from bi_core.runtime.batch import to_device
+from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
 from bi_core.strategies.base import Strategy
 
 DraftHook = Callable[[Sequence, list[int]], list[int]]
+DraftOverride = Callable[[Sequence, int], "list[int] | None"]  # (sequence, N) -> forced drafts, or None
+
+
+@attrs.frozen
+class _OnDevice:
+    """A sequence's drafts still on the device: row ``row`` of a draft chain's [S, N] ids, whose
+    host copy is ``landing``."""
+
+    landing: Landing
+    row: int
+
+    def host(self) -> list[int]:
+        return self.landing.wait()[self.row].tolist()
 
 
 def num_speculative(config: EngineConfig) -> int:
@@ -68,6 +92,9 @@ class _Head:
 @attrs.define
 class MTPPlan(StepPlan):
     head: list[_Head] = attrs.field(factory=list)  # filled by commit, run by after_update
+    # per row: the drafts it verifies when they were still on the device at plan time (``drafts``
+    # holds [] for that row until commit reads them from host memory), and how many
+    on_device: list[tuple[_OnDevice, int] | None] = attrs.field(factory=list)
 
 
 class MTPStrategy(Strategy):
@@ -113,8 +140,9 @@ class MTPStrategy(Strategy):
     def __init__(self, config: EngineConfig, runner) -> None:
         super().__init__(config, runner)
         self.num_spec = num_speculative(config)
-        self.drafts: dict[int, list[int]] = {}
-        self.draft_hook: DraftHook | None = None  # tests force drafts through this
+        self.drafts: dict[int, list[int] | _OnDevice] = {}
+        self.draft_hook: DraftHook | None = None  # tests force drafts through this (it waits for them)
+        self.draft_override: DraftOverride | None = None  # benchmarks and audits force drafts without reading them
 
     def forget(self, seq) -> None:
         self.drafts.pop(seq.request_id, None)
@@ -122,23 +150,44 @@ class MTPStrategy(Strategy):
     # ------------------------------------------------------------------ one engine step
 
     def plan(self, scheduled: list[Scheduled]) -> MTPPlan:
-        rows, drafts = [], []
+        rows, drafts, on_device, chains = [], [], [], {}
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed
             if seq.is_decoding:  # verify: the pending token and its drafts, padded to 1+N
                 remaining = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
-                d = self.drafts.get(seq.request_id, [])[: max(0, min(self.num_spec, remaining - 1))]
-                padding = [0] * (self.num_spec - len(d))  # KV and ring slots exist for them (lookahead)
-                rows.append(SeqRows(seq, [seq.all_ids[-1]] + d + padding, start, True, tuple(range(1 + len(d))), True))
+                n = max(0, min(self.num_spec, remaining - 1))
+                d = self.drafts.get(seq.request_id, [])
+                if isinstance(d, _OnDevice):  # staged as -1 - (index into the chains' ids laid end to end)
+                    if id(d.landing) not in chains:
+                        chains[id(d.landing)] = (d.landing, sum(c.samples.numel() for c, _ in chains.values()))
+                    base = chains[id(d.landing)][1]
+                    staged = [-1 - (base + d.row * self.num_spec + j) for j in range(n)]
+                    on_device.append((d, n))
+                    d = []
+                else:  # host drafts (a hook's may be fewer than N)
+                    d = staged = d[:n]
+                    n = len(d)
+                    on_device.append(None)
+                padding = [0] * (self.num_spec - n)  # KV and ring slots exist for them (lookahead)
+                rows.append(SeqRows(seq, [seq.all_ids[-1]] + staged + padding, start, True, tuple(range(1 + n)),
+                                    True))
             else:
                 d, last = [], (s.num_tokens - 1,) if s.samples else ()
                 rows.append(SeqRows(seq, seq.ids(start, start + s.num_tokens), start, s.recurrent, last, bool(last)))
+                on_device.append(None)
             drafts.append(d)
-        return MTPPlan(scheduled, Forward(rows), drafts)
+        ids_from = None
+        if chains:
+            ids = [landing.samples.reshape(-1) for landing, _ in chains.values()]
+            ids_from = ids[0] if len(ids) == 1 else torch.cat(ids)
+        return MTPPlan(scheduled, Forward(rows, ids_from=ids_from), drafts, on_device=on_device)
 
     def commit(self, plan: MTPPlan, out: StepOutput, landed: torch.Tensor | None = None) -> StepCommit:
         rows = plan.forward.rows
         scores = self.runner.score(rows, out)
+        for i, pending in enumerate(plan.on_device):
+            if pending is not None:  # landed behind the chain, before this verify's samples
+                plan.drafts[i] = pending[0].host()[: pending[1]]
         sampling = [r for r in rows if r.sample]
         flat_seqs = [r.seq for r in sampling for _ in r.logits_rows]
         sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
@@ -197,30 +246,40 @@ class MTPStrategy(Strategy):
         drafting = [i for i, h in enumerate(live) if h.seq.is_decoding and h.seq.status is not Status.FINISHED]
         wanted = set(drafting)
         out = self._mtp([SeqRows(h.seq, h.tokens, h.start, True, (h.draft_row,) if i in wanted else ())
-                         for i, h in enumerate(live)], hidden[torch.tensor(rows, device=device)])
+                         for i, h in enumerate(live)], hidden[to_device(rows, device)])
         if not drafting:
             return
         starts = [0, *_cumsum(len(h.tokens) for h in live)]
-        last = out.hidden[torch.tensor([starts[i] + live[i].draft_row for i in drafting], device=device)]
+        last = out.hidden[to_device([starts[i] + live[i].draft_row for i in drafting], device)]
         positions = [live[i].start + live[i].draft_row for i in drafting]
         seqs = [live[i].seq for i in drafting]
-        proposed = [[t] for t in out.logits.tolist()]
-        for _ in range(self.num_spec - 1):
+        ids = torch.empty((len(seqs), self.num_spec), dtype=torch.int64, device=device)
+        ids[:, 0] = out.logits
+        for j in range(1, self.num_spec):  # each step's token: the previous step's draft, on the device
             positions = [q + 1 for q in positions]
-            out = self._mtp([SeqRows(seq, [d[-1]], q, True, (0,)) for seq, d, q in zip(seqs, proposed, positions)],
-                            last)
+            out = self._mtp([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],
+                            last, ids_from=ids[:, j - 1])
             last = out.hidden
-            for d, t in zip(proposed, out.logits.tolist()):
-                d.append(t)
-        for seq, d in zip(seqs, proposed):
-            self.drafts[seq.request_id] = self.draft_hook(seq, d) if self.draft_hook else d
+            ids[:, j] = out.logits
+        if self.draft_override is not None:  # forced drafts take the real ones' place on the device
+            forced = {i: self.draft_override(seq, self.num_spec) for i, seq in enumerate(seqs)}
+            forced = {i: (d + [0] * self.num_spec)[: self.num_spec] for i, d in forced.items() if d is not None}
+            if forced:
+                values = to_device([t for d in forced.values() for t in d], device).view(len(forced), self.num_spec)
+                ids.index_copy_(0, to_device(list(forced), device), values)
+        landing = self.runner.to_host(ids)
+        for i, seq in enumerate(seqs):
+            if self.draft_hook is not None:
+                self.drafts[seq.request_id] = self.draft_hook(seq, landing.wait()[i].tolist())
+            else:
+                self.drafts[seq.request_id] = _OnDevice(landing, i)
 
-    def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor) -> StepOutput:
+    def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
         """The MTP head over ``rows`` (its own KV cache, same pages), the main model's ``hidden``
         paired with their tokens: its output rows, and (as ``logits``) the greedy draft of each
         logits row. The head has no GDN layer, so every row is marked recurrent: any uniform step
         can replay a graph."""
-        return self.runner.execute(Forward(rows, head="mtp", hidden=hidden))
+        return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from))
 
 
 def _cumsum(values):

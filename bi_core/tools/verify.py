@@ -84,15 +84,16 @@ def _params(mode: str, index: int, max_new: int) -> SamplingParams:
 
 def _forced_drafts(engine: LLMEngine, truth: dict[int, list[int]], owner: dict[int, int], rng: random.Random):
     """MTP drafts for needles: their AR tokens up to a random point, then wrong ones (random
-    weights accept almost nothing by themselves); fillers keep the head's own drafts."""
-    def hook(seq, proposed):
+    weights accept almost nothing by themselves), written over the head's drafts on the device
+    (``draft_override``); fillers keep the head's own drafts."""
+    def override(seq, n):
         index = owner.get(seq.request_id)
         if index is None:
-            return proposed
-        right = truth[index][len(seq.output_ids): len(seq.output_ids) + len(proposed)]
+            return None
+        right = truth[index][len(seq.output_ids): len(seq.output_ids) + n]
         cut = rng.randint(0, len(right))
         return right[:cut] + [(t + 1) % engine.args.vocab_size for t in right[cut:]]
-    return hook
+    return override
 
 
 def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[list[int]], mode: str,
@@ -101,7 +102,7 @@ def _run(engine: LLMEngine, needles: list[tuple[int, list[int]]], fillers: list[
     owner: dict[int, int] = {}
     peak = 0
     if truth is not None:
-        engine.strategy.draft_hook = _forced_drafts(engine, truth, owner, rng)
+        engine.strategy.draft_override = _forced_drafts(engine, truth, owner, rng)
     early, late = fillers[: len(fillers) // 2], fillers[len(fillers) // 2:]
     for p in early:
         engine.add_request(p, SamplingParams(max_new_tokens=rng.randint(1, 2 * max_new), ignore_eos=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 import torch
 from helpers import tiny_config
@@ -176,3 +177,41 @@ def test_mtp_budget_without_room_for_verify_rows_and_a_chunk_is_an_error():
                        f"chunk beside the decode rows of scheduler.max_num_seqs={seqs} sequences \\({1 + N_SPEC} "):
         build_engine(cfg)
     build_engine(cfg.replace(scheduler={"max_num_batched_tokens": budget + 2}))  # one 2-token chunk fits
+
+
+def drafts_on_device(eng, truth: dict[int, list[int]], rng: random.Random, vocab: int = 260) -> None:
+    """Replace the MTP head's greedy drafts, on the device and inside the chain, by the AR tokens
+    (each wrong with probability 0.3): the chain feeds them to its next step and the verify takes
+    them from the device, as real drafts go (no hook, no wait for the host)."""
+    real = eng.strategy._mtp
+
+    def mtp(rows, hidden, ids_from=None):
+        out = real(rows, hidden, ids_from)
+        want = []
+        for r in rows:  # logits row x of a head row at position p proposes the token at p + x + 2
+            for x in r.logits_rows:
+                k = r.start + x + 2 - len(r.seq.prompt_ids)
+                t = truth[r.seq.request_id][k] if k < len(truth[r.seq.request_id]) else 0
+                want.append((t + 1) % vocab if rng.random() < 0.3 else t)
+        return attrs.evolve(out, logits=torch.tensor(want, dtype=out.logits.dtype, device=out.logits.device))
+    eng.strategy._mtp = mtp
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_drafts_staged_on_the_device_equal_ar(n):
+    """Drafts never on the host before their verify (the path every real run takes): accepted
+    and rejected ones give the AR tokens; with n samples a verify takes drafts from two chains
+    (the leaders' and the forked samples')."""
+    ps = prompts()
+    params = SamplingParams(max_new_tokens=14, temperature=0.9, seed=5, ignore_eos=True, n=n)
+    ar = build_engine(config("tiny-moe", "ar")).generate(ps, params)
+    truth = {s.request_id: s.token_ids for o in ar for s in (o.samples or [o])}
+    eng = build_engine(config("tiny-moe", "mtp"))
+    drafts_on_device(eng, truth, random.Random(2))
+    out = eng.generate(ps, params)
+    for a, m in zip(ar, out):
+        assert [s.token_ids for s in (m.samples or [m])] == [s.token_ids for s in (a.samples or [a])]
+    accepted = [s.num_accepted_draft_tokens for o in out for s in (o.samples or [o])]
+    drafted = [s.num_draft_tokens for o in out for s in (o.samples or [o])]
+    assert sum(accepted) > 0 and sum(accepted) < sum(drafted), (accepted, drafted)
+    assert not eng.strategy.drafts
