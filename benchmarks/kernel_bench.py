@@ -219,7 +219,7 @@ def bench_gdn() -> None:
                                                  ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
                                                  ctx.recurrent_ids, out, num_k_heads=HK, head_k_dim=DK, eps=1e-6,
                                                  per_token=False))
-                record("gdn", f"fused decode (1 kernel, {warps} warps)", b, us, nbytes)
+                record("gdn", f"recurrent decode ({warps} warps)", b, us, nbytes)
             gd.NUM_WARPS = 8
         else:
             import torch.nn.functional as F

@@ -208,11 +208,33 @@ def test_gdn_decode_ring_keeps_the_state_after_every_token(device):
         assert torch.equal(out[t:t + 1], o1)
 
 
+def test_gdn_decode_per_token_matches_reference(device):
+    """A verify-shaped call (ring of 4 slots per sequence, 4, 3 and 2 tokens, continuing and new
+    sequences, value heads sharing a key head) against the reference in fp32: outputs, and the
+    state and conv window stored after every token."""
+    torch.manual_seed(6)
+    spec = gdn_spec(device, torch.float32)
+    ring, qlens, plens = 4, [4, 3, 2], [5, 0, 11]
+    ctx, _ = ragged_ctx(qlens, plens, device, recurrent=[True] * 3, ring=ring, slots=[2, 0, 1])
+    proj, weights, conv, state = gdn_inputs(spec, sum(qlens), 3 * ring, device, torch.float32)
+    state0, conv_ref, state_ref = state.clone(), conv.clone(), state.clone()
+    out = run_gdn_decode(spec, proj, weights, conv, state, ctx)
+    want = ReferenceGdnImpl(spec).forward(proj, weights, conv_ref, state_ref, ctx)
+    assert rel(out, want) < 1e-4
+    assert len(set(ctx.token_state_slots_host)) == sum(qlens)  # one slot per token
+    for slot in ctx.token_state_slots_host:
+        assert rel(state[slot], state_ref[slot]) < 1e-5 and not torch.equal(state[slot], state0[slot])
+    assert torch.equal(conv, conv_ref)  # windows are copies of inputs: exact
+
+
 def test_gdn_decode_speed_knobs_change_no_bit(device):
-    """PREFETCH (value heads whose state is read before the conv) is a speed knob: outputs,
-    states and conv windows are bitwise the same for each setting (decode and verify-like rows,
-    new and continuing sequences). The warp count is not one in general: it can change the
-    layout a small state tile's row sums run in (it did at this test's 16 x 32 heads on an H200)."""
+    """The launch shape (split conv + recurrence, or fused per key head) and the split conv's
+    BLOCK_C and warps are speed knobs (the conv is element-wise per channel, the recurrence per
+    value head the same code): outputs, states and conv windows are bitwise the same for each
+    setting, a partly masked last block included (decode and verify-like rows, new and
+    continuing sequences). The recurrence's
+    warp count is not one in general: it can change the layout a small state tile's row sums run
+    in (it did at this test's 16 x 32 heads on an H200)."""
     from bi_core.kernels.gdn_decode import gdn_decode
 
     torch.manual_seed(5)
@@ -221,13 +243,14 @@ def test_gdn_decode_speed_knobs_change_no_bit(device):
     ctx, _ = ragged_ctx(qlens, plens, device, recurrent=[True] * 4)
     proj, weights, conv, state = gdn_inputs(spec, sum(qlens), 4, device, torch.bfloat16)
     runs = []
-    for prefetch in (0, 1, 2):
+    shapes = [{"split": True, "BLOCK_C": b, "conv_warps": w} for b, w in ((16, 1), (64, 2), (128, 4))]
+    for cfg in shapes + [{"split": False}]:  # split: conv_dim 192 in 12, 3 and 2 blocks; then fused
         c, s = conv.clone(), state.clone()
         out = torch.empty((proj.shape[0], spec.value_dim), dtype=proj.dtype, device=device)
         gdn_decode(proj, weights.conv1d, weights.A_log, weights.dt_bias, weights.norm, c, s, ctx.cu_seqlens_q,
                    ctx.context_lens, ctx.state_slots, ctx.token_state_slots, ctx.recurrent_ids, out,
                    num_k_heads=spec.num_k_heads, head_k_dim=spec.head_k_dim, eps=1e-6, per_token=False,
-                   config={"PREFETCH": prefetch})
+                   config=cfg)
         runs.append((out, s, c))
     for out, s, c in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(s, runs[0][1]) and torch.equal(c, runs[0][2])

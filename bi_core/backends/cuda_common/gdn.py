@@ -1,6 +1,5 @@
-"""Gated DeltaNet on CUDA: decode/verify sequences through the fused recurrent kernel
-(``kernels/gdn_decode.py``: conv, gates, delta rule, gated norm in one launch, state slots in
-place); prefill sequences through our conv kernel, fla's ``chunk_gated_delta_rule`` (varlen,
+"""Gated DeltaNet on CUDA: decode/verify sequences through the recurrent kernels
+(``kernels/gdn_decode.py``: conv, gates, delta rule, gated norm, state slots in place); prefill sequences through our conv kernel, fla's ``chunk_gated_delta_rule`` (varlen,
 states gathered/scattered by slot) and the gated-norm kernel."""
 
 from __future__ import annotations
