@@ -42,7 +42,7 @@ from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
 from bi_core.ops.sampling import device_sampled
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput, rows_of
+from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
 from bi_core.strategies.base import Strategy
@@ -98,10 +98,8 @@ class MTPPlan(StepPlan):
     # per row: the drafts it verifies when they were still on the device at plan time (``drafts``
     # holds [] for that row until commit reads them from host memory), and how many
     on_device: list[tuple[_OnDevice, int] | None] = attrs.field(factory=list)
-    # the head's catch-up launched behind the verify (its rows, its output), or None; then the
-    # verify's samples land on the host ahead of it (``landing``)
+    # the head's catch-up launched behind the verify (its rows, its output), or None
     catch_up: tuple[list[_Head], StepOutput] | None = None
-    landing: Landing | None = None
 
 
 class MTPStrategy(Strategy):
@@ -194,8 +192,7 @@ class MTPStrategy(Strategy):
         verify's samples: the tokens rows sampled are staged from ``out.samples`` on the device,
         and every verify row proposes a draft (the accept rule, on the host, says which one is
         used). Rows past the accepted ones run as they would after the commit (they only fill
-        the step), so the drafts are the same bits. The samples are copied to the host ahead of
-        it, so the commit runs while the catch-up does. Not when the commit samples on the host
+        the step), so the drafts are the same bits. Not when the commit samples on the host
         (filtering, top-N logprobs, a logits hook): then ``after_update`` runs the catch-up."""
         rows = plan.forward.rows
         if (out.samples is None or self.runner.on_logits is not None
@@ -214,7 +211,6 @@ class MTPStrategy(Strategy):
                     heads.append(_Head(r.seq, r.start, tokens, offset, len(tokens) - 1,
                                        (len(tokens) - 1,) if staged else ()))
         if heads:
-            plan.landing = self.runner.to_host(out.samples)  # the commit waits for this, not the catch-up
             plan.catch_up = (heads, self._catch_up(heads, out.hidden, out.samples))
 
     def commit(self, plan: MTPPlan, out: StepOutput, landed: torch.Tensor | None = None) -> StepCommit:
@@ -225,11 +221,8 @@ class MTPStrategy(Strategy):
                 plan.drafts[i] = pending[0].host()[: pending[1]]
         sampling = [r for r in rows if r.sample]
         flat_seqs = [r.seq for r in sampling for _ in r.logits_rows]
-        if plan.landing is not None:  # the device samples, landed before the catch-up behind them ran
-            sampled = rows_of(flat_seqs, plan.landing.wait())
-        else:
-            sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
-                                         out.samples) if flat_seqs else []
+        sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
+                                     out.samples) if flat_seqs else []
         commits, leaders, cursor, routed = [], [], 0, self.routing(out)
         for r, drafts, offset in zip(rows, plan.drafts, out.offsets):
             seq, got = r.seq, sampled[cursor:cursor + len(r.logits_rows)] if r.sample else []
