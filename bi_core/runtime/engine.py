@@ -191,7 +191,6 @@ class LLMEngine(RolloutAPI):
                 plan = self.strategy.plan(scheduled)
                 out = self.runner.execute(plan.forward)
             landed = self.overlap.launch_next(plan, out)  # the next step, when it can be planned now
-            self.strategy.launch_behind(plan, out)  # MTP: the head's catch-up, queued behind the verify
             commit = self.strategy.commit(plan, out, landed.wait() if landed is not None else None)
             self.scheduler.update(commit)
             self.strategy.after_update(plan, commit, out)

@@ -71,10 +71,6 @@ class Strategy(abc.ABC):
         ``out.samples`` on the device; None if this strategy cannot plan before it knows them."""
         return None
 
-    def launch_behind(self, plan: StepPlan, out: StepOutput) -> None:
-        """Right after the step is launched, before the host waits for its samples: work that
-        can be queued behind it on the device (MTP: the head's catch-up)."""
-
     def after_update(self, plan: StepPlan, commit: StepCommit, out: StepOutput) -> None:
         """After ``Scheduler.update`` applied ``commit``: a speculative strategy drafts here."""
 

@@ -40,7 +40,6 @@ import torch
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
-from bi_core.ops.sampling import device_sampled
 from bi_core.runtime.batch import to_device
 from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput
 from bi_core.runtime.sequence import Sequence, Status
@@ -81,15 +80,13 @@ def accepted_drafts(drafts: list[int], sampled: list[int]) -> int:
 class _Head:
     """The MTP head's rows for one sequence in a step: ``tokens[j]`` is the token at position
     ``start + j + 1``, paired with the main model's hidden row ``offset + j`` (position
-    ``start + j``); ``draft_row``: the row whose output proposes the first draft; ``logits``: the
-    rows whose drafts the catch-up computes."""
+    ``start + j``); ``draft_row``: the row whose output proposes the first draft."""
 
     seq: Sequence
     start: int
     tokens: list[int]
     offset: int
     draft_row: int
-    logits: tuple[int, ...] = ()
 
 
 @attrs.define
@@ -98,8 +95,6 @@ class MTPPlan(StepPlan):
     # per row: the drafts it verifies when they were still on the device at plan time (``drafts``
     # holds [] for that row until commit reads them from host memory), and how many
     on_device: list[tuple[_OnDevice, int] | None] = attrs.field(factory=list)
-    # the head's catch-up launched behind the verify (its rows, its output), or None
-    catch_up: tuple[list[_Head], StepOutput] | None = None
 
 
 class MTPStrategy(Strategy):
@@ -187,32 +182,6 @@ class MTPStrategy(Strategy):
             ids_from = ids[0] if len(ids) == 1 else torch.cat(ids)
         return MTPPlan(scheduled, Forward(rows, ids_from=ids_from), drafts, on_device=on_device)
 
-    def launch_behind(self, plan: MTPPlan, out: StepOutput) -> None:
-        """Launch the head's catch-up over this step's rows before the host waits for the
-        verify's samples: the tokens rows sampled are staged from ``out.samples`` on the device,
-        and every verify row proposes a draft (the accept rule, on the host, says which one is
-        used). Rows past the accepted ones run as they would after the commit (they only fill
-        the step), so the drafts are the same bits. Not when the commit samples on the host
-        (filtering, top-N logprobs, a logits hook): then ``after_update`` runs the catch-up."""
-        rows = plan.forward.rows
-        if (out.samples is None or self.runner.on_logits is not None
-                or not device_sampled([r.seq for r in rows if r.sample])):
-            return
-        heads, k = [], 0
-        for r, offset in zip(rows, out.offsets):
-            staged = [-1 - (k + j) for j in range(len(r.logits_rows))] if r.sample else []
-            k += len(staged)
-            if r.seq.is_decoding:
-                tokens = staged + [0] * (len(r.tokens) - len(staged))
-                heads.append(_Head(r.seq, r.start, tokens, offset, 0, tuple(range(len(tokens)))))
-            elif r.seq.score_from is None:
-                tokens = r.seq.ids(r.start + 1, min(r.start + 1 + len(r.tokens), r.seq.num_tokens)) + staged[:1]
-                if tokens:
-                    heads.append(_Head(r.seq, r.start, tokens, offset, len(tokens) - 1,
-                                       (len(tokens) - 1,) if staged else ()))
-        if heads:
-            plan.catch_up = (heads, self._catch_up(heads, out.hidden, out.samples))
-
     def commit(self, plan: MTPPlan, out: StepOutput, landed: torch.Tensor | None = None) -> StepCommit:
         rows = plan.forward.rows
         scores = self.runner.score(rows, out)
@@ -246,7 +215,7 @@ class MTPStrategy(Strategy):
         return StepCommit(commits, scores, self.forks(leaders, out))
 
     def after_update(self, plan: MTPPlan, commit: StepCommit, out: StepOutput) -> None:
-        self._propose(plan.head, out.hidden, plan.catch_up)
+        self._propose(plan.head, out.hidden)
 
     def after_fork(self, forks: list[Fork], plan: MTPPlan, out: StepOutput) -> None:
         """The head runs each sample's row at the last prompt position with the sample's own first
@@ -263,36 +232,29 @@ class MTPStrategy(Strategy):
 
     # ------------------------------------------------------------------ the MTP head
 
-    def _propose(self, heads: list[_Head], hidden: torch.Tensor,
-                 launched: tuple[list[_Head], StepOutput] | None = None) -> None:
-        """Catch the MTP head up over this step's rows (or take the catch-up ``launch_behind``
-        launched), then chain drafts for decoding sequences."""
+    def _propose(self, heads: list[_Head], hidden: torch.Tensor) -> None:
+        """Catch the MTP head up over this step's rows, then chain drafts for decoding sequences."""
         for h in heads:
             if h.seq.status is Status.FINISHED:
                 self.drafts.pop(h.seq.request_id, None)
-        if launched is None:
-            # a finished leader still gets its head rows: its samples fork from its pages
-            live = [h for h in heads if (h.seq.status is not Status.FINISHED or h.seq.followers) and h.tokens]
-            if not live:
-                return
-            wanted = {id(h.seq) for h in live if h.seq.is_decoding and h.seq.status is not Status.FINISHED}
-            live = [attrs.evolve(h, logits=(h.draft_row,) if id(h.seq) in wanted else ()) for h in live]
-            launched = (live, self._catch_up(live, hidden))
-        layout, out = launched
-        drafting = [h for h in heads if h.seq.is_decoding and h.seq.status is not Status.FINISHED]
-        if not drafting:
+        # a finished leader still gets its head rows: its samples fork from its pages
+        live = [h for h in heads if (h.seq.status is not Status.FINISHED or h.seq.followers) and h.tokens]
+        if not live:
             return
         device = hidden.device
-        at = {id(h.seq): i for i, h in enumerate(layout)}
-        starts = [0, *_cumsum(len(h.tokens) for h in layout)]
-        logit_starts = [0, *_cumsum(len(h.logits) for h in layout)]
-        rows = [starts[at[id(h.seq)]] + h.draft_row for h in drafting]
-        logit_rows = [logit_starts[at[id(h.seq)]] + layout[at[id(h.seq)]].logits.index(h.draft_row) for h in drafting]
-        last = out.hidden[to_device(rows, device)]
-        positions = [h.start + h.draft_row for h in drafting]
-        seqs = [h.seq for h in drafting]
+        rows = [h.offset + j for h in live for j in range(len(h.tokens))]
+        drafting = [i for i, h in enumerate(live) if h.seq.is_decoding and h.seq.status is not Status.FINISHED]
+        wanted = set(drafting)
+        out = self._mtp([SeqRows(h.seq, h.tokens, h.start, True, (h.draft_row,) if i in wanted else ())
+                         for i, h in enumerate(live)], hidden[to_device(rows, device)])
+        if not drafting:
+            return
+        starts = [0, *_cumsum(len(h.tokens) for h in live)]
+        last = out.hidden[to_device([starts[i] + live[i].draft_row for i in drafting], device)]
+        positions = [live[i].start + live[i].draft_row for i in drafting]
+        seqs = [live[i].seq for i in drafting]
         ids = torch.empty((len(seqs), self.num_spec), dtype=torch.int64, device=device)
-        ids[:, 0] = out.logits[to_device(logit_rows, device)]
+        ids[:, 0] = out.logits
         for j in range(1, self.num_spec):  # each step's token: the previous step's draft, on the device
             positions = [q + 1 for q in positions]
             out = self._mtp([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],
@@ -311,11 +273,6 @@ class MTPStrategy(Strategy):
                 self.drafts[seq.request_id] = self.draft_hook(seq, landing.wait()[i].tolist())
             else:
                 self.drafts[seq.request_id] = _OnDevice(landing, i)
-
-    def _catch_up(self, heads: list[_Head], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
-        rows = [h.offset + j for h in heads for j in range(len(h.tokens))]
-        return self._mtp([SeqRows(h.seq, h.tokens, h.start, True, h.logits) for h in heads],
-                         hidden[to_device(rows, hidden.device)], ids_from)
 
     def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
         """The MTP head over ``rows`` (its own KV cache, same pages), the main model's ``hidden``

@@ -3,8 +3,6 @@ invariant engine (bitwise) with a negative control, CUDA-graph replay vs eager."
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from helpers import tiny_config
@@ -158,12 +156,11 @@ def right_drafts(truth):
 
 
 def test_mtp_graphs_bitwise_equal_ar_invariant():
-    """Verify steps (1+N rows per sequence) and MTP head steps replay graphs, the head's catch-up
-    launched behind each verify and drafts staged on the device (nothing waits but the accept
-    rule); output is AR's, bitwise."""
+    """Verify steps (1+N rows per sequence) and MTP head steps replay graphs, drafts staged on the
+    device (the chain and the next verify run without a wait); output is AR's, bitwise."""
     import random
 
-    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, ignore_eos=True)  # device-sampled
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, ignore_eos=True, logprobs=1)
     ps = prompts(13, seed=6, vocab=248320)
     ar = build_engine(mtp_config("cuda_hopper_invariant", True, True, "ar")).generate(ps, params)
     truth = {i: o.token_ids for i, o in enumerate(ar)}
@@ -178,24 +175,6 @@ def test_mtp_graphs_bitwise_equal_ar_invariant():
     for a, m in zip(ar, out):
         assert m.token_ids == a.token_ids and m.token_logprobs == a.token_logprobs
     assert sum(o.num_accepted_draft_tokens for o in out) > 0
-
-
-def test_mtp_catch_up_behind_the_verify_gives_the_same_drafts():
-    """The head's catch-up launched before the verify's samples reach the host proposes the same
-    draft bits as the catch-up run after the commit (a logits hook forces that path)."""
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    ps = prompts(9, seed=8, vocab=248320)
-    seen = {}
-    for after_commit in (False, True):
-        eng = build_engine(mtp_config("cuda_hopper_invariant", True, True))
-        got = seen.setdefault(after_commit, [])
-        eng.strategy.draft_hook = lambda seq, d, got=got: (got.append(list(d)), d)[1]
-        if after_commit:
-            eng.on_logits = lambda seqs, logits: None
-        eng.generate(ps, params)
-        del eng
-        gc.collect()
-    assert seen[False] == seen[True] and len(seen[False]) > 20
 
 
 def test_mtp_graphs_default_backend_matches_eager():

@@ -197,56 +197,21 @@ def drafts_on_device(eng, truth: dict[int, list[int]], rng: random.Random, vocab
     eng.strategy._mtp = mtp
 
 
-@pytest.mark.parametrize("n,temperature", [(1, 0.0), (1, 0.9), (2, 0.9)])
-def test_drafts_staged_on_the_device_equal_ar(n, temperature):
+@pytest.mark.parametrize("n", [1, 2])
+def test_drafts_staged_on_the_device_equal_ar(n):
     """Drafts never on the host before their verify (the path every real run takes): accepted
     and rejected ones give the AR tokens; with n samples a verify takes drafts from two chains
     (the leaders' and the forked samples')."""
     ps = prompts()
-    params = SamplingParams(max_new_tokens=14, temperature=temperature, seed=5, ignore_eos=True, n=n)
+    params = SamplingParams(max_new_tokens=14, temperature=0.9, seed=5, ignore_eos=True, n=n)
     ar = build_engine(config("tiny-moe", "ar")).generate(ps, params)
     truth = {s.request_id: s.token_ids for o in ar for s in (o.samples or [o])}
     eng = build_engine(config("tiny-moe", "mtp"))
     drafts_on_device(eng, truth, random.Random(2))
-    launched = []
-    real = eng.strategy._catch_up
-    eng.strategy._catch_up = lambda heads, hidden, ids_from=None: (launched.append(ids_from is not None),
-                                                                     real(heads, hidden, ids_from))[1]
     out = eng.generate(ps, params)
-    assert sum(launched) >= 3, "no catch-up was launched behind its verify"
     for a, m in zip(ar, out):
         assert [s.token_ids for s in (m.samples or [m])] == [s.token_ids for s in (a.samples or [a])]
     accepted = [s.num_accepted_draft_tokens for o in out for s in (o.samples or [o])]
     drafted = [s.num_draft_tokens for o in out for s in (o.samples or [o])]
     assert sum(accepted) > 0 and sum(accepted) < sum(drafted), (accepted, drafted)
     assert not eng.strategy.drafts
-
-
-def test_catch_up_launched_behind_the_verify_proposes_the_same_drafts():
-    """The head's catch-up launched before the host has the verify's samples (tokens staged from
-    the device) proposes exactly the drafts of the catch-up run after the commit (a logits hook
-    makes the engine take that path); negative control: staging each sampled token one row off
-    changes the proposals."""
-    import bi_core.strategies.mtp as mtp_module
-
-    ps, params = prompts(), SamplingParams(max_new_tokens=14, ignore_eos=True)
-
-    def proposals(after_commit: bool, shift: int = 0) -> list[list[int]]:
-        eng = build_engine(config("tiny-moe", "mtp"))
-        seen = []
-        eng.strategy.draft_hook = lambda seq, d: (seen.append(list(d)), d)[1]
-        if after_commit:
-            eng.on_logits = lambda seqs, logits: None
-        real = mtp_module._Head
-        if shift:  # the staged sample rows one off (the previous rows' tokens)
-            mtp_module._Head = lambda seq, start, tokens, *a: real(
-                seq, start, [t - shift if t < 0 else t for t in tokens], *a)
-        try:
-            eng.generate(ps, params)
-        finally:
-            mtp_module._Head = real
-        return seen
-
-    behind, after = proposals(False), proposals(True)
-    assert behind == after and len(behind) > 10
-    assert proposals(False, shift=-1) != after
