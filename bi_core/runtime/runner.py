@@ -183,17 +183,13 @@ class ModelRunner:
             self._landing = [torch.empty(size, dtype=torch.float64, pin_memory=samples.is_cuda) for _ in range(2)]
         host = self._landing[self._turn][: samples.shape[0]]
         self._turn ^= 1
-        host.copy_(samples, non_blocking=True)
-        ready = None
-        if samples.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return Landing(samples, host, ready)
+        return self.to_host(samples, host)
 
-    def to_host(self, t: torch.Tensor) -> Landing:
-        """Queue the copy of a device tensor to fresh page-locked host memory, behind the work
-        that produces it (``Landing.wait`` returns the host copy)."""
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    def to_host(self, t: torch.Tensor, host: torch.Tensor | None = None) -> Landing:
+        """Queue the copy of a device tensor to page-locked host memory (``host``, or fresh),
+        behind the work that produces it (``Landing.wait`` returns the host copy)."""
+        if host is None:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         host.copy_(t, non_blocking=True)
         ready = None
         if t.is_cuda:
