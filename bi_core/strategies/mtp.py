@@ -23,12 +23,12 @@ are single-row.
 Nothing in the chain waits for the device: each chain step takes its token from the previous
 step's draft on the device (``Forward.ids_from``), the drafts go to host memory behind the chain,
 and the next verify is planned and launched with its drafts staged as indices into the chain's
-device tensor (``runtime.batch.gather_ids``), so the device runs head catch-up, chain and the
-next verify back to back while the host plans. Only the verify's samples are waited for (the
-accept rule runs on the host); by then the drafts have landed too. A ``draft_hook`` (tests: it
-sees the proposals) waits for them; a ``draft_override`` (benchmarks, audits: forced drafts that
-do not read the proposals) is written over them on the device, so forced drafts take the path
-real ones take."""
+device tensor (``runtime.batch.gather_ids``): the host plans each step while the device runs
+the one before. Only the verify's samples are waited for (the accept rule runs on the host); by
+then the drafts have landed too (the host's work per head step can still exceed the device's:
+docs/benchmarks.md section 19). A ``draft_hook`` (tests: it sees the proposals) waits for them;
+a ``draft_override`` (benchmarks, audits: forced drafts that do not read the proposals) is
+written over them on the device, so forced drafts take the path real ones take."""
 
 from __future__ import annotations
 
