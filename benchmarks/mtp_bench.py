@@ -4,8 +4,8 @@
    the head's own drafts: every verify runs N+1 tokens whatever is accepted, and random weights
    accept next to nothing).
 2. End to end: tokens/s of AR vs MTP with drafts forced right with probability r per position
-   (``draft_override``: the head still runs its chain on the device, its drafts are replaced
-   on the host without waiting for them, as real drafts would not be waited for); outputs are
+   (``draft_override``: the head still runs its chain, and the forced drafts are written over
+   its drafts on the device, so the verify takes them the way it takes real ones); outputs are
    checked equal to AR's.
 
 python3 benchmarks/mtp_bench.py [--layers N] [--num-spec 3] [--preset qwen3.5-35b-a3b]

@@ -83,7 +83,7 @@ class Landing:
     """A device tensor on its way to pinned host memory: a step's samples (overlapped decode),
     MTP drafts."""
 
-    samples: torch.Tensor  # on the device (a step's samples [R, 2]: a graph's static output)
+    device: torch.Tensor  # the source (a step's samples [R, 2], a graph's static output; MTP draft ids)
     host: torch.Tensor
     ready: torch.cuda.Event | None
 

@@ -2,8 +2,8 @@
 
 A step whose samples fly (a CUDA graph replay, every row sampled on the device) can have the
 next decode step planned and launched before its tokens reach the host: ``plan_ahead`` stages
-each row's *source row* in the running step's samples (as ``-1 - row``) instead of a token id, and the graph
-runner gathers the tokens on the device (``runtime.batch.gather_ids``). The engine loop decides
+each row's *source row* in the running step's samples (as ``-1 - row``) instead of a token id,
+and the graph runner gathers the tokens on the device (``runtime.batch.gather_ids``). The engine loop decides
 when (``runtime/overlap.py``, whose docstring says what stays true)."""
 
 from __future__ import annotations

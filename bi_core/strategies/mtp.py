@@ -159,7 +159,7 @@ class MTPStrategy(Strategy):
                 d = self.drafts.get(seq.request_id, [])
                 if isinstance(d, _OnDevice):  # staged as -1 - (index into the chains' ids laid end to end)
                     if id(d.landing) not in chains:
-                        chains[id(d.landing)] = (d.landing, sum(c.samples.numel() for c, _ in chains.values()))
+                        chains[id(d.landing)] = (d.landing, sum(c.device.numel() for c, _ in chains.values()))
                     base = chains[id(d.landing)][1]
                     staged = [-1 - (base + d.row * self.num_spec + j) for j in range(n)]
                     on_device.append((d, n))
@@ -178,7 +178,7 @@ class MTPStrategy(Strategy):
             drafts.append(d)
         ids_from = None
         if chains:
-            ids = [landing.samples.reshape(-1) for landing, _ in chains.values()]
+            ids = [landing.device.reshape(-1) for landing, _ in chains.values()]
             ids_from = ids[0] if len(ids) == 1 else torch.cat(ids)
         return MTPPlan(scheduled, Forward(rows, ids_from=ids_from), drafts, on_device=on_device)
 
