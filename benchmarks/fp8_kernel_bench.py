@@ -1,10 +1,14 @@
 """Block-FP8 linear kernels at the 35B-A3B shape's dense GEMMs, one H200/H100 call: fp8_linear as
 configured (activation quantization fused into the GEMM up to FUSE_QUANT_MAX_M rows), the same
-with quantization as its own launch, quantize_act alone, and the bf16 Triton GEMM for comparison;
-microseconds per call (CUDA graphs of 20 calls, so launch gaps do not count), and each one's weight
-bytes over the copy bandwidth (the floor).
+with quantization fused (rows quantized inside the GEMM, up to 32 rows) and as its own launch,
+quantize_act alone, and the bf16 Triton GEMM for comparison; microseconds per call (CUDA graphs of
+20 calls: launch gaps inside a graph do count, as in the engine's graphs), and each one's weight
+bytes over the copy bandwidth (the floor). Then the routed experts (35B-A3B: 256 experts, top 8,
+H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles, FP8 sorted (6
+launches) and bf16 per pair (2 launches), each against its weight bytes' floor.
 
   python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)
+  python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
 
 ``--sweep``: the GEMM alone (activations quantized once, outside the timing) at each decode tile
@@ -18,7 +22,7 @@ from functools import partial
 
 import torch
 
-from bi_core.kernels.fp8 import fp8_config, fp8_linear, quantize_act
+from bi_core.kernels.fp8 import FUSED_ROWS_MAX, fp8_config, fp8_linear, quantize_act
 from bi_core.kernels.gemm import linear
 from bi_core.quant.fp8 import quantize_blocks
 from bi_core.tools.bench import measure_bandwidth
@@ -84,16 +88,63 @@ def sweep(ms: list[int]) -> None:
                       f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
 
 
+def moe(ts: list[int]) -> None:
+    """Routed experts per pair and sorted (FP8), per pair (bf16), same routing, same tokens."""
+    from bi_core.kernels.fp8_moe import _fp8_moe_per_pair, fp8_fused_moe
+    from bi_core.kernels.moe import fused_moe
+
+    dev = torch.device("cuda")
+    bw = measure_bandwidth(dev)
+    e, top, h, i = 256, 8, 2048, 512
+    w13 = torch.randn(e + 1, 2 * i, h, device=dev, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e + 1, h, i, device=dev, dtype=torch.bfloat16) * 0.02
+    q13 = [quantize_blocks(w13[j].float(), (128, 128)) for j in range(e + 1)]
+    q2 = [quantize_blocks(w2[j].float(), (128, 128)) for j in range(e + 1)]
+    w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
+    w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call")
+    print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'bf16 per pair':>13} "
+          f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (N up, N down, stages)")
+    for t in ts:
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
+        wts = torch.rand(t, top, device=dev).softmax(-1)
+        shared = torch.randn(t, device=dev, dtype=torch.bfloat16)
+        args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
+        same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
+        t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
+        tiles = []
+        for bn_up, bn_down in ((32, 32), (32, 64), (64, 64)):
+            for stages in (3, 4):
+                up = {"BLOCK_N": bn_up, "num_warps": 4, "num_stages": stages}
+                down = {"BLOCK_N": bn_down, "num_warps": 4, "num_stages": stages}
+                run = partial(_fp8_moe_per_pair, *args[:7], args[7], up, down)
+                if not torch.equal(run(), fp8_fused_moe(*args, per_pair=False)):
+                    raise SystemExit(f"per-pair tiles {up} {down}: bits differ from the sorted path")
+                tiles.append((timed_us(run), bn_up, bn_down, stages))
+        best = min(tiles)
+        t_sorted = timed_us(partial(fp8_fused_moe, *args, per_pair=False))
+        t_bf16 = timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared))
+        n_exp = int(torch.unique(ids).numel()) + 1
+        fp8_bytes = n_exp * 3 * i * h
+        print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_bf16:>11.1f}us "
+              f"{fp8_bytes / bw * 1e6:>7.1f}us {2 * fp8_bytes / bw * 1e6:>8.1f}us  {same}; "
+              f"{best[0]:.1f}us at {best[1:]}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--sweep"]:
         sweep([int(a) for a in sys.argv[2:]] or [1, 8, 64])
+        return
+    if sys.argv[1:2] == ["--moe"]:
+        moe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8])
         return
     ms = [int(a) for a in sys.argv[1:]] or [1, 8, 64]
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 2 launches':>15} {'quant':>7} {'bf16':>7} "
-          f"{'fp8 floor':>9} {'bf16 floor':>10}  config")
+    print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 fused':>10} {'fp8 2 launches':>15} {'quant':>7} "
+          f"{'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
     for n, k in SHAPES:
         w = torch.randn(n, k, device=dev) * 0.02
         wq, ws = quantize_blocks(w, (128, 128))
@@ -103,9 +154,11 @@ def main() -> None:
             cfg = fp8_config(m, n, k)
             t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
             t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
+            t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
+                if m <= FUSED_ROWS_MAX else float("nan")
             t_q = timed_us(partial(quantize_act, x))
             t_b = timed_us(partial(linear, x, wb))
-            print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
+            print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
                   f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
 
 

@@ -80,11 +80,16 @@ BLOCK = 128  # activation group width = weight block side = the GEMM's BLOCK_K (
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs), as in gemm.py
 DECODE_BLOCK_N = 32  # the tile width split counts are planned against (a decode GEMV's)
 MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a weight row, gemm.py's minimum)
-# fp8_linear quantizes inside the GEMM up to this many rows: none. Measured on an H200
-# (benchmarks/fp8_kernel_bench.py, docs/benchmarks.md section 16): the fused variant took 46-379 us
-# at M = 1..64 on the 35B-A3B shapes against 7-21 us for quantize_act + the GEMM (every column
-# tile quantizes its rows again). FUSE_QUANT stays a config key (tests, benchmarks).
-FUSE_QUANT_MAX_M = 0
+# fp8_linear quantizes inside the GEMM launch (one row at a time, ``_quant_rows``: 128 divisions
+# a row and block) at up to FUSE_QUANT_MAX_M rows and FUSE_QUANT_MAX_N columns: every column tile
+# quantizes its rows again, in the K loop's latency chain. Measured on an H200
+# (fp8_kernel_bench.py, CUDA graphs, benchmarks section 20), M = 1, fused vs two launches: 2048 x
+# 512 5.4 vs 7.1 us, 2048 x 2048 8.0 vs 9.4, 4096 x 2048 11.4 vs 11.2, 12352 x 2048 22.9 vs 14.3;
+# at M = 2..16 it loses everywhere. (An earlier variant quantized the whole 64-row tile, masked
+# rows as zeros: 46-379 us.) FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
+FUSE_QUANT_MAX_M = 1
+FUSE_QUANT_MAX_N = 2048
+FUSED_ROWS_MAX = 32
 SMALL_M_MAX = 64  # rows up to which the decode tiles are used
 QUANT_BLOCK_M = 64  # rows per quantize_act program (a [64, 128] group tile; any value gives the same bits)
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
@@ -138,43 +143,98 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
 
 
 @triton.jit
-def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
-              stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_A: tl.constexpr, DOT: tl.constexpr):
-    """K blocks [kb_lo, kb_hi) of a tile (A rows ``rows``, B rows ``cols``: int64 indices) in
-    ascending order, from zero: per block a 128-deep dot from zero, times the row scales, fma'd
-    with the column scales into the fp32 accumulator. With QUANT_A, A is the unquantized
-    activation and each block is quantized here first. The one copy of the GEMM arithmetic: the
-    dense and the grouped (MoE) kernels both run it."""
+def _quant_rows(A, row0, nrows, stride_am, k, K, BLOCK_M: tl.constexpr, QROWS: tl.constexpr):
+    """A tile's activation block in the GEMM's launch: rows ``row0 .. row0 + nrows`` (nrows <=
+    QROWS <= BLOCK_M, all in the tile's first rows), columns ``[k, k + 128)`` of the unquantized
+    A, each row quantized on its own (``_quant_group`` on a [1, 128] slice: 128 divisions per
+    row, not BLOCK_M * 128) -> (e4m3 values as float32 [BLOCK_M, 128], scales [BLOCK_M]); rows
+    past nrows are zeros with scale 0, as the GEMM's masked rows are."""
     rk = tl.arange(0, _BK)
-    k0 = kb_lo * _BK
-    a_ptr = A + rows[:, None] * stride_am + (k0 + rk)[None, :]
-    b_ptr = B + cols[None, :] * stride_bn + (k0 + rk)[:, None]
-    as_ptr = AS + rows * stride_asm + kb_lo
-    bs_ptr = BS + (cols // _BK) * stride_bsn + kb_lo
+    k_ok = k + rk < K
+    r = tl.arange(0, BLOCK_M)
+    a = tl.zeros((BLOCK_M, _BK), dtype=tl.float32)
+    a_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for m in tl.static_range(QROWS):
+        ok = tl.full((_BK,), m, tl.int32) < nrows  # the row is real (a vector: a mask's type everywhere)
+        x = tl.load(A + (row0 + m).to(tl.int64) * stride_am + k + rk, mask=k_ok & ok, other=0.0).to(tl.float32)
+        x = tl.where(ok, x, 1.0)  # a row past nrows as ones (never used): an all-zero row takes div_rn's slow path
+        q, s = _quant_group(x[None, :])
+        mine = (r == m) & (m < nrows)
+        a = tl.where(mine[:, None], q, a)
+        a_s = tl.where(mine, s, a_s)
+    return a, a_s
+
+
+@triton.jit
+def _a_block(A, AS, rows, row_ok, K, kb, live, stride_am, stride_asm, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+             QROWS: tl.constexpr):
+    """K block ``kb`` of the A tile and its row scales (zeros where ``live`` is false; QROWS: see
+    ``_k_blocks``)."""
+    rk = tl.arange(0, _BK)
+    k_end = tl.where(live, K, 0)  # a dead block reads nothing (one comparison per mask: see _b_block)
+    if QROWS == 0:
+        k_ok = rk + kb * _BK < k_end
+        a = tl.load(A + rows[:, None] * stride_am + (rk + kb * _BK)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        a_s = tl.load(AS + rows * stride_asm + kb, mask=row_ok & (rows * 0 + kb * _BK < k_end), other=0.0)
+    else:
+        q, a_s = _quant_rows(A, rows, tl.where(live, row_ok, 0), stride_am, kb * _BK, K, BLOCK_M, QROWS)
+        a = q.to(DTYPE)  # exact: q holds e4m3 values
+    return a, a_s
+
+
+@triton.jit
+def _b_block(B, BS, cols, col_ok, K, kb, live, stride_bn, stride_bsn):
+    """K block ``kb`` of the B tile (rows ``cols`` of [N, K]) and its column scales."""
+    rk = tl.arange(0, _BK)
+    k_end = tl.where(live, K, 0)  # (Triton's interpreter mis-types a scalar mask and-ed into a vector)
+    k_ok = rk + kb * _BK < k_end
+    b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                other=0.0)
+    b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok & (cols * 0 + kb * _BK < k_end), other=0.0)
+    return b, b_s
+
+
+@triton.jit
+def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
+              stride_bsn, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr,
+              TWO: tl.constexpr, DOT: tl.constexpr):
+    """K blocks [kb_lo, kb_hi) of a tile (B rows ``cols``: int64 indices) in ascending order, from
+    zero: per block a 128-deep dot from zero, times the row scales, fma'd with the column scales
+    into the fp32 accumulator. The one copy of the GEMM arithmetic: the dense, grouped and per-pair
+    kernels all run it.
+
+    - QROWS == 0: A is quantized (A, AS: ``quantize_act``'s xq, xs), tile rows ``rows`` (int64
+      [BLOCK_M]) where ``row_ok``.
+    - QROWS > 0: A is the unquantized activation; ``rows`` is the first row (a scalar) and
+      ``row_ok`` the number of real rows (<= QROWS), quantized here block by block
+      (``_quant_rows``: the same values and scales as quantize_act's), in the tile's first rows.
+    - TWO: a second accumulator over B rows ``cols + UP`` (an expert's up projection beside its
+      gate), sharing each block's A tile: (acc, acc_up), each the same sums as its own call.
+
+    Tried and measured slower on an H200 (benchmarks section 20): two blocks' dots issued before
+    either is scaled (same bits, 10-40% slower per GEMV)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dt = B.dtype.element_ty
     for kb in range(kb_lo, kb_hi):
-        k_ok = rk + kb * _BK < K
-        a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANT_A:
-            q, a_s = _quant_group(a.to(tl.float32))
-            a = q.to(B.dtype.element_ty)  # exact: q holds e4m3 values
-        else:
-            a_s = tl.load(as_ptr, mask=row_ok, other=0.0)
-        b = tl.load(b_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        b_s = tl.load(bs_ptr, mask=col_ok, other=0.0)
-        part = mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT)
+        here = kb < kb_hi  # always (the helpers take a block's liveness as a runtime value)
+        a, a_s = _a_block(A, AS, rows, row_ok, K, kb, here, stride_am, stride_asm, dt, BLOCK_M, QROWS)
+        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, here, stride_bn, stride_bsn)
+        part = mma(a, b, zero, DOT)
         acc = tl.fma(part * a_s[:, None], b_s[None, :], acc)
-        a_ptr += _BK
-        b_ptr += _BK
-        as_ptr += 1
-        bs_ptr += 1
-    return acc
+        if TWO:
+            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, here, stride_bn, stride_bsn)
+            part_up = mma(a, b_up, zero, DOT)
+            acc_up = tl.fma(part_up * a_s[:, None], s_up[None, :], acc_up)
+    return acc, acc_up
 
 
 @triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
 def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_am, stride_asm, stride_bn,
                      stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                     INLINE: tl.constexpr, QUANT_A: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
+                     INLINE: tl.constexpr, QROWS: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
                      PDL: tl.constexpr):
     pdl_start(PDL)
     pid = tl.program_id(0)
@@ -189,9 +249,13 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb_total = tl.cdiv(K, _BK)
-    rows = rm.to(tl.int64)
     cols = rn.to(tl.int64)
-    row_ok = rm < M
+    if QROWS == 0:
+        rows = rm.to(tl.int64)
+        row_ok = rm < M
+    else:  # quantized here: the tile's first row and its count of real rows (_k_blocks)
+        rows = pid_m * BLOCK_M
+        row_ok = M - pid_m * BLOCK_M
     col_ok = rn < N
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptr = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
@@ -200,14 +264,15 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, SPLIT_K):
             lo = s * KB_PER_SPLIT
-            acc = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
-                            stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
+            acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo,
+                               tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am, stride_asm, stride_bn, stride_bsn,
+                               0, BLOCK_M, BLOCK_N, QROWS, False, DOT)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is (a -0.0 stays -0.0, as in the fix-up)
         tl.store(c_ptr, total.to(dt), mask=c_mask)
     else:  # a constexpr branch: without splits the workspace code is never compiled (WS, LOCKS may be C)
         lo = split * KB_PER_SPLIT
-        acc = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
-                        stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, QUANT_A, DOT)
+        acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
+                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, QROWS, False, DOT)
         if SPLIT_K == 1:
             tl.store(c_ptr, acc.to(dt), mask=c_mask)
         else:
@@ -253,7 +318,8 @@ def fp8_config(m: int, n: int, k: int) -> dict:
         while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * per_tile < TARGET_PROGRAMS:
             bn //= 2
     bn = min(bn, max(16, triton.next_power_of_2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "FUSE_QUANT": m <= FUSE_QUANT_MAX_M,
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline,
+            "FUSE_QUANT": m <= FUSE_QUANT_MAX_M and n <= FUSE_QUANT_MAX_N,
             "num_warps": warps, "num_stages": stages}
 
 
@@ -282,7 +348,9 @@ def _check_weight(wq: torch.Tensor, ws: torch.Tensor, k: int) -> int:
     return n
 
 
-def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_a):
+def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
+    """``quant_rows`` 0: a, a_scale are quantize_act's output; > 0 (a power of two >= m): a is the
+    unquantized activation, quantized row by row inside the GEMM (a_scale unused)."""
     split = cfg["SPLIT_K"]
     kb_per_split = triton.cdiv(triton.cdiv(k, BLOCK), split)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
@@ -295,7 +363,7 @@ def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_a):
     _fp8_gemm_kernel[(tiles, grid_split)](
         a, a_scale, wq, ws, out, ws_buf, locks, m, n, k, kb_per_split, a.stride(0), a_scale.stride(0), wq.stride(0),
         ws.stride(0), out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, INLINE=inline,
-        QUANT_A=quant_a, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), num_warps=cfg["num_warps"],
+        QROWS=quant_rows, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl())
 
 
@@ -322,7 +390,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
         return c
     if k == 0:
         return c.zero_()
-    _launch(xq, xs, wq, ws, c, m, n, k, config or fp8_config(m, n, k), quant_a=False)
+    _launch(xq, xs, wq, ws, c, m, n, k, config or fp8_config(m, n, k))
     return c
 
 
@@ -342,10 +410,10 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out: torch.T
     if m and n and k:
         cfg = config or fp8_config(m, n, k)
         if cfg["FUSE_QUANT"]:
-            _launch(a, a, wq, ws, c, m, n, k, cfg, quant_a=True)  # AS unused: A's scales are computed in-kernel
+            assert m <= min(FUSED_ROWS_MAX, cfg["BLOCK_M"]), f"FUSE_QUANT: at most {FUSED_ROWS_MAX} rows, got {m}"
+            _launch(a, a, wq, ws, c, m, n, k, cfg, quant_rows=triton.next_power_of_2(m))
         else:
-            xq, xs = quantize_act(a)
-            _launch(xq, xs, wq, ws, c, m, n, k, cfg, quant_a=False)
+            _launch(*quantize_act(a), wq, ws, c, m, n, k, cfg)
     elif m and n:
         c.zero_()
     return c.view(*shape[:-1], n)

@@ -35,7 +35,17 @@ import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, pdl, pdl_start
 from bi_core.kernels.fp8 import BLOCK, _k_blocks, quantize_act
-from bi_core.kernels.moe import Routing, align, moe_combine
+from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
+from bi_core.kernels.moe import Routing, _combine, _expert_of, align, moe_combine
+
+
+@triton.jit
+def _epilogue(acc, up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
+    """moe.py's rounding: each GEMM output in x's dtype, then silu(gate), then the product."""
+    if SILU_MUL:  # rows [N, 2N) of the expert are the up projection
+        gate = acc.to(dt).to(tl.float32)
+        return ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
+    return acc.to(dt)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -60,19 +70,112 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     cols = rn.to(tl.int64)
     w_e = W + e * stride_we
     ws_e = WS + e * stride_wse
-    kb_total = tl.cdiv(K, 128)
-    acc = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb_total, stride_am, stride_asm, stride_wn,
-                    stride_wsn, BLOCK_M, BLOCK_N, False, DOT)
-    dt = C.dtype.element_ty
-    if SILU_MUL:  # rows [N, 2N) of the expert are the up projection; moe.py's rounding
-        up = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb_total, stride_am, stride_asm,
-                       stride_wn, stride_wsn, BLOCK_M, BLOCK_N, False, DOT)
-        gate = acc.to(dt).to(tl.float32)
-        out = ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
-    else:
-        out = acc.to(dt)
+    kb = tl.cdiv(K, 128)
+    acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
+                       stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT)
+    up = acc
+    if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
+        up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
+                          stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT)
+    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
     c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+
+
+# up to this many tokens the experts run per pair: measured on an H200 (fp8_kernel_bench.py --moe,
+# benchmarks section 20) at the 35B-A3B's experts, per pair vs sorted: 24-28 vs 32-35 us at 1
+# token, 35-42 vs 42-46 at 2, 54-63 vs 56 at 4, 82-102 vs 86 at 8
+PAIR_TOKENS = 2
+PAIR_BLOCK_M = 64  # the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
+PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+PAIR_DOWN = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, stride_x, stride_xs, stride_we, stride_wn,
+                        stride_wse, stride_wsn, stride_h, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                        E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (pair p, column tile): token p // SLOTS's quantized row in row 0 of the tile, its
+    expert's gate and up rows in one K loop (two accumulators, one A tile), moe.py's epilogue:
+    h[p] = silu(gate) * up."""
+    pdl_start(PDL)
+    p = tl.program_id(0)
+    e = _expert_of(IDS, p, num_pairs, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    row0 = tl.arange(0, BLOCK_M) == 0
+    rows = tl.where(row0, p // SLOTS, 0).to(tl.int64)
+    acc, up = _k_blocks(XQ, XS, W + e * stride_we, WS + e * stride_wse, rows, row0, rn.to(tl.int64), n_ok, K, 0,
+                        tl.cdiv(K, 128), stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT)
+    out = _epilogue(acc, up, H.dtype.element_ty, True)
+    h_ptr = H + p.to(tl.int64) * stride_h + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
+    tl.store(h_ptr, out, mask=row0[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h,
+                          stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_sl, TOP_K: tl.constexpr,
+                          SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DOT: tl.constexpr, PDL: tl.constexpr):
+    """Program (pair p, column tile): h[p]'s quantized row in row 0 of the tile, the down projection,
+    stored rounded to Y; the last of a token's SLOTS programs to arrive (a per-(token, tile)
+    counter, left at zero) combines the token's rows in slot order (moe.py's ``_combine``). The
+    counter elects who adds; it orders nothing arithmetic."""
+    pdl_start(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = p // SLOTS
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    dt = OUT.dtype.element_ty
+    e = _expert_of(IDS, p, p + 1, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
+    row0 = tl.arange(0, BLOCK_M) == 0
+    acc, _ = _k_blocks(HQ, HS, W + e * stride_we, WS + e * stride_wse, tl.where(row0, p, 0), row0, rn.to(tl.int64),
+                       n_ok, K, 0, tl.cdiv(K, 128), stride_h, stride_hs, stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0,
+                       False, DOT)
+    y_ptr = Y + p * N + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
+    tl.store(y_ptr, acc.to(dt), mask=row0[:, None] & n_ok[None, :])
+    tl.debug_barrier()  # every thread's row is written before the arrival is counted
+    lock = LOCKS + t * tl.num_programs(1) + tile
+    if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SLOTS - 1:
+        total = _combine(Y, WTS, SHARED_LOGIT, t, rn, n_ok, N, stride_sl, dt, TOP_K, SLOTS, ".cg")  # from L2
+        tl.store(OUT + t * N + rn, total.to(dt), mask=n_ok)
+        tl.atomic_xchg(lock, 0)  # left at zero for the next call (and graph replays)
+
+
+def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                      w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                      shared_logits: torch.Tensor | None, up: dict = PAIR_UP, down: dict = PAIR_DOWN) -> torch.Tensor:
+    """Four launches for a few tokens, no routing sort: x quantized, the gate/up GEMM a program per
+    (pair, column tile), h quantized, the down GEMM a program per (pair, column tile), the last of
+    a token's pairs combining them. Every number is the sorted path's (the same quantized rows,
+    the same row arithmetic, the same roundings): tests check the two bitwise."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    assert inter % BLOCK == 0, "gate and up must not share a scale block"
+    slots = top_k + (1 if shared_logits is not None else 0)
+    num_pairs = num_tokens * slots
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    e_block = triton.next_power_of_2(num_experts + 1)
+    dot = dot_mode(torch.float8_e4m3fn)
+    xq, xs = quantize_act(x)
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _fp8_pair_up_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
+        xq, xs, w13, w13_scale, h, ids, num_pairs, inter, hidden, num_experts, xq.stride(0), xs.stride(0),
+        w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0), TOP_K=top_k, SLOTS=slots,
+        E_BLOCK=e_block, BLOCK_M=PAIR_BLOCK_M, DOT=dot, **up, **pdl())
+    hq, hs = quantize_act(h)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    assert num_tokens * triton.cdiv(hidden, down["BLOCK_N"]) <= MAX_LOCKS  # a counter per (token, column tile)
+    logits = shared_logits if shared_logits is not None else topk_weights
+    _fp8_pair_down_kernel[(num_pairs, triton.cdiv(hidden, down["BLOCK_N"]))](
+        hq, hs, w2, w2_scale, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter,
+        num_experts, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, BLOCK_M=PAIR_BLOCK_M, DOT=dot, **down, **pdl())
+    return out
 
 
 def grouped_config(route_m: int) -> dict:
@@ -105,20 +208,26 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
                               n, k, num_experts, xq.stride(0), xs.stride(0), w.stride(0), w.stride(1),
                               w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
                               SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
-                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn), num_warps=cfg["num_warps"],
+                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn),
+                              num_warps=cfg["num_warps"],
                               num_stages=cfg["num_stages"], **pdl())
     return out
 
 
 def fp8_fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                  shared_logits: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  shared_logits: torch.Tensor | None = None, config: dict | None = None,
+                  per_pair: bool | None = None) -> torch.Tensor:
     """Σ_j w_j · SwiGLU-expert_{id_j}(x) per token, combined in fp32 in slot order (moe.fused_moe's
     contract, block-FP8 weights); with ``shared_logits`` the last expert is the shared expert,
-    gated by sigmoid(logit). ``config`` overrides both GEMMs' launch shape (tests, benchmarks)."""
-    num_tokens, hidden = x.shape
+    gated by sigmoid(logit). Up to PAIR_TOKENS tokens per pair (4 launches), more sorted by expert
+    (6 launches): the same bits either way. ``per_pair`` forces a path and ``config`` overrides
+    the sorted path's launch shapes (tests, benchmarks)."""
+    num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.empty_like(x)
+    if per_pair if per_pair is not None else (num_tokens <= PAIR_TOKENS and config is None):
+        return _fp8_moe_per_pair(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits)
     routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None)
     h = fp8_grouped_gemm(*quantize_act(x), w13, w13_scale, routing, routing.slots, silu_mul=True, out_dtype=x.dtype,
                          config=config)

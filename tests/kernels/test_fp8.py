@@ -227,7 +227,7 @@ def test_fp8_gemm_numerics(device, shape):
     not measured here), so u = 2**-13 there. The bound must be tight enough to fail a wrong scale
     (the last K block's weight scales doubled). fp8_linear on the unquantized activation, fused
     and not, equals quantize_act + fp8_gemm bitwise."""
-    from bi_core.kernels.fp8 import fp8_config, fp8_gemm, fp8_linear, quantize_act
+    from bi_core.kernels.fp8 import FUSED_ROWS_MAX, fp8_config, fp8_gemm, fp8_linear, quantize_act
 
     m, n, k = shape
     wq, ws = _weights(n, k, device)
@@ -251,7 +251,7 @@ def test_fp8_gemm_numerics(device, shape):
     assert fp8_config(m, n, k)["SPLIT_K"] == (2 if k == 1024 else 1)
     xb = x.to(torch.bfloat16)
     want = fp8_gemm(*quantize_act(xb), wq, ws, torch.bfloat16)
-    for fuse in (True, False):
+    for fuse in (True, False) if m <= FUSED_ROWS_MAX else (False,):
         got = fp8_linear(xb, wq, ws, config={**fp8_config(m, n, k), "FUSE_QUANT": fuse})
         assert torch.equal(bits(got), bits(want))
     assert fp8_linear(xb[:0], wq, ws).shape == (0, n)
@@ -459,9 +459,10 @@ def test_fp8_moe_numerics(device):
 
 @pytest.mark.usefixtures("ordered_dot")
 def test_fp8_moe_rows_invariant(device):
-    """fp8_fused_moe (with a shared expert, fp32): a token's output is bitwise the same alone, in 8
-    tokens (24 pairs: 16-row routing blocks), in all 22 (66 pairs: 32-row blocks), permuted, and
-    with 128-row tiles on 8 warps. Negative control: the same pipeline written out, which equals
+    """fp8_fused_moe (with a shared expert, fp32): a token's output is bitwise the same alone and in
+    8 tokens (up to 2 per pair: no routing sort), in all 22 (66 pairs,
+    sorted: 32-row blocks), permuted, with 128-row tiles on 8 warps, and either path forced on the
+    same tokens. Negative control: the same pipeline written out, which equals
     fp8_fused_moe with quantize_act, gives a token different bits alone and among 8 when the
     activation scale spans the batch (per-tensor)."""
     from bi_core.kernels.fp8 import quantize_act
@@ -480,6 +481,17 @@ def test_fp8_moe_rows_invariant(device):
     perm = torch.randperm(MOE_TOKENS, device=device)
     assert torch.equal(bits(run(perm)), ref[perm])
     assert torch.equal(bits(run(every[:12], {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[:12])
+    per_pair = lambda rows, forced: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
+                                                  per_pair=forced)
+    assert torch.equal(bits(per_pair(every[:3], True)), ref[:3])  # the per-pair path (the default up to 8)
+    assert torch.equal(bits(per_pair(every[:3], False)), ref[:3])  # ... and the sorted one on the same tokens
+    assert torch.equal(bits(per_pair(perm[:8], True)), ref[perm[:8]])
+    from bi_core.kernels.fp8_moe import PAIR_DOWN, PAIR_UP, _fp8_moe_per_pair
+
+    rows = perm[:5]  # the per-pair path under other tiles
+    other = _fp8_moe_per_pair(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
+                              {**PAIR_UP, "BLOCK_N": 64}, {**PAIR_DOWN, "BLOCK_N": 32})
+    assert torch.equal(bits(other), ref[rows])
 
     def per_tensor(a):
         s = over_fp8_max(a.abs().amax().clamp(min=1e-10))
@@ -518,11 +530,15 @@ def test_gpu_rows_invariant_model_shapes(n, k):
     perm = torch.randperm(1024, device="cuda")
     assert torch.equal(bits(fp8_linear(x[perm], wq, ws)), bits(ref[perm]))
     split = split_k_for(n, k)
-    variants = [fp8_config(m, n, k) for m in (1, 100, 1024)]
-    variants += [{**v, "INLINE": inline, "FUSE_QUANT": fuse} for v in variants[:1] + variants[2:]
-                 for inline in (False, True) for fuse in (False, True)]
+    variants = [{**fp8_config(m, n, k), "FUSE_QUANT": False} for m in (1, 100, 1024)]
+    variants += [{**v, "INLINE": inline, "FUSE_QUANT": False} for v in variants[:1] + variants[2:]
+                  for inline in (False, True)]
     variants += [{**variants[2], "BLOCK_M": 64, "BLOCK_N": bn, "num_warps": w} for bn in (64, 128) for w in (4, 8)]
     bad += [v for v in variants if not torch.equal(bits(fp8_linear(x, wq, ws, config=v)), bits(ref))]
+    fused = [{**fp8_config(m, n, k), "FUSE_QUANT": True, "INLINE": inline} for m in (1, 2, 3, 8, 32)
+             for inline in (False, True)]  # the activation quantized inside the GEMM, row by row
+    bad += [(c, m) for c in fused for m in (1, 2, 3, 8, 32)
+            if not torch.equal(bits(fp8_linear(x[:m], wq, ws, config=c)), bits(ref[:m]))]
     assert bad == []
     xb = x.to(torch.bfloat16)
     ref_b = fp8_linear(xb, wq, ws)
@@ -576,7 +592,8 @@ def test_gpu_same_bits_as_the_vllm_order():
 def test_gpu_moe_rows_invariant_model_shapes():
     """On the GPU, at the 35B-A3B's expert shapes (64 of its 256 experts, top-8, H 2048, I 512, plus
     the shared expert; fp32 activations so order changes show): a token's output is bitwise the
-    same alone, in batches of 2..512 tokens (routing blocks of 16 to 128 rows) and permuted."""
+    same alone, in batches of 2..512 tokens (up to 8 per pair, then routing blocks of 16 to 128
+    rows), permuted, and with either path forced on the same 8 tokens."""
     from bi_core.kernels.fp8_moe import fp8_fused_moe
 
     e, top, h, i, t = 64, 8, 2048, 512, 512
@@ -593,3 +610,6 @@ def test_gpu_moe_rows_invariant_model_shapes():
     assert [m for m in (1, 2, 8, 64, 300) if not torch.equal(bits(run(every[:m])), ref[:m])] == []
     perm = torch.randperm(t, device="cuda")
     assert torch.equal(bits(run(perm)), ref[perm])
+    forced = lambda rows, p: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13q, w13s, w2q, w2s, shared[rows], per_pair=p)
+    assert torch.equal(bits(forced(perm[:8], True)), ref[perm[:8]])
+    assert torch.equal(bits(forced(perm[:8], False)), ref[perm[:8]])
