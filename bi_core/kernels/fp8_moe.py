@@ -19,12 +19,13 @@ to the routing block of 16..128 rows, chosen from the pair count); a pair's row 
 products in the same K order wherever it lands, whatever the routing block, the tile or the
 expert's row count. Tiles are max(64, routing block) rows, so every batch size runs the in-block
 dots on fp8 wgmma (fp8.py says why below 64 rows would not). Tested bitwise under the interpreter
-with a K-ordered dot (tests/kernels/test_fp8.py); not yet run on a GPU; nothing here is tuned.
+with a K-ordered dot (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert shapes;
+only the per-pair tiles were swept (benchmarks section 20).
 
 API: ``fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits=None)``
 -> ``[T, H]`` in x's dtype (moe.fused_moe's arguments, plus the scales); ``fp8_grouped_gemm`` for
-one grouped GEMM on pre-quantized rows. Not yet here (moe.py has them in bf16): a per-pair path
-for a few tokens without the routing sort, quantization fused into the GEMMs.
+one grouped GEMM on pre-quantized rows. Up to PAIR_TOKENS tokens the experts run per pair
+(``_fp8_moe_per_pair``: no routing sort, the same bits as the sorted path).
 """
 
 from __future__ import annotations
