@@ -166,32 +166,29 @@ def _quant_rows(A, row0, nrows, stride_am, k, K, BLOCK_M: tl.constexpr, QROWS: t
 
 
 @triton.jit
-def _a_block(A, AS, rows, row_ok, K, kb, live, stride_am, stride_asm, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
              QROWS: tl.constexpr):
-    """K block ``kb`` of the A tile and its row scales (zeros where ``live`` is false; QROWS: see
-    ``_k_blocks``)."""
+    """K block ``kb`` (< cdiv(K, 128)) of the A tile and its row scales (QROWS: see ``_k_blocks``)."""
     rk = tl.arange(0, _BK)
-    k_end = tl.where(live, K, 0)  # a dead block reads nothing (one comparison per mask: see _b_block)
     if QROWS == 0:
-        k_ok = rk + kb * _BK < k_end
+        k_ok = rk + kb * _BK < K
         a = tl.load(A + rows[:, None] * stride_am + (rk + kb * _BK)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        a_s = tl.load(AS + rows * stride_asm + kb, mask=row_ok & (rows * 0 + kb * _BK < k_end), other=0.0)
+        a_s = tl.load(AS + rows * stride_asm + kb, mask=row_ok, other=0.0)
     else:
-        q, a_s = _quant_rows(A, rows, tl.where(live, row_ok, 0), stride_am, kb * _BK, K, BLOCK_M, QROWS)
+        q, a_s = _quant_rows(A, rows, row_ok, stride_am, kb * _BK, K, BLOCK_M, QROWS)
         a = q.to(DTYPE)  # exact: q holds e4m3 values
     return a, a_s
 
 
 @triton.jit
-def _b_block(B, BS, cols, col_ok, K, kb, live, stride_bn, stride_bsn):
-    """K block ``kb`` of the B tile (rows ``cols`` of [N, K]) and its column scales."""
+def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn):
+    """K block ``kb`` (< cdiv(K, 128)) of the B tile (rows ``cols`` of [N, K]) and its column scales."""
     rk = tl.arange(0, _BK)
-    k_end = tl.where(live, K, 0)  # (Triton's interpreter mis-types a scalar mask and-ed into a vector)
-    k_ok = rk + kb * _BK < k_end
+    k_ok = rk + kb * _BK < K
     b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
                 other=0.0)
-    b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok & (cols * 0 + kb * _BK < k_end), other=0.0)
+    b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok, other=0.0)
     return b, b_s
 
 
@@ -219,13 +216,12 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dt = B.dtype.element_ty
     for kb in range(kb_lo, kb_hi):
-        here = kb < kb_hi  # always (the helpers take a block's liveness as a runtime value)
-        a, a_s = _a_block(A, AS, rows, row_ok, K, kb, here, stride_am, stride_asm, dt, BLOCK_M, QROWS)
-        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, here, stride_bn, stride_bsn)
+        a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, dt, BLOCK_M, QROWS)
+        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
         part = mma(a, b, zero, DOT)
         acc = tl.fma(part * a_s[:, None], b_s[None, :], acc)
         if TWO:
-            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, here, stride_bn, stride_bsn)
+            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
             part_up = mma(a, b_up, zero, DOT)
             acc_up = tl.fma(part_up * a_s[:, None], s_up[None, :], acc_up)
     return acc, acc_up
