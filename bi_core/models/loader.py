@@ -272,7 +272,9 @@ def load_weights(model: torch.nn.Module, source) -> None:
     if mtp and not args.mtp_num_hidden_layers:
         log.warning("checkpoint has %d MTP head tensors (mtp.*) but config.json has no mtp_num_hidden_layers: the "
                     "MTP head is not loaded (add \"mtp_num_hidden_layers\": 1 to use strategy mtp)", len(mtp))
-        unused = [n for n in unused if not n.startswith("mtp.")]
+    elif mtp:  # the strategy runs no MTP head (runtime/build.py builds_mtp_head)
+        log.info("the MTP head's %d tensors (mtp.*) are not loaded: the strategy does not run it", len(mtp))
+    unused = [n for n in unused if not n.startswith("mtp.")]
     if unused:
         log.warning("checkpoint has %d tensors the model does not use, e.g. %s", len(unused), unused[:5])
 

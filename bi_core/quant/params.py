@@ -128,7 +128,7 @@ def write_drawn(p: nn.Parameter, values: torch.Tensor) -> None:
         tail.copy_(values[p.shape[0]:].to(tail.dtype))
         values = values[: p.shape[0]]
     if is_fp8(p):
-        store(p, values.clone())
+        store(p, values.to(p.dense_dtype, copy=True))  # a copy in the model dtype (store rounds to it anyway)
     else:
         p.copy_(values.to(p.dtype))
 

@@ -38,6 +38,15 @@ def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | No
             CheckpointIndex(config.model.path))
 
 
+def builds_mtp_head(strategy_cls, args: ModelArgs, index: CheckpointIndex | None) -> bool:
+    """Whether the model holds an MTP head: only for a strategy that runs it (as vLLM loads one only
+    for speculative decoding; its weights are 2-5 GiB on the larger MoE shapes), and only where the
+    checkpoint (or the preset) has one. An AR engine skips a checkpoint's ``mtp.*`` tensors and a
+    weight update's."""
+    has = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
+    return has and strategy_cls.uses_mtp_head
+
+
 def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = True, plan_only: bool = False,
             rank: int = 0):
     """The steps every entry point shares: registry, policy, device, config checks, op factory.
@@ -85,7 +94,8 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     device, dtype = factory.base["device"], factory.base["dtype"]
     max_model_len = resolve_max_model_len(config, args)
     has_mtp = index is not None and index.has_prefix("mtp.")
-    with_mtp = has_mtp if index is not None else args.mtp_num_hidden_layers > 0
+    strategy_cls = registry.strategies[config.strategy.name]
+    with_mtp = builds_mtp_head(strategy_cls, args, index)
     try:
         model = Qwen35Model(args, factory, dtype, device, with_mtp=with_mtp, tp=tp)
     except torch.OutOfMemoryError:
@@ -99,7 +109,6 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     model.eval()
     if config.strategy.draft_vocab_size is not None and model.mtp is not None:
         _prune_draft_vocab(config, model, factory, args, tp)
-    strategy_cls = registry.strategies[config.strategy.name]
     lookahead, decode_tokens = strategy_cls.lookahead_for(config), strategy_cls.decode_tokens_for(config)
     chunk_size = resolve_chunk_size(config.scheduler, decode_tokens, config.cache.block_size)
     caching = prefix_caching(config, strategy_cls, chunk_size)
@@ -218,9 +227,9 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     building anything."""
     wanted = planned_device(config.model.device)
     live = wanted.type != "cuda" or torch.cuda.is_available()
-    _, _, factory = prepare(config, registry, live=live, plan_only=True)
+    registry, _, factory = prepare(config, registry, live=live, plan_only=True)
     args, index = resolve_model(config)
-    with_mtp = index.has_prefix("mtp.") if index is not None else args.mtp_num_hidden_layers > 0
+    with_mtp = builds_mtp_head(registry.strategies[config.strategy.name], args, index)
     world = config.parallel.tensor_parallel_size
     check_tensor_parallel(args, world)
     Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp, tp=TPInfo(0, world))

@@ -78,8 +78,14 @@ def test_explain_counts_gpus_in_bf16_and_fp8():
     bf16 = next(line for line in text.splitlines() if line.startswith("  bfloat16:"))
     fp8 = next(line for line in text.splitlines() if line.startswith("  fp8 (block 128x128):"))
     assert "H100 80GB: 4 GPUs" in bf16 and "H200 141GB: 2 GPUs" in bf16
-    assert "H100 80GB: 2 GPUs" in fp8 and "H200 141GB: 1 GPU holds the weights" in fp8
-    assert "KV cache 26.0 KiB per token" in text
+    # strategy ar loads no MTP head: one H200 holds the FP8 weights and the GDN state of 64 sequences
+    assert "H100 80GB: 2 GPUs" in fp8 and "H200 141GB: 1 GPU (115.2 GiB" in fp8
+    assert "KV cache 24.0 KiB per token" in text
+    mtp = explain(EngineConfig.from_dict({"model": {"random": {"preset": "qwen3.5-122b-a10b"}, "device": "cuda"},
+                                          "backend": "cuda_default", "strategy": {"name": "mtp"}}))
+    fp8 = next(line for line in mtp.splitlines() if line.startswith("  fp8 (block 128x128):"))
+    assert "H200 141GB: 1 GPU holds the weights (117.6 of 125.8 GiB usable) but not" in fp8  # the head's 2.4 GiB
+    assert "KV cache 26.0 KiB per token" in mtp  # and its attention layer's KV
     # 95 % of an H200 and 16 sequences: one H200 holds the FP8 model with KV room
     roomy = explain(EngineConfig.from_dict({
         "model": {"random": {"preset": "qwen3.5-122b-a10b"}, "device": "cuda"}, "backend": "cuda_default",
@@ -93,7 +99,8 @@ def test_weight_bytes_follow_the_shapes():
     eng = build_engine(EngineConfig.from_dict(tiny_config(model={"random": {"preset": "tiny-moe-b128"},
                                                                  "quantization": "fp8"})))
     built = sum(p.numel() * p.element_size() for p in eng.model.parameters())
-    assert weight_bytes(eng.args, torch.float32, 1, with_mtp=True) == built
+    assert eng.model.mtp is None  # strategy ar: no MTP head
+    assert weight_bytes(eng.args, torch.float32, 1, with_mtp=False) == built
     full = preset_args("qwen3.5-122b-a10b")
     bf16 = weight_bytes(full, torch.bfloat16, 1, with_mtp=True) / GiB
     fp8 = weight_bytes(preset_args("qwen3.5-122b-a10b", quantization="fp8"), torch.bfloat16, 1, with_mtp=True) / GiB
