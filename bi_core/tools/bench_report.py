@@ -84,6 +84,13 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
     out: dict = {"label": _label(cfg), "backend": engine.policy.backend, "invariant": cfg.policy.batch_invariant,
                  "graphs": cfg.graph.enabled, "decode": [], "startup_s": time.perf_counter() - t0}
     print(f"  engine start {out['startup_s']:.1f} s" + (f" ({engine.warmup})" if engine.warmup else ""), flush=True)
+    cache = engine.cache
+    out["weights_gib"] = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
+    out["kv_cache_tokens"] = cache.num_blocks * cache.block_size
+    out["memory_after_start_gib"] = torch.cuda.memory_allocated() / 2**30
+    print(f"  weights {out['weights_gib']:.1f} GiB, KV cache {out['kv_cache_tokens']:,} tokens, GDN states for "
+          f"{cache.num_slots} sequences, {out['memory_after_start_gib']:.1f} GiB allocated after start"
+          f" (GPU total {torch.cuda.get_device_properties(engine.device).total_memory / 2**30:.1f} GiB)", flush=True)
     contexts = positive_ints(args.context_len, "--context-len")
     for b, context in ((b, c) for c in contexts for b in batch_sizes):
         r = bench_decode(engine, b, context, args.steps, bandwidth)
