@@ -50,6 +50,9 @@ class GraphRunnerImpl(Protocol):
         input id staged as ``-1 - i`` is replaced by token i of it on the device first
         (``runtime.batch.gather_ids``)."""
 
+    # Optional: ``advance(ctx) -> ForwardContext | None``, the next one-token step of the same
+    # sequences on the device, without host packing (backends/cuda_common/graph_runner.py)
+
     def wait_inputs(self) -> None:
         """Block until the inputs of the last step launched have left the host (its staging
         buffers and any host-side plan's): call before planning a step while one still runs."""

@@ -109,6 +109,7 @@ class ModelRunner:
         self._landing: list[torch.Tensor] = []  # two host buffers for samples in flight, used in turn
         self._turn = 0
         self.routing: torch.Tensor | None = None  # [moe layers, max tokens, k]: the step's expert ids
+        self._mtp_last = None  # (input ids, context, host batch) of the MTP head's last step (advance_mtp)
 
     def record_routing(self, max_tokens: int) -> None:
         """Have every MoE layer log its top-k expert ids (routing replay): before graphs are captured."""
@@ -129,6 +130,7 @@ class ModelRunner:
         else:
             outs = graphs.run(self._mtp_step, input_ids, ctx, self.model.prepare_step, extra=fwd.hidden,
                               ids_from=fwd.ids_from)
+            self._mtp_last = (input_ids, ctx, hb)
         samples = outs[2] if len(outs) > 2 else None
         routed = None
         if self.routing is not None and fwd.head == "model" and any(r.seq.params.return_routed_experts
@@ -138,6 +140,27 @@ class ModelRunner:
                      else [(0, fwd.num_tokens)])
             routed = torch.cat([self.routing[:, a:b] for a, b in spans], dim=1)
         return StepOutput(outs[0], outs[1], samples, hb.cu_seqlens[:-1], ctx.graph, routed)
+
+    def advance_mtp(self, ids: torch.Tensor, hidden: torch.Tensor) -> StepOutput | None:
+        """The MTP head's next one-token step for the sequences of its last step (a draft chain's
+        step j + 1 after step j), each at the next position, with tokens ``ids`` [S] and main
+        hidden rows ``hidden`` [S, H] (S: the last step's sequences), prepared on the device
+        where the last step replayed a one-token graph (``advance`` of the graph runner): no
+        host packing, no transfer, so the host stays ahead of the chain. None where it cannot
+        (an eager step): run ``execute`` instead. Logits rows: one per sequence, as before."""
+        advance = getattr(self.mtp_graphs, "advance", None)
+        if advance is None or self._mtp_last is None:
+            return None
+        input_ids, ctx, hb = self._mtp_last
+        nxt = advance(ctx)
+        if nxt is None:
+            return None
+        assert ids.shape[0] == hb.num_seqs and hb.logits_rows == list(range(hb.num_seqs)), \
+            "advance_mtp: one token and one logits row per sequence of the last step"
+        input_ids[: ids.shape[0]].copy_(ids)
+        outs = self.mtp_graphs.run(self._mtp_step, input_ids, nxt, self.model.prepare_step, extra=hidden)
+        self._mtp_last = (input_ids, nxt, hb)
+        return StepOutput(outs[0], outs[1], None, hb.cu_seqlens[:-1], nxt.graph)
 
     def _host_batch(self, fwd: Forward):
         rows = fwd.rows

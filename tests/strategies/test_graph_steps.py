@@ -75,6 +75,40 @@ def test_padded_mtp_steps_equal_ar(preset, mode):
     assert scratch_written(eng)
 
 
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_chain_steps_advanced_on_the_device_propose_the_packed_steps_drafts(preset):
+    """Draft chain steps after the first advance the last step's graph inputs on the device
+    (``ModelRunner.advance_mtp``): the head proposes the same drafts, bitwise, as when every
+    chain step is packed on the host. The drafts are what is compared (MTP's output equals AR's
+    whatever they are); negative control: drafts from positions not advanced differ."""
+    ps, params = prompts()[:3], PARAMS["greedy"]
+
+    def proposals(mode: str) -> tuple[list, int]:
+        eng = with_graph_runners(build_engine(config(preset, "mtp")))
+        runner, calls, seen = eng.runner, [0], []
+        advance = runner.advance_mtp
+        if mode == "packed":
+            runner.advance_mtp = lambda ids, hidden: None
+        else:
+            def counted(ids, hidden):
+                out = advance(ids, hidden)
+                calls[0] += out is not None
+                return out
+            runner.advance_mtp = counted
+            if mode == "stuck":  # positions, slots and context lengths not advanced
+                runner.mtp_graphs.advance = lambda ctx: attrs.evolve(ctx, step_tensors={})
+        eng.strategy.draft_hook = lambda seq, d: seen.append((seq.request_id, len(seq.output_ids), d)) or d
+        eng.generate(ps, params)
+        return seen, calls[0]
+
+    packed, _ = proposals("packed")
+    advanced, calls = proposals("advanced")
+    assert calls > 0 and len(packed) > 3
+    assert advanced == packed
+    stuck, _ = proposals("stuck")
+    assert stuck != packed
+
+
 def test_short_drafts_are_padded_to_a_uniform_verify():
     """Drafts cut short (here: at most one draft) still verify as 1+N rows per sequence, and only
     the real drafts are sampled and counted."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import attrs
 import numpy as np
 import torch
 
@@ -361,6 +362,23 @@ class CudaGraphRunnerImpl:
         else:
             self.num_replays[key[0]] += 1
         return static.outputs(outs)
+
+    def advance(self, ctx: ForwardContext) -> ForwardContext | None:
+        """The context of the next one-token step of the sequences ``ctx`` (a uniform one-token
+        graph's static context, just run) ran: every position, KV slot and context length one
+        further, written in place on the device (no host staging, no transfer) and in the host
+        mirrors; None for any other context. GDN state slots are not advanced: for a model
+        without GDN layers only (the MTP head's draft chain, ``ModelRunner.advance_mtp``). The
+        caller writes the next input ids (and per-token input) before ``run``."""
+        g = ctx.graph
+        if g is None or g.chunk or g.q_len != 1:
+            return None
+        bs, pos = ctx.block_size, ctx.positions
+        pos.add_(1)
+        ctx.context_lens.add_(1)
+        pages = ctx.block_tables.gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
+        torch.add(pages * bs, pos % bs, out=ctx.slot_mapping)
+        return attrs.evolve(ctx, context_lens_host=[n + 1 for n in ctx.context_lens_host], step_tensors={})
 
     def _mark_inputs(self) -> None:
         """Record that everything the host staged for this step is queued (``wait_inputs``)."""
