@@ -6,7 +6,9 @@
 2. End to end: tokens/s of AR vs MTP with drafts forced right with probability r per position
    (``draft_override``: the head still runs its chain, and the forced drafts are written over
    its drafts on the device, so the verify takes them the way it takes real ones); outputs are
-   checked equal to AR's.
+   checked equal to AR's. Each generate is 512-token prompts then 64 new tokens, so the prompts'
+   prefill (the same in both) is in both times; the decode phase alone is also printed: the
+   time past a 1-token generate of the same prompts (``first token`` below).
 
 python3 benchmarks/mtp_bench.py [--layers N] [--num-spec 3] [--preset qwen3.5-35b-a3b]
                                 [--draft-vocab-size 32768]   (MTP drafts over a pruned vocabulary)"""
@@ -34,7 +36,9 @@ def config(strategy: str, layers: int | None, n: int, preset: str = "qwen3.5-35b
     return EngineConfig.from_dict({
         "model": {"random": random_cfg, "dtype": "bfloat16", "device": "cuda", "max_model_len": 2048},
         "backend": "cuda_hopper_invariant", "policy": {"batch_invariant": True}, "graph": {"enabled": True},
-        "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 8192}, "cache": {"num_blocks": 8192},
+        # prefix caching off in both: MTP cannot cache prefixes, and AR repeats the same prompts here
+        "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 8192},
+        "cache": {"num_blocks": 8192, "prefix_caching": False},
         "strategy": strat})
 
 
@@ -58,6 +62,18 @@ def forced(truth: dict[int, list[int]], rate: float, rng: random.Random):
     return override
 
 
+def first_token_s(engine, b: int) -> float:
+    """Seconds of a 1-token generate of the B prompts (their prefill), median of 3."""
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts(b), SamplingParams(max_new_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, help="cut the preset to this many layers (default: all)")
@@ -71,7 +87,7 @@ def main() -> None:
           f"draft vocabulary {a.draft_vocab_size or 'full'}")
     ar = build_engine(config("ar", layers, n, a.preset))
     ar_ms = {b: step_ms(ar, b) for b in batches}
-    truth, ar_tps = {}, {}
+    truth, ar_tps, ar_first, ar_decode = {}, {}, {}, {}
     for b in (1, 8):
         params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
         ar.generate(prompts(b), params)
@@ -80,6 +96,8 @@ def main() -> None:
         out = ar.generate(prompts(b), params)
         torch.cuda.synchronize()
         ar_tps[b] = b * gen_tokens / (time.perf_counter() - t0)
+        ar_first[b] = first_token_s(ar, b)
+        ar_decode[b] = b * (gen_tokens - 1) / (b * gen_tokens / ar_tps[b] - ar_first[b])
         truth[b] = [o.token_ids for o in out]
     del ar
     gc.collect()
@@ -91,6 +109,9 @@ def main() -> None:
               flush=True)
     mtp.generate(prompts(8), SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up (graphs captured)
     for b in (1, 8):
+        prefill_s = first_token_s(mtp, b)
+        print(f"first token B={b}: AR {ar_first[b] * 1e3:.1f} ms, MTP {prefill_s * 1e3:.1f} ms (prefill of {b} x 512 "
+              f"tokens, in every end-to-end time below)", flush=True)
         for rate in (0.0, 0.5, 0.8, 1.0):
             params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
             first = mtp.intake.next_id
@@ -100,11 +121,14 @@ def main() -> None:
             t0 = time.perf_counter()
             out = mtp.generate(prompts(b), params)
             torch.cuda.synchronize()
-            tps = b * gen_tokens / (time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            tps = b * gen_tokens / elapsed
+            decode = b * (gen_tokens - 1) / (elapsed - prefill_s)
             same = [o.token_ids for o in out] == truth[b]
             acc = sum(o.num_accepted_draft_tokens for o in out) / max(1, sum(o.num_draft_tokens for o in out))
             print(f"end-to-end B={b} accept-rate {rate:.1f}: MTP {tps:8.1f} tok/s vs AR {ar_tps[b]:8.1f} tok/s "
-                  f"(x{tps / ar_tps[b]:.2f}); accepted {acc:.2f} of drafts; tokens == AR: {same}", flush=True)
+                  f"(x{tps / ar_tps[b]:.2f}); decode phase x{decode / ar_decode[b]:.2f}; accepted {acc:.2f} of "
+                  f"drafts; tokens == AR: {same}", flush=True)
     print(f"graph replays: model {mtp.runner.main_graphs.num_replays}, MTP head {mtp.runner.mtp_graphs.num_replays}")
 
 
