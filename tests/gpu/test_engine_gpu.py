@@ -269,6 +269,12 @@ def test_mixed_graphs_bitwise_equal_eager_invariant():
     eager = invariance_run(cfg(False), needle, fillers, params)
     assert graphed == eager == graphed_alone
     assert invariance_run(cfg(False, chunk=128), needle, fillers, params) != eager
+    # a lone prompt of at most a quarter chunk replays the quarter-chunk graph (mixed_sizes), bitwise eager
+    eng = build_engine(cfg("auto"))
+    short = invariance_run(eng, needle[:50], [], params)
+    assert (1, 0, 64) in eng.runner.main_graphs.graphs and eng.runner.main_graphs.mixed_replays == 1
+    del eng
+    assert short == invariance_run(cfg(False), needle[:50], [], params)
 
 
 def test_padded_piece_gives_the_unpadded_bits():

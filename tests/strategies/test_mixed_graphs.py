@@ -35,6 +35,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 7, 6, 96, 75)]
 
 
+def lone_prompt() -> list[int]:
+    """A prompt of a quarter chunk or less, run alone: its step replays the quarter-chunk graph."""
+    return torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+
+
 def with_mixed_runner(eng):
     clear_scratch(eng)
     spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size)
@@ -71,6 +76,24 @@ def test_mixed_steps_replay_and_equal_eager(preset, mode):
             assert torch.equal(torch.as_tensor(a.routed_experts), torch.as_tensor(b.routed_experts))
 
 
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_a_lone_short_prompt_replays_the_quarter_chunk_graph(preset):
+    """A prompt of at most a quarter chunk, alone, is padded to a quarter chunk, not a whole one;
+    its outputs equal eager's (greedy, with prompt logprobs: every real row comes back)."""
+    params = PARAMS["greedy"]
+    eager = build_engine(config(preset)).generate([lone_prompt()], params)
+    eng = with_mixed_runner(build_engine(config(preset)))
+    out = eng.generate([lone_prompt()], params)
+    graphs = eng.runner.main_graphs
+    assert graphs.mixed_replays == 1 and (1, 0, CHUNK // 4) in graphs.graphs and (1, 0, CHUNK) not in graphs.graphs
+    a, b = out[0], eager[0]
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor([v for d in a.prompt_logprobs[1:] for _, v in sorted(d.items())]),
+                               torch.tensor([v for d in b.prompt_logprobs[1:] for _, v in sorted(d.items())]),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_mixed_graph_keys():
     """(1, bucket of the decode rows, chunk) for one-token recurrent rows then one prompt piece of
     at most the chunk size (a prompt's last piece is padded at its end); two pieces, a piece not
@@ -90,6 +113,11 @@ def test_mixed_graph_keys():
     assert key([1] * 8 + [CHUNK], [True] * 8 + [False]) == (1, 8, CHUNK)
     assert key([1, 1, 1], [True] * 3) == (1, 4)  # uniform as before
     assert key([1, 1, 20], [True, True, False]) == (1, 2, CHUNK)  # a last (shorter) piece: padded at its end
+    # a piece of at most a quarter chunk takes the quarter-chunk graph (mixed_sizes)
+    assert runner.mixed_sizes == [CHUNK // 4, CHUNK]
+    assert key([1, 1, CHUNK // 4], [True, True, False]) == (1, 2, CHUNK // 4)
+    assert key([5], [False]) == (1, 0, CHUNK // 4)
+    assert key([1, 1, CHUNK // 4 + 1], [True, True, False]) == (1, 2, CHUNK)
     assert key([1, 1, CHUNK + 1], [True, True, False]) is None
     assert key([1, CHUNK, CHUNK], [True, False, False]) is None
     assert key([CHUNK, 1], [False, True]) is None

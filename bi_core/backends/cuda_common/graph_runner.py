@@ -2,12 +2,13 @@
 (L = 1: an AR decode step; L = 1 + N: an MTP verify step or MTP head catch-up); and for mixed
 steps: one-token decode rows, then one prompt piece of at most the scheduler's chunk size
 (``spec.prompt_chunk``), the step a long prompt runs among decoding streams; a prompt's last,
-shorter piece is padded at its end to the chunk (its padding rows' KV on the scratch page,
+shorter piece is padded at its end to its graph's piece size (its padding rows' KV on the scratch page,
 ``ForwardContext.valid_tokens`` marks them: GDN zeroes them and keeps the real rows' state).
 
 One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16; one per (1,
-bucket, chunk) with buckets 0, 1, 2, 4, 8, 16, then multiples of 32 (a mixed step's cost is
-mostly its chunk: coarser buckets, fewer graphs). A step of B sequences is packed straight into
+bucket, piece size) with buckets 0, 1, 2, 4, 8, 16, then multiples of 32 (a mixed step's cost is
+mostly its piece: coarser buckets, fewer graphs) and sizes the chunk and a quarter of it
+(``mixed_sizes``: a piece is padded to the smallest that holds it). A step of B sequences is packed straight into
 the static buffers of the smallest bucket >= B (one transfer of the integer fields, one of the
 block table); sequences B..bucket-1 are padding whose KV writes go to a reserved scratch page and
 whose GDN state is a reserved scratch slot, so padding never touches a real sequence; in a mixed
@@ -44,6 +45,14 @@ def mixed_buckets(max_batch: int) -> list[int]:
     """Decode-row buckets of mixed steps: 0 (the chunk alone), then as ``buckets`` up to 16, then
     multiples of 32 (and the largest)."""
     return [0] + [b for b in buckets(max_batch) if b <= 16 or b % 32 == 0 or b == max_batch]
+
+
+def mixed_sizes(chunk: int) -> list[int]:
+    """The prompt-piece sizes mixed graphs are captured at: the chunk, and a quarter of it (a
+    piece takes the smallest that holds it). A lone short prompt padded to a whole chunk cost
+    2.3x its eager time on the 9B shape (122 vs 53 ms at 512 tokens in a 4,064-row chunk:
+    benchmarks section 21); a piece's real rows do not depend on how far it is padded."""
+    return sorted({max(1, chunk // 4), chunk}) if chunk else []
 
 
 def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
@@ -101,7 +110,7 @@ class StaticBatch:
     def padded(self, hb: HostBatch | None) -> HostBatch:
         """``hb`` plus padding sequences up to the bucket (all padding when ``hb`` is None): q
         tokens at positions 0..q-1 of the scratch page, the scratch state slot, no logits. In a
-        mixed step they go before the prompt piece, which is padded at its end to the chunk (its
+        mixed step they go before the prompt piece, which is padded at its end to the graph's size (its
         extra rows: KV on the scratch page, its final state slot, ``valid_tokens`` says how many
         are real); with no batch, a padding chunk (all in the scratch page, from position 0)."""
         q, bs, chunk = self.q, self.block_size, self.chunk
@@ -272,6 +281,7 @@ class CudaGraphRunnerImpl:
         self.capture = capture
         self.buckets = buckets(spec.max_batch_size)
         self.mixed_buckets = mixed_buckets(spec.max_batch_size) if spec.prompt_chunk else []
+        self.mixed_sizes = mixed_sizes(spec.prompt_chunk)
         self.statics: dict[tuple[int, ...], StaticBatch] = {}
         self.graphs: dict[tuple[int, ...], _Captured | _Rerun] = {}
         self.pool = None
@@ -293,7 +303,8 @@ class CudaGraphRunnerImpl:
         chunk, head = self.spec.prompt_chunk, hb.num_seqs - 1
         if (chunk and not rec[-1] and lens[-1] <= chunk and all(rec[:-1]) and all(x == 1 for x in lens[:-1])
                 and head <= self.mixed_buckets[-1]):
-            return 1, next(x for x in self.mixed_buckets if x >= head), chunk
+            size = next(x for x in self.mixed_sizes if x >= lens[-1])
+            return 1, next(x for x in self.mixed_buckets if x >= head), size
         return None
 
     def _static(self, key: tuple[int, ...], block_size: int, device: torch.device) -> StaticBatch:
@@ -320,7 +331,7 @@ class CudaGraphRunnerImpl:
         input (its trailing shape and dtype). Returns how many graphs were captured."""
         if not self.spec.use_graphs:
             return 0
-        keys = [(1, b, self.spec.prompt_chunk) for b in reversed(self.mixed_buckets)]
+        keys = [(1, b, size) for size in reversed(self.mixed_sizes) for b in reversed(self.mixed_buckets)]
         keys += [(q, b) for q in self.spec.query_lens for b in reversed(self.buckets)]
         n = 0
         for key in keys:
