@@ -299,7 +299,7 @@ class GraphConfig:
                           "first, and run a few dummy prompts so no capture or kernel compile stalls a running batch")
     mixed: bool | str = _field(_auto_or(_bool), "auto", doc="also capture steps of decode rows plus one prompt piece "
                                "(up to the scheduler's chunk size; a shorter last piece is padded), so a long prompt's "
-                               "chunks among running streams replay a graph instead of ~2 ms of eager launches a layer; "
+                               "chunks among running streams replay a graph instead of eager launches; "
                                "auto = on where the attention kernel can replay prompt rows (the invariant backend's), "
                                "off with FlashInfer's host planning or MTP")
     overlap: bool = _field(_bool, True, doc="launch the next decode step before this one's tokens reach the host "

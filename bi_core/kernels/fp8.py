@@ -42,12 +42,13 @@ fp16 and sums them with mma.sync m16n8k16: a different in-block sum). tests/kern
 checks all of this bitwise under Triton's interpreter with a dot that sums each element in K
 order (``ordered_dot``): that proves the kernel's own arithmetic. Whether the GPU's fp8 wgmma
 gives an element the same bits at every position in a tile and for every tile width (BLOCK_N
-32..128, 4 or 8 warps) is the hardware's side: it held for bf16 on an H200
-(docs/batch_invariance.md) and HAS NOT BEEN MEASURED FOR FP8 (the GPU-only tests in
-test_fp8.py do it; they have not run yet).
+32..128, 4 or 8 warps) is the hardware's side, checked by the GPU-only tests in test_fp8.py (rows
+bitwise over M = 1..1024 and row permutations at the model shapes, dense and MoE): they pass on
+an H200 (docs/benchmarks.md sections 16, 20, 21).
 
-Tuning: none. No figure in this file was measured on a GPU; the tile table copies the bf16
-GEMM's reasoning (decode GEMVs need about TARGET_PROGRAMS programs: split-K fixed by (N, K)).
+Tuning: the split counts follow the bf16 GEMM's reasoning (decode GEMVs need about
+TARGET_PROGRAMS programs: split-K fixed by (N, K)); the decode tiles and the fused quantization's
+bounds come from sweeps on an H200 (``benchmarks/fp8_kernel_bench.py``; docs/benchmarks.md).
 
 API for the backends (all tensors on one CUDA device, or the CPU under TRITON_INTERPRET=1):
 
@@ -82,11 +83,9 @@ DECODE_BLOCK_N = 32  # the tile width split counts are planned against (a decode
 MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a weight row, gemm.py's minimum)
 # fp8_linear quantizes inside the GEMM launch (one row at a time, ``_quant_rows``: 128 divisions
 # a row and block) at up to FUSE_QUANT_MAX_M rows and FUSE_QUANT_MAX_N columns: every column tile
-# quantizes its rows again, in the K loop's latency chain. Measured on an H200
-# (fp8_kernel_bench.py, CUDA graphs, benchmarks section 20), M = 1, fused vs two launches: 2048 x
-# 512 5.4 vs 7.1 us, 2048 x 2048 8.0 vs 9.4, 4096 x 2048 11.4 vs 11.2, 12352 x 2048 22.9 vs 14.3;
-# at M = 2..16 it loses everywhere. (An earlier variant quantized the whole 64-row tile, masked
-# rows as zeros: 46-379 us.) FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
+# quantizes its rows again, in the K loop's latency chain. On an H200 (fp8_kernel_bench.py, CUDA
+# graphs) fusing wins at M = 1 up to N = 2048 and loses at wider N and at M = 2..16 (figures in
+# docs/benchmarks.md section 20). FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
 FUSE_QUANT_MAX_M = 1
 FUSE_QUANT_MAX_N = 2048
 FUSED_ROWS_MAX = 32
@@ -135,7 +134,7 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
     rows = rm.to(tl.int64)[:, None]
     x = tl.load(X + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     # rows past M (never stored) as ones, not zeros: an all-zero row divides 0 by a tiny scale,
-    # which div_rn takes through its slow path (measured: 11 us per call at M = 1..8 vs 4 us at 64)
+    # which div_rn takes through its slow path (measured: several times slower at M = 1..8)
     x = tl.where(m_ok[:, None], x, 1.0)
     q, scale = _quant_group(x)
     tl.store(XQ + rows * stride_qm + rk[None, :], q.to(XQ.dtype.element_ty), mask=mask)

@@ -83,9 +83,8 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
 
 
-# up to this many tokens the experts run per pair: measured on an H200 (fp8_kernel_bench.py --moe,
-# benchmarks section 20) at the 35B-A3B's experts, per pair vs sorted: 24-28 vs 32-35 us at 1
-# token, 35-42 vs 42-46 at 2, 54-63 vs 56 at 4, 82-102 vs 86 at 8
+# up to this many tokens the experts run per pair: faster than sorted at 1 and 2 tokens, not at 4
+# or 8 (fp8_kernel_bench.py --moe on an H200; figures in docs/benchmarks.md section 20)
 PAIR_TOKENS = 2
 PAIR_BLOCK_M = 64  # the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
 PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}

@@ -161,7 +161,7 @@ FLA_CHUNK = 64  # fla's chunk length for the gated delta rule
 def chunk_rule(q, k, v, g, beta, scale: float, initial_state, meta: dict, pad: dict | None = None):
     """fla's chunked gated delta rule, forward only (what ``chunk_gated_delta_rule`` runs with
     ``use_qk_l2norm_in_kernel``, without its autograd Function, argument guards and backend
-    dispatch: ~0.7 ms of host time a layer), on the plan's own chunk indices and offsets. fla
+    dispatch: host time every layer), on the plan's own chunk indices and offsets. fla
     would otherwise derive them from ``cu_seqlens`` (a device sync a step) and keep them in an
     identity cache of 4 entries: a CUDA graph replaying a tensor that cache then drops reads
     freed memory. Returns (o [1, T, Hv, Dv] in q's dtype, final states [N, Hv, Dk, Dv] fp32).

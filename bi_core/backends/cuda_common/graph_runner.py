@@ -49,9 +49,9 @@ def mixed_buckets(max_batch: int) -> list[int]:
 
 def mixed_sizes(chunk: int) -> list[int]:
     """The prompt-piece sizes mixed graphs are captured at: the chunk, and a quarter of it (a
-    piece takes the smallest that holds it). A lone short prompt padded to a whole chunk cost
-    2.3x its eager time on the 9B shape (122 vs 53 ms at 512 tokens in a 4,064-row chunk:
-    benchmarks section 21); a piece's real rows do not depend on how far it is padded."""
+    piece takes the smallest that holds it). A short prompt padded to a whole chunk took longer
+    than running it eagerly (docs/benchmarks.md section 21); a piece's real rows do not depend
+    on how far it is padded."""
     return sorted({max(1, chunk // 4), chunk}) if chunk else []
 
 
