@@ -1,13 +1,12 @@
 """Engine start-up warm-up: capture every CUDA graph and compile every first-time kernel before
 the first request, so none of that lands inside a running batch.
 
-Measured on an H200 (35B-A3B shape, 256 x 512 -> 256, docs/benchmarks.md section 8): without it,
-graph captures (first capture of the 256-row bucket: 13-15 s) and Triton compiles inside prompt
-and mixed steps took 25-33 s of a 43-47 s run. Triton specializes integer arguments by value
-(== 1, divisible by 16), so the dummy prompts below give first steps of each kind: one sequence
-over a whole chunk, sixteen sequences filling a chunk (the default backend's fla kernels compiled
-26 variants for 16 x 512 after the other waves: measured), sixteen short ones, a few odd-sized
-ones, and a mixed step (a short prompt decoding while a long one still prefills)."""
+Without it, graph captures and Triton compiles inside prompt and mixed steps took most of a
+throughput run's time on an H200 (docs/benchmarks.md section 8). Triton specializes integer
+arguments by value (== 1, divisible by 16), so the dummy prompts below give first steps of each
+kind: one sequence over a whole chunk, sixteen sequences filling a chunk (the default backend's
+fla kernels compiled new variants for 16 x 512 after the other waves), sixteen short ones, a few
+odd-sized ones, and a mixed step (a short prompt decoding while a long one still prefills)."""
 
 from __future__ import annotations
 
