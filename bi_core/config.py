@@ -301,7 +301,8 @@ class GraphConfig:
                                "(up to the scheduler's chunk size; a shorter last piece is padded), so a long prompt's "
                                "chunks among running streams replay a graph instead of eager launches; "
                                "auto = on where the attention kernel can replay prompt rows (the invariant backend's), "
-                               "off with FlashInfer's host planning or MTP")
+                               "off with FlashInfer's host planning; with MTP, auto captures a prompt piece alone "
+                               "only (its decode rows are several tokens)")
     overlap: bool = _field(_bool, True, doc="launch the next decode step before this one's tokens reach the host "
                            "(AR steps replayed from a graph, sampled on the device): the host plans and books steps "
                            "while the device runs; outputs are the same")

@@ -28,6 +28,10 @@ class GraphRunnerSpec(OpSpec):
     # many tokens (the scheduler's chunk size; a shorter last piece is padded); 0: steps with
     # prompt rows run eagerly
     prompt_chunk: int = 0
+    # with prompt_chunk > 0: mixed steps may hold decode rows (one-token decode strategies, AR);
+    # False: only a prompt piece alone (bucket 0) replays a graph (a strategy whose decode rows
+    # are several tokens, MTP: its prompts' steps still leave the host's eager launches)
+    mixed_decode_rows: bool = True
 
 
 class GraphRunnerImpl(Protocol):

@@ -133,7 +133,7 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
         max_batch_size=config.graph.max_batch_size or config.scheduler.max_num_seqs,
         max_blocks_per_seq=cache.blocks_for(max_model_len + lookahead), scratch_page=cache.scratch_page,
         scratch_slot=cache.scratch_slot, state_ring=cache.state_ring, query_lens=query_lens,
-        prompt_chunk=chunk_size if _mixed_graphs(config, model, query_lens) else 0)
+        **_mixed_spec(config, model, query_lens, chunk_size))
     runner = ModelRunner(model, cache, lambda s: factory.build("graph_runner", s), spec,
                          with_mtp_graphs=strategy_cls.uses_mtp_head)
     if config.model.enable_return_routed_experts:
@@ -168,6 +168,19 @@ def _mixed_graphs(config: EngineConfig, model: Qwen35Model, query_lens: tuple[in
                           "tokens; mixed graphs hold one-token decode rows beside a prompt chunk; use graph.mixed: "
                           "auto or false")
     return not refusing and query_lens == (1,)
+
+
+def _mixed_spec(config: EngineConfig, model: Qwen35Model, query_lens: tuple[int, ...], chunk: int) -> dict:
+    """The graph runner's mixed-step fields: a one-token decode strategy's steps of decode rows
+    plus a prompt piece (``_mixed_graphs``); for another strategy (MTP) with ``graph.mixed``
+    auto, a prompt piece alone (bucket 0: no decode rows, so no decode length to match), where
+    every attention impl can replay prompt rows."""
+    if _mixed_graphs(config, model, query_lens):
+        return {"prompt_chunk": chunk}
+    lone = (config.graph.enabled and config.graph.mixed == "auto" and query_lens != (1,)
+            and all(getattr(m.attn, "graph_prompt_rows", False) for m in model.modules()
+                    if getattr(m, "attn", None) is not None))
+    return {"prompt_chunk": chunk, "mixed_decode_rows": False} if lone else {"prompt_chunk": 0}
 
 
 def _prune_draft_vocab(config: EngineConfig, model: Qwen35Model, factory: OpFactory, args: ModelArgs,

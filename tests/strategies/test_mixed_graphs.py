@@ -172,6 +172,49 @@ def test_mixed_graphs_config(monkeypatch):
         resolve((1, 4), enabled=True, mixed=True)
 
 
+def test_mtp_gets_graphs_for_a_prompt_piece_alone(monkeypatch):
+    """MTP's decode rows are 1+N tokens, so its mixed graphs hold a prompt piece alone (bucket 0):
+    with ``graph.mixed`` auto where the attention can replay prompt rows; its outputs stay AR's
+    (prompts alone and beside verify rows, which run eagerly)."""
+    import random
+
+    from test_mtp import config as mtp_config
+    from test_mtp import hook_for
+
+    from bi_core.backends.reference.attention import ReferenceAttentionImpl
+    from bi_core.runtime.build import _mixed_spec
+
+    model = build_engine(config("tiny-dense")).model
+    cfg = config("tiny-dense", graph={"enabled": True})
+    assert _mixed_spec(cfg, model, (1, 4), CHUNK) == {"prompt_chunk": 0}  # the reference attention cannot
+    monkeypatch.setattr(ReferenceAttentionImpl, "graph_prompt_rows", True, raising=False)
+    assert _mixed_spec(cfg, model, (1, 4), CHUNK) == {"prompt_chunk": CHUNK, "mixed_decode_rows": False}
+    assert _mixed_spec(cfg, model, (1,), CHUNK) == {"prompt_chunk": CHUNK}
+    off = config("tiny-dense", graph={"enabled": True, "mixed": False})
+    assert _mixed_spec(off, model, (1, 4), CHUNK) == {"prompt_chunk": 0}
+
+    ps = [lone_prompt(), prompts()[3]]  # 5 tokens, then 96 arriving beside the first one's verify rows
+    params = PARAMS["greedy"]
+    ar = build_engine(mtp_config("tiny-dense", "ar")).generate(ps, params)
+    eng = build_engine(mtp_config("tiny-dense", "mtp"))
+    clear_scratch(eng)
+    spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size,
+                        mixed_decode_rows=False)
+    eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
+    eng.runner.mtp_graphs = CudaGraphRunnerImpl(attrs.evolve(spec, name="mtp", prompt_chunk=0), capture=False)
+    eng.strategy.draft_hook = hook_for("partial", {i: o.token_ids for i, o in enumerate(ar)}, random.Random(3))
+    first = eng.add_request(ps[0], params)
+    eng.step()  # the lone prompt: a bucket-0 mixed graph
+    graphs = eng.runner.main_graphs
+    assert graphs.mixed_buckets == [0] and graphs.mixed_replays == 1
+    assert all(k[1] == 0 for k in graphs.graphs if len(k) == 3)
+    second = eng.add_request(ps[1], params)
+    while eng.scheduler.has_work():
+        eng.step()
+    assert [first.output_ids, second.output_ids] == [o.token_ids for o in ar]
+    assert all(k[1] == 0 for k in graphs.graphs if len(k) == 3)  # never a mixed graph with decode rows
+
+
 def test_a_last_chunk_replayed_alone_is_not_launched_ahead_of():
     """A prompt of exactly one chunk, alone, sampled on the device: its step replays a mixed graph
     (bucket 0) whose rows all sample, but it is no decode step, so overlapped decode must not plan

@@ -280,7 +280,8 @@ class CudaGraphRunnerImpl:
         self.spec = spec
         self.capture = capture
         self.buckets = buckets(spec.max_batch_size)
-        self.mixed_buckets = mixed_buckets(spec.max_batch_size) if spec.prompt_chunk else []
+        self.mixed_buckets = ((mixed_buckets(spec.max_batch_size) if spec.mixed_decode_rows else [0])
+                              if spec.prompt_chunk else [])
         self.mixed_sizes = mixed_sizes(spec.prompt_chunk)
         self.statics: dict[tuple[int, ...], StaticBatch] = {}
         self.graphs: dict[tuple[int, ...], _Captured | _Rerun] = {}
