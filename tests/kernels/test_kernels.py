@@ -158,6 +158,44 @@ def test_conv1d_valid_rows_keep_the_real_window(device, chunk):
         assert not torch.equal(results[0][1], state)
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_conv1d_prompt_rows_under_a_state_ring_keep_the_final_window(device, chunk):
+    """Speculative decoding gives every token its own state slot (a ring). A prompt's next step
+    reads only its last token's slot, so the prefill path stores the final window there (no
+    ``per_token``), which is also what lets a padded prompt piece (``valid``) replay a graph: the
+    outputs and that slot's window are ``per_token``'s bit for bit, and the other ring slots are
+    left alone (negative control: ``per_token`` writes them)."""
+    from bi_core.kernels.conv1d import causal_conv1d
+
+    ring, c, pad = 4, 40, 5
+    qlens, plens = [9, 6], [0, 3]
+    ctx, _ = ragged_ctx(qlens, plens, device, recurrent=[False, False], ring=ring)
+    x = torch.randn(sum(qlens), c, device=device)
+    w = torch.randn(c, 4, device=device)
+    state = torch.randn(len(qlens) * ring, c, 3, device=device)
+    args = (ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots)
+    per_token, final = state.clone(), state.clone()
+    want = causal_conv1d(x, w, per_token, *args, per_token=True, block_c=16)
+    kw = {} if chunk is None else {"max_tokens": max(qlens), "chunk": chunk}
+    got = causal_conv1d(x, w, final, *args, block_c=16, **kw)
+    assert torch.equal(got, want)
+    last = ctx.token_state_slots[ctx.cu_seqlens_q[1:].long() - 1].long()
+    assert torch.equal(final[last], per_token[last]) and not torch.equal(final[last], state[last])
+    others = [i for i in range(state.shape[0]) if i not in last.tolist()]
+    assert torch.equal(final[others], state[others]) and not torch.equal(per_token[others], state[others])
+    # the second prompt padded at its end, as a graph's last piece: the same outputs and window
+    n = qlens[1]
+    rows = x[qlens[0]:]
+    padded = torch.cat([rows, torch.randn(pad, c, device=device)])
+    slots = ctx.token_state_slots[qlens[0]:]
+    slots = torch.cat([slots, slots[-1:].expand(pad)])
+    s = state.clone()
+    out = causal_conv1d(padded, w, s, torch.tensor([0, n + pad], device=device),
+                        ctx.context_lens[1:] + pad, ctx.state_slots[1:], slots, block_c=16,
+                        valid=torch.tensor([n], device=device), **kw)
+    assert torch.equal(out[:n], want[qlens[0]:]) and torch.equal(s[last[1]], per_token[last[1]])
+
+
 def run_gdn_decode(spec, proj, weights, conv, state, ctx, out=None):
     from bi_core.kernels.gdn_decode import gdn_decode
 

@@ -127,7 +127,7 @@ class CudaGdnImpl:
             qkv.append(causal_conv1d(
                 mixed[:, lo:lo + width], weights.conv1d[lo:lo + width], conv_state[:, lo:lo + width],
                 ctx.cu_seqlens_q, ctx.context_lens, ctx.state_slots, ctx.token_state_slots,
-                per_token=ctx.state_ring > 1, seq_ids=meta["seq_ids"], max_tokens=meta["longest"],
+                seq_ids=meta["seq_ids"], max_tokens=meta["longest"],
                 out=torch.empty((proj.shape[0], width), dtype=proj.dtype, device=proj.device), valid=ctx.valid_tokens))
         rows = meta["rows"]  # the chunked-form rows: a slice when they are contiguous (views), else an index
         q, k, v = (t[rows] for t in qkv)
