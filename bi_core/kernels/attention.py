@@ -5,7 +5,11 @@ KV into fixed chunks of ``KV_SPLIT`` tokens: for chunks 0, 1, ... (chunk c cover
 [c * KV_SPLIT, (c + 1) * KV_SPLIT)), an online softmax over that chunk's fixed BLOCK_N blocks
 gives (m, l, acc), written to a workspace by one of several programs per (sequence, KV head); a
 merge kernel folds the chunks in chunk order into (M, L, ACC) with explicit FMAs; the output is
-ACC / L, times sigmoid(gate) (Qwen3.5's output gate). The split size is fixed, so neither the
+ACC / L, times sigmoid(gate) (Qwen3.5's output gate). A row with more than ``MERGE_RUN`` chunks
+(a long context: one program per head folding a thousand chunks in series was the merge's whole
+time) folds them in two fixed levels: each run of ``MERGE_RUN`` chunks in order, in parallel
+(``_merge_runs_kernel``), then the runs' results in order; which level a row takes, and where a
+run starts, follow from the row's own position. The split size is fixed, so neither the
 number of chunks nor the fold depends on the batch (FlashInfer's ``fixed_split_size`` idea), and
 how many programs share a sequence's chunks changes no bit. Blocks past a row's position are
 fully masked and leave it exactly unchanged, and empty chunks fold as exact no-ops. Workspace
@@ -45,6 +49,10 @@ DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MM
 DECODE_WARPS, DECODE_STAGES = 4, 2
 PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
 MERGE_STAGES, MERGE_PIPELINED_PROGRAMS = 6, 512  # merge: chunk loads in flight, up to this many programs
+# a row with more chunks than this (contexts over 4,096 tokens) merges them in runs of this many
+# first: part of such a row's arithmetic (a row with fewer keeps the one-level fold's bits)
+MERGE_RUN = 16
+RUN_PROGRAMS = 528  # run-merge programs wanted (they are short: four per SM); scheduling only
 
 
 @triton.jit
@@ -237,11 +245,55 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
 
 
 @triton.jit
+def _merge_runs_kernel(WS_ACC, WS_M, WS_L, CTX, CU, DEC_SEQS, num_heads, D: tl.constexpr, KV_SPLIT: tl.constexpr,
+                        DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr, RUN: tl.constexpr,
+                        STAGES: tl.constexpr, PDL: tl.constexpr):
+    """The first level of a long row's merge: for each run of RUN chunks of a row with more
+    than RUN, fold the run's partials in chunk order and write the result over the run's first
+    chunk's partial. Programs (axis 2) take runs in turn: only the order within a run is
+    arithmetic. Rows with RUN chunks or fewer are left alone (the merge folds their chunks)."""
+    pdl_start(PDL)
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    s = tl.load(DEC_SEQS + i).to(tl.int64)
+    q_start = tl.load(CU + s)
+    q_len = tl.load(CU + s + 1) - q_start
+    ctx = tl.load(CTX + s)
+    past = ctx - q_len
+    tok = tl.arange(0, DECODE_TOKENS)
+    pos = past + tok
+    long_row = (tok < q_len) & (pos // KV_SPLIT + 1 > RUN)
+    d = tl.arange(0, D)
+    slot0 = _chunks_before(CTX, CU, DEC_SEQS, i, KV_SPLIT, DECODE_TOKENS, BLOCK_B) + \
+        _slot_of(past, tok, KV_SPLIT, DECODE_TOKENS)
+    if (ctx - 1) // KV_SPLIT + 1 > RUN:  # the sequence's last row has runs
+        for g in range(p, tl.cdiv(tl.cdiv(ctx, KV_SPLIT), RUN), tl.num_programs(2)):
+            m_all = tl.full((DECODE_TOKENS,), float("-inf"), tl.float32)
+            l_all = tl.zeros((DECODE_TOKENS,), tl.float32)
+            acc_all = tl.zeros((DECODE_TOKENS, D), tl.float32)
+            for j in tl.range(0, RUN, num_stages=STAGES):
+                c = g * RUN + j
+                keep = long_row & (pos >= c * KV_SPLIT)
+                unit = ((slot0 + c) * num_heads + h).to(tl.int64)
+                m = tl.load(WS_M + unit, mask=keep, other=float("-inf"))
+                l_c = tl.load(WS_L + unit, mask=keep, other=0.0)
+                acc = tl.load(WS_ACC + unit[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)
+                m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m, l_c, acc)
+            first = long_row & (pos >= g * RUN * KV_SPLIT)
+            unit = ((slot0 + g * RUN) * num_heads + h).to(tl.int64)
+            tl.store(WS_M + unit, m_all, mask=first)
+            tl.store(WS_L + unit, l_all, mask=first)
+            tl.store(WS_ACC + unit[:, None] * D + d[None, :], acc_all, mask=first[:, None])
+
+
+@triton.jit
 def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stride_ot, num_heads,
                   D: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr,
-                  STAGES: tl.constexpr, PDL: tl.constexpr):
-    """Fold a (sequence, head)'s chunk partials in chunk order, with ``STAGES`` chunks' loads in
-    flight (scheduling only: the fold and its bits are the same for any STAGES)."""
+                  RUN: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Fold a (sequence, head)'s partials in chunk order (a long row: its runs' results, which
+    ``_merge_runs_kernel`` wrote), with ``STAGES`` loads in flight (scheduling only: the fold and
+    its bits are the same for any STAGES)."""
     pdl_start(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -259,10 +311,15 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stri
     m_all = tl.full((DECODE_TOKENS,), float("-inf"), tl.float32)
     l_all = tl.zeros((DECODE_TOKENS,), tl.float32)
     acc_all = tl.zeros((DECODE_TOKENS, D), tl.float32)
+    # a row's partials: its chunks, or with more than RUN its runs' results (at each run's first chunk)
+    n_chunks = pos // KV_SPLIT + 1
+    long_row = n_chunks > RUN
+    stride = tl.where(long_row, RUN, 1)
+    count = tl.where(row_ok, tl.where(long_row, (n_chunks + RUN - 1) // RUN, n_chunks), 0)
     # the fold is serial, the loads are not: a long context's merge waited on one load at a time
-    for c in tl.range(0, tl.cdiv(ctx, KV_SPLIT), num_stages=STAGES):
-        keep = row_ok & (pos >= c * KV_SPLIT)
-        unit = ((slot0 + c) * num_heads + h).to(tl.int64)
+    for k in tl.range(0, tl.max(count, axis=0), num_stages=STAGES):
+        keep = k < count
+        unit = ((slot0 + k * stride) * num_heads + h).to(tl.int64)
         m = tl.load(WS_M + unit, mask=keep, other=float("-inf"))
         l_c = tl.load(WS_L + unit, mask=keep, other=0.0)
         acc = tl.load(WS_ACC + unit[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)
@@ -357,7 +414,14 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
     # loads in flight: up to 32 x 16 (sequence, head) programs they pay (most at long contexts and
     # small batch); more programs already hide the latency and lose occupancy (benchmarks sections 14, 15)
     stages = MERGE_STAGES if num_dec * num_heads <= MERGE_PIPELINED_PROGRAMS else 1
+    run = MERGE_RUN
+    runs = triton.cdiv(triton.cdiv(block_tables.shape[1] * page, KV_SPLIT), run)
+    if runs > 1:  # some row may have more than ``run`` chunks (its block table is that wide)
+        per_head = max(1, min(runs, triton.cdiv(RUN_PROGRAMS, num_dec * num_heads)))
+        _merge_runs_kernel[(num_dec, num_heads, per_head)](
+            ws_acc, ws_m, ws_l, context_lens, cu_seqlens, dec_seqs, num_heads, D=head_dim, KV_SPLIT=KV_SPLIT,
+            DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, RUN=run, STAGES=min(stages, 4), num_warps=4, **pdl())
     _merge_kernel[(num_dec, num_heads)](
         ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,
-        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, STAGES=stages, num_warps=4,
-        **pdl())
+        D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, RUN=run, STAGES=stages,
+        num_warps=4, **pdl())

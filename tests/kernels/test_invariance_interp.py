@@ -342,6 +342,45 @@ def test_attention_negative_control(device, monkeypatch):
     assert not torch.equal(rows[0], alone)
 
 
+@pytest.mark.parametrize("run", [2, 8])
+def test_long_rows_merge_in_runs_invariantly(device, monkeypatch, run):
+    """Rows with more than ``MERGE_RUN`` chunks (long contexts) fold them in two levels, runs of
+    ``run`` chunks first. With 64-key chunks a 5-token verify at positions 508..512 holds rows of
+    8 and 9 chunks, so with runs of 8 one row takes two levels and the others one: the needle at
+    512 gets the same bits alone, as the verify's last row, batched and permuted; each row stays
+    the reference's attention; and two-level folding is a different arithmetic from one level
+    (negative control: the run length is part of a long row's bits, so it may not follow the batch;
+    runs of one chunk after the first are exact, so runs of 8 over 9 chunks keep one level's bits)."""
+    from bi_core.backends.reference.attention import ReferenceAttentionImpl
+    from bi_core.kernels import attention
+
+    monkeypatch.setattr(attention, "KV_SPLIT", 64)
+    monkeypatch.setattr(attention, "MERGE_RUN", run)
+    dtype = torch.float32
+    impl, norms = _attention_impl(device, dtype)
+    verify = _att_seq(5, 508, True, device, dtype)
+    (rows_v,), kc, vc, (blk,) = _attend(impl, norms, [verify], splits=2)
+    needle = (1, 512, True, *_written_kv(kc, vc, blk, 512), verify[5][4:])
+    (alone,), kc, vc, blk = _attend(impl, norms, [needle])
+    assert torch.equal(rows_v[4:], alone)
+    others = [_att_seq(1, 700, True, device, dtype), _att_seq(3, 130, True, device, dtype),
+              _att_seq(7, 0, False, device, dtype)]
+    _check_batched_and_permuted(impl, norms, needle, alone, others, seed=3, splits=(3, 2))
+    # the reference on the same cache
+    from bi_core.runtime.batch import build_context
+
+    _, ctx = build_context([[0]], [512], blk, [0], [True], block_size=PAGE, device=device)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = ReferenceAttentionImpl(impl.spec).forward(needle[5], *norms, kc2, vc2, ctx)
+    assert float((alone - want).abs().max()) < 1e-5
+    monkeypatch.setattr(attention, "MERGE_RUN", 1 << 20)  # one level
+    (serial,), *_ = _attend(impl, norms, [needle])
+    assert float((serial - alone).abs().max()) < 1e-5
+    # 9 chunks: runs of 2 fold (c0 c1)(c2 c3)...: other bits; runs of 8 leave c8 alone, and a
+    # single chunk folds into an empty run exactly, so those are the one-level bits
+    assert torch.equal(serial, alone) == (run == 8)
+
+
 def _prompt_case(device, dtype):
     """A 150-token prompt written by one chunk from position 0, the keys it wrote, and other
     sequences to batch its later chunk with (decode rows, a verify row, another prompt chunk)."""
