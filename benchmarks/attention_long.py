@@ -5,7 +5,11 @@ first (neither the split count nor the merge's pipelining may change a bit). A f
 (docs/results/attention_long_h200_2026-11-23b.json) also tried merge programs of 64 or 32 of the
 256 columns: slower than pipelining one program per head, so that variant is gone.
 
-    python3 benchmarks/attention_long.py [--contexts 32000,131000] [--batches 1,4,8,32]
+    python3 benchmarks/attention_long.py [--contexts 32000,131000] [--batches 1,4,8,32] [--repeats 5]
+                                         [--merge-run N] [--split-warps W]
+
+Each variant is also called ``--repeats`` more times, each call's output compared with the one
+before (``repeat_elements_differing`` must be 0: a race between the kernels would show there).
 
 Qwen3.5-35B-A3B's attention layer: 16 query heads, 2 KV heads, head dim 256, pages of 16."""
 
@@ -20,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import bi_core.kernels.attention as attn
 
 HQ, HKV, D, PAGE = 16, 2, 256, 16
+REPEATS = 5
 
 
 def kernel_times(fn, reps: int = 20) -> dict[str, float]:
@@ -66,10 +71,18 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
             ref = out.clone()
         else:
             same = torch.equal(out, ref)
+        # every call must give the first call's bits (a race would not show in one comparison);
+        # each repeat gets a fresh workspace from the allocator, as the engine's steps do
+        differing = 0
+        for _ in range(REPEATS):
+            last = out.clone()
+            run()
+            differing += int((out != last).sum())
         rows.append({"batch": batch, "context": context, "splits": splits, "merge_stages": stages,
                      "split_warps": warps, "split_stages": split_stages,
                      "split_us": split_us, "merge_us": merge_us, "total_us": split_us + merge_us,
-                     "bitwise_same_as_first": same, "all_written": not bool(out.isnan().any())})
+                     "bitwise_same_as_first": same, "repeat_elements_differing": differing,
+                     "all_written": not bool(out.isnan().any())})
     if flashinfer is not None:
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
@@ -87,7 +100,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,32,64")
     ap.add_argument("--json")
     ap.add_argument("--sweep-split", action="store_true", help="sweep the split kernel's warps and stages")
+    ap.add_argument("--merge-run", type=int, help="override kernels.attention.MERGE_RUN (1 << 30: one-level merge)")
+    ap.add_argument("--split-warps", type=int, help="override the split kernel's warps (default: as shipped)")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="calls per variant checked against the previous one")
     a = ap.parse_args()
+    globals()["REPEATS"] = a.repeats
+    if a.merge_run:
+        attn.MERGE_RUN = a.merge_run
+    warps = a.split_warps or attn.DECODE_WARPS  # the shipped split kernel's warps unless overridden
     try:
         import flashinfer
     except ImportError:
@@ -99,7 +119,7 @@ def main() -> None:
         new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
         if a.sweep_split:  # the split kernel's warps and pipeline stages, merge as shipped
             return [(new, 6, w, st) for w, st in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2), (2, 3))]
-        return [(old, 1, 4, 2), (new, 1, 4, 2), (new, 3, 4, 2), (new, 6, 4, 2)]
+        return [(old, 1, warps, 2), (new, 1, warps, 2), (new, 3, warps, 2), (new, 6, warps, 2)]
 
     rows = []
     for context in (int(c) for c in a.contexts.split(",")):

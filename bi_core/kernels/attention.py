@@ -46,7 +46,7 @@ BLOCK_N = 32
 KV_SPLIT = 256  # tokens per KV chunk: fixed, part of every row's arithmetic
 LOG2E = 1.4426950408889634
 DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MMA tile of 16
-DECODE_WARPS, DECODE_STAGES = 4, 2
+DECODE_WARPS, DECODE_STAGES = 2, 2
 PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
 MERGE_STAGES, MERGE_PIPELINED_PROGRAMS = 6, 512  # merge: chunk loads in flight, up to this many programs
 # a row with more chunks than this (contexts over 4,096 tokens) merges them in runs of this many

@@ -224,6 +224,39 @@ def test_attention_row_invariant_across_batches_and_forms():
     assert torch.equal(run([1100], [1900], qkv_all[1900:3000]), whole[1900:])
 
 
+def test_attention_long_rows_merge_in_runs_invariantly():
+    """Decode rows past 16 KV chunks (4,096 tokens) merge their chunks in runs of 16 first
+    (``_merge_runs_kernel``): a row at 20,000 tokens gives the same bits on every call, alone and
+    first in a batch of rows at 4,095..30,000 tokens; a 4-token verify across the run boundary
+    (positions 4,094..4,097: 16 and 17 chunks) gives each row its decode bits, and so does one at
+    19,997..20,000."""
+    from bi_core.kernels.attention import KV_SPLIT, MERGE_RUN
+
+    torch.manual_seed(0)
+    impl, (qn, kn) = _attention()
+    hq, hkv, d, page = 16, 2, 256, 16
+    width = 2 * hq * d + 2 * hkv * d
+    kc = torch.randn(12000, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+
+    def run(qlens, plens, qkv, recurrent=None):
+        ctx, _ = _ragged(qlens, plens, recurrent)
+        return impl.forward(qkv, qn, kn, kc, vc, ctx)
+
+    assert (4095 // KV_SPLIT + 1, 4096 // KV_SPLIT + 1) == (MERGE_RUN, MERGE_RUN + 1)
+    qkv = torch.randn(64, width, device="cuda", dtype=torch.bfloat16)
+    alone = run([1], [20000], qkv[:1])
+    for _ in range(3):
+        assert torch.equal(run([1], [20000], qkv[:1]), alone)
+    batch = run([1] * 8, [20000, 5000, 30000, 4095, 4096, 12345, 8191, 25000], qkv[:8])
+    assert torch.equal(batch[:1], alone)
+    for past in (4094, 19997):
+        rows = qkv[8:12]
+        verify = run([4], [past], rows, [True])
+        for t in range(4):
+            assert torch.equal(verify[t:t + 1], run([1], [past + t], rows[t:t + 1])), (past, t)
+
+
 def test_attention_negative_control():
     """FlashInfer's default decode split depends on the batch size (the default backend's path)."""
     flashinfer = pytest.importorskip("flashinfer")
