@@ -6,9 +6,14 @@
 2. End to end: tokens/s of AR vs MTP with drafts forced right with probability r per position
    (``draft_override``: the head still runs its chain, and the forced drafts are written over
    its drafts on the device, so the verify takes them the way it takes real ones); outputs are
-   checked equal to AR's. Each generate is 512-token prompts then 64 new tokens, so the prompts'
+   checked equal to AR's (at B=1 over 4 generates with other draws, so that r is sampled over
+   about 100 chains). Each generate is 512-token prompts then 64 new tokens, so the prompts'
    prefill (the same in both) is in both times; the decode phase alone is also printed: the
    time past a 1-token generate of the same prompts (``first token`` below).
+
+Step costs are printed against their floors: a step's fewest bytes (``bi_core.tools.bench.decode_bytes``
+for AR and for the verify's rows; the head's weights, draft lm_head rows and KV for each of the N
+head steps) over the measured memory bandwidth.
 
 python3 benchmarks/mtp_bench.py [--layers N] [--num-spec 3] [--preset qwen3.5-35b-a3b]
                                 [--draft-vocab-size 32768]   (MTP drafts over a pruned vocabulary)"""
@@ -23,7 +28,10 @@ import time
 import torch
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.tools.bench import time_decode_steps
+from bi_core.tools.bench import decode_bytes, measure_bandwidth, time_decode_steps
+
+PROMPT_LEN = 512
+GENERATES = {1: 4, 8: 1}  # forced-acceptance generates per rate: B=1 draws few chains in one
 
 
 def config(strategy: str, layers: int | None, n: int, preset: str = "qwen3.5-35b-a3b",
@@ -44,7 +52,34 @@ def config(strategy: str, layers: int | None, n: int, preset: str = "qwen3.5-35b
 
 def prompts(b: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(b)
-    return torch.randint(0, 248320, (b, 512), generator=g).tolist()
+    return torch.randint(0, 248320, (b, PROMPT_LEN), generator=g).tolist()
+
+
+def head_step_bytes(engine, batch: int, context_len: int) -> int:
+    """Fewest bytes one MTP head step of ``batch`` rows moves: the head's weights (routed experts:
+    those hit by batch*k draws), the lm_head rows it drafts from (the pruned table, or the whole
+    lm_head), its one attention layer's KV and the embedding rows."""
+    a, isz, m = engine.args, engine.dtype.itemsize, engine.model
+    total = 0
+    for name, p in m.named_parameters():
+        if not name.startswith("mtp."):
+            continue
+        if name.endswith(("mlp.w13", "mlp.w2")):
+            hit = a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** batch)
+            total += int(p[0].numel() * p.element_size() * (hit + p.shape[0] - a.num_experts))
+        else:
+            total += p.numel() * p.element_size()
+    head = m.draft_weight if m.draft_ids is not None else (m.lm_head.weight if m.lm_head is not None
+                                                           else m.embed_tokens)
+    total += head.numel() * head.element_size() + batch * a.hidden_size * isz
+    return total + batch * context_len * 2 * a.num_key_value_heads * a.head_dim * isz
+
+
+def verify_bytes(engine, batch: int, tokens: int, context_len: int) -> int:
+    """A verify step's fewest bytes: a decode step's over batch*tokens rows (weights, experts hit
+    by that many draws, GDN states, logits) with the KV of ``batch`` sequences."""
+    kv = decode_bytes(engine, batch, context_len) - decode_bytes(engine, batch, 0)
+    return decode_bytes(engine, batch * tokens, 0) + kv
 
 
 def step_ms(engine, b: int, steps: int = 15) -> float:
@@ -86,7 +121,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; {a.preset}; layers {layers or 'all'}; N={n}; "
           f"draft vocabulary {a.draft_vocab_size or 'full'}")
     ar = build_engine(config("ar", layers, n, a.preset))
+    bandwidth = measure_bandwidth(torch.device("cuda"))
     ar_ms = {b: step_ms(ar, b) for b in batches}
+    ar_floor = {b: decode_bytes(ar, b, PROMPT_LEN + 8) / bandwidth * 1e3 for b in batches}
     truth, ar_tps, ar_first, ar_decode = {}, {}, {}, {}
     for b in (1, 8):
         params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
@@ -103,10 +140,16 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     mtp = build_engine(config("mtp", layers, n, a.preset, a.draft_vocab_size))
+    print(f"floors at {bandwidth / 1e12:.2f} TB/s: a step's fewest bytes over the measured bandwidth "
+          f"(MTP: the verify's plus {n} head steps')")
     for b in batches:
         v = step_ms(mtp, b)
-        print(f"step cost B={b:<3} AR decode {ar_ms[b]:7.3f} ms   MTP verify(N={n})+draft {v:7.3f} ms   x{v / ar_ms[b]:.2f}",
-              flush=True)
+        verify = verify_bytes(mtp, b, n + 1, PROMPT_LEN + 8) / bandwidth * 1e3
+        head = head_step_bytes(mtp, b, PROMPT_LEN + 8) / bandwidth * 1e3
+        floor = verify + n * head
+        print(f"step cost B={b:<3} AR decode {ar_ms[b]:7.3f} ms (floor {ar_floor[b]:.3f}, x{ar_ms[b] / ar_floor[b]:.2f})   "
+              f"MTP verify(N={n})+draft {v:7.3f} ms (floor {floor:.3f} = verify {verify:.3f} + {n} x head "
+              f"{head:.3f}, x{v / floor:.2f})   x{v / ar_ms[b]:.2f} AR", flush=True)
     mtp.generate(prompts(8), SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up (graphs captured)
     for b in (1, 8):
         prefill_s = first_token_s(mtp, b)
@@ -114,21 +157,27 @@ def main() -> None:
               f"tokens, in every end-to-end time below)", flush=True)
         for rate in (0.0, 0.5, 0.8, 1.0):
             params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
-            first = mtp.intake.next_id
-            t = {first + i: tok for i, tok in enumerate(truth[b])}
-            mtp.strategy.draft_override = forced(t, rate, random.Random(0))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = mtp.generate(prompts(b), params)
-            torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            tps = b * gen_tokens / elapsed
-            decode = b * (gen_tokens - 1) / (elapsed - prefill_s)
-            same = [o.token_ids for o in out] == truth[b]
-            acc = sum(o.num_accepted_draft_tokens for o in out) / max(1, sum(o.num_draft_tokens for o in out))
+            elapsed = accepted = drafts = 0
+            same = True
+            runs = GENERATES[b]
+            for seed in range(runs):  # several generates at B=1, so that r is sampled over enough chains
+                first = mtp.intake.next_id
+                t = {first + i: tok for i, tok in enumerate(truth[b])}
+                mtp.strategy.draft_override = forced(t, rate, random.Random(seed))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = mtp.generate(prompts(b), params)
+                torch.cuda.synchronize()
+                elapsed += time.perf_counter() - t0
+                same = same and [o.token_ids for o in out] == truth[b]
+                accepted += sum(o.num_accepted_draft_tokens for o in out)
+                drafts += sum(o.num_draft_tokens for o in out)
+            tps = runs * b * gen_tokens / elapsed
+            decode = runs * b * (gen_tokens - 1) / (elapsed - runs * prefill_s)
+            acc = accepted / max(1, drafts)
             print(f"end-to-end B={b} accept-rate {rate:.1f}: MTP {tps:8.1f} tok/s vs AR {ar_tps[b]:8.1f} tok/s "
                   f"(x{tps / ar_tps[b]:.2f}); decode phase x{decode / ar_decode[b]:.2f}; accepted {acc:.2f} of "
-                  f"drafts; tokens == AR: {same}", flush=True)
+                  f"drafts over {runs} generate(s); tokens == AR: {same}", flush=True)
     print(f"graph replays: model {mtp.runner.main_graphs.num_replays}, MTP head {mtp.runner.mtp_graphs.num_replays}")
 
 
