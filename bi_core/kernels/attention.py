@@ -208,16 +208,6 @@ def _slot_of(past, tok, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _decode_seq(DEC_SEQS, CU, CTX, i):
-    """Decode sequence ``i``: its batch index, first query row, query tokens, context, past."""
-    s = tl.load(DEC_SEQS + i).to(tl.int64)
-    q_start = tl.load(CU + s)
-    q_len = tl.load(CU + s + 1) - q_start
-    ctx = tl.load(CTX + s)
-    return s, q_start, q_len, ctx, ctx - q_len
-
-
-@triton.jit
 def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, scale_log2,
                          stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, num_heads,
                          PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
@@ -228,7 +218,11 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
     p = tl.program_id(1)
     kvh = tl.program_id(2)
     num_p = tl.num_programs(1)
-    s, q_start, q_len, ctx, past = _decode_seq(DEC_SEQS, CU, CTX, i)
+    s = tl.load(DEC_SEQS + i).to(tl.int64)
+    q_start = tl.load(CU + s)
+    q_len = tl.load(CU + s + 1) - q_start
+    ctx = tl.load(CTX + s)
+    past = ctx - q_len
     r = tl.arange(0, M_ROWS)
     tok = r // GROUP
     head = kvh * GROUP + r % GROUP
@@ -262,7 +256,11 @@ def _merge_runs_kernel(WS_ACC, WS_M, WS_L, CTX, CU, DEC_SEQS, num_heads, D: tl.c
     i = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
-    s, q_start, q_len, ctx, past = _decode_seq(DEC_SEQS, CU, CTX, i)
+    s = tl.load(DEC_SEQS + i).to(tl.int64)
+    q_start = tl.load(CU + s)
+    q_len = tl.load(CU + s + 1) - q_start
+    ctx = tl.load(CTX + s)
+    past = ctx - q_len
     tok = tl.arange(0, DECODE_TOKENS)
     pos = past + tok
     long_row = (tok < q_len) & (pos // KV_SPLIT + 1 > RUN)
@@ -299,7 +297,11 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stri
     pdl_start(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
-    s, q_start, q_len, ctx, past = _decode_seq(DEC_SEQS, CU, CTX, i)
+    s = tl.load(DEC_SEQS + i).to(tl.int64)
+    q_start = tl.load(CU + s)
+    q_len = tl.load(CU + s + 1) - q_start
+    ctx = tl.load(CTX + s)
+    past = ctx - q_len
     tok = tl.arange(0, DECODE_TOKENS)
     row_ok = tok < q_len
     pos = past + tok

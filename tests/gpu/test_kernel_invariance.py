@@ -168,22 +168,6 @@ def _attention(hq=16, hkv=2, d=256):
     return TritonPagedAttentionImpl(spec), norms
 
 
-def _attention_run(pages: int):
-    """The 35B-A3B attention layer (16/2 heads, D=256) over a random paged cache of ``pages``
-    pages of 16: ``run(query_lens, past_lens, qkv, recurrent=None, caches=...)`` (one step,
-    sequences laid out by ``_ragged``), the qkv row width and the caches."""
-    impl, (qn, kn) = _attention()
-    hq, hkv, d, page = 16, 2, 256, 16
-    kc = torch.randn(pages, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-
-    def run(qlens, plens, qkv, recurrent=None, caches=(kc, vc)):
-        ctx, _ = _ragged(qlens, plens, recurrent)
-        return impl.forward(qkv, qn, kn, caches[0], caches[1], ctx)
-
-    return run, 2 * hq * d + 2 * hkv * d, (kc, vc)
-
-
 def test_attention_row_invariant_across_batches_and_forms():
     """The fused gated attention (q/k norm, RoPE, KV write, fixed-split attention, gate): a decode
     row of sequence 0 gives the same bits alone, beside prefills of other lengths and as the last
@@ -191,8 +175,15 @@ def test_attention_row_invariant_across_batches_and_forms():
     1024 decode rows at mixed KV lengths give row r's bits at every batch size and under
     permutation; prompt rows alike, and in chunks of any size."""
     torch.manual_seed(0)
-    run, width, (kc, vc) = _attention_run(40960)
-    page = kc.shape[1]
+    impl, (qn, kn) = _attention()
+    hq, hkv, d, page = 16, 2, 256, 16
+    width = 2 * hq * d + 2 * hkv * d
+    kc = torch.randn(40960, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+
+    def run(qlens, plens, qkv, recurrent=None, caches=(kc, vc)):
+        ctx, _ = _ragged(qlens, plens, recurrent)
+        return impl.forward(qkv, qn, kn, caches[0], caches[1], ctx)
 
     qkv_all = torch.randn(4000, width, device="cuda", dtype=torch.bfloat16)
     alone = run([1], [700], qkv_all[:1])
@@ -242,7 +233,15 @@ def test_attention_long_rows_merge_in_runs_invariantly():
     from bi_core.kernels.attention import KV_SPLIT, MERGE_RUN
 
     torch.manual_seed(0)
-    run, width, _ = _attention_run(12000)
+    impl, (qn, kn) = _attention()
+    hq, hkv, d, page = 16, 2, 256, 16
+    width = 2 * hq * d + 2 * hkv * d
+    kc = torch.randn(12000, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+
+    def run(qlens, plens, qkv, recurrent=None):
+        ctx, _ = _ragged(qlens, plens, recurrent)
+        return impl.forward(qkv, qn, kn, kc, vc, ctx)
 
     assert (4095 // KV_SPLIT + 1, 4096 // KV_SPLIT + 1) == (MERGE_RUN, MERGE_RUN + 1)
     qkv = torch.randn(64, width, device="cuda", dtype=torch.bfloat16)
