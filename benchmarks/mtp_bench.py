@@ -28,7 +28,7 @@ import time
 import torch
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.tools.bench import decode_bytes, measure_bandwidth, time_decode_steps
+from bi_core.tools.bench import decode_bytes, measure_bandwidth, time_decode_steps, weight_bytes
 
 PROMPT_LEN = 512
 GENERATES = {1: 4, 8: 1}  # forced-acceptance generates per rate: B=1 draws few chains in one
@@ -60,15 +60,7 @@ def head_step_bytes(engine, batch: int, context_len: int) -> int:
     those hit by batch*k draws), the lm_head rows it drafts from (the pruned table, or the whole
     lm_head), its one attention layer's KV and the embedding rows."""
     a, isz, m = engine.args, engine.dtype.itemsize, engine.model
-    total = 0
-    for name, p in m.named_parameters():
-        if not name.startswith("mtp."):
-            continue
-        if name.endswith(("mlp.w13", "mlp.w2")):
-            hit = a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** batch)
-            total += int(p[0].numel() * p.element_size() * (hit + p.shape[0] - a.num_experts))
-        else:
-            total += p.numel() * p.element_size()
+    total = weight_bytes(engine, batch, lambda name: name.startswith("mtp."))
     head = m.draft_weight if m.draft_ids is not None else (m.lm_head.weight if m.lm_head is not None
                                                            else m.embed_tokens)
     total += head.numel() * head.element_size() + batch * a.hidden_size * isz

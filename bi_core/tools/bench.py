@@ -62,6 +62,22 @@ def measure_matmul_flops(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / _median_s(lambda: a @ b)
 
 
+def weight_bytes(engine: LLMEngine, batch: int, keep) -> int:
+    """Bytes of the parameters whose names ``keep`` accepts that ``batch`` tokens read: routed
+    experts only as many as batch*k draws are expected to hit, the shared expert (last) always."""
+    a = engine.args
+    total = 0
+    for name, p in engine.model.named_parameters():
+        if not keep(name):
+            continue
+        if name.endswith(("mlp.w13", "mlp.w2")):
+            hit = a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** batch)
+            total += int(p[0].numel() * p.element_size() * (hit + p.shape[0] - a.num_experts))
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
 def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     """Fewest bytes one decode step of ``batch`` rows at ``context_len`` must move: every weight
     read once (routed experts: the expected number hit by batch*k draws), KV read, GDN state
@@ -69,16 +85,7 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     weights, its heads' KV and states), which every rank moves at once."""
     a, isz = engine.args, engine.dtype.itemsize
     heads = local_args(a, engine.tp.world)
-    total = 0
-    for name, p in engine.model.named_parameters():
-        if name.startswith("mtp.") or name == "embed_tokens":
-            continue
-        if name.endswith(("mlp.w13", "mlp.w2")):  # routed experts hit by batch*k draws, the shared expert (last) always
-            hit = a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** batch)
-            per_expert = p[0].numel() * p.element_size()
-            total += int(per_expert * (hit + p.shape[0] - a.num_experts))
-        else:
-            total += p.numel() * p.element_size()
+    total = weight_bytes(engine, batch, lambda name: not name.startswith("mtp.") and name != "embed_tokens")
     if a.tie_word_embeddings:
         total += engine.model.embed_tokens.numel() * isz
     total += batch * a.hidden_size * isz  # embedding rows
