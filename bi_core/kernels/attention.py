@@ -280,6 +280,11 @@ def _merge_runs_kernel(WS_ACC, WS_M, WS_L, CTX, CU, DEC_SEQS, num_heads, D: tl.c
                 l_c = tl.load(WS_L + unit, mask=keep, other=0.0)
                 acc = tl.load(WS_ACC + unit[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)
                 m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m, l_c, acc)
+            # the result overwrites chunk g * RUN's partial, which every warp loads (m and l are
+            # replicated across warps): no warp may store before all have loaded it. Without this
+            # barrier a warp that ran ahead overwrote it under another's load (B=64 at 131k:
+            # 128-311 output elements differed call to call; benchmarks section 23)
+            tl.debug_barrier()
             first = long_row & (pos >= g * RUN * KV_SPLIT)
             unit = ((slot0 + g * RUN) * num_heads + h).to(tl.int64)
             tl.store(WS_M + unit, m_all, mask=first)
