@@ -5,7 +5,7 @@ config keeps BLOCK_K and SPLIT_K (the K order) as the tile table has them: only 
 move (BLOCK_M / BLOCK_N / warps / stages / INLINE), so any config found here can replace the
 table's without changing a bit of output. cuBLAS is timed alongside as the speed reference.
 
-python3 benchmarks/gemm_sweep.py [dense|mid|inline|moe|pair|all] [--json out.jsonl]"""
+python3 benchmarks/gemm_sweep.py [dense|mid|inline|moe|pair|tma|all] [--json out.jsonl]"""
 
 from __future__ import annotations
 
@@ -121,6 +121,48 @@ def sweep_inline() -> None:
         record(kind="inline", name="out_proj", m=m, table=base, us=res)
 
 
+def sweep_tma() -> None:
+    """Prefill-sized dense GEMMs (35B-A3B and 9B shapes; the 9B MLP's gate/up with SiLU-and-mul):
+    the pointer-load kernel at the table's tiles against ``_gemm_tma_kernel`` (TMA tiles,
+    optionally persistent) at a few tiles, cuBLAS alongside. Every TMA variant must give the
+    pointer kernel's bits (the K order is the same)."""
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    shapes = {**{k: (n, kk, False) for k, (n, kk) in DENSE.items() if k != "lm_head"}, "router": (257, 2048, False),
+              "9b_gate_up": (12288, 4096, True), "9b_down": (4096, 12288, False)}
+    tiles = {"128x128w8s3": (128, 128, 8, 3), "128x128w8s4": (128, 128, 8, 4), "128x256w8s3": (128, 256, 8, 3),
+             "128x64w4s4": (128, 64, 4, 4), "64x128w4s4": (64, 128, 4, 4)}
+    for name, (n, k, silu) in shapes.items():
+        w = torch.randn((2 if silu else 1) * n, k, device=DEV, dtype=BF16) / k**0.5
+        for m in (1024, 4080, 7680):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            base = gemm_config(m, n, k)
+            pointer = {**base, "TMA": False}
+            ref = linear(x, w, silu_mul=silu, config=pointer)
+            res = {"cublas": round(timed(partial(torch.matmul, x, w.T)), 2),
+                   "pointer": round(timed(partial(linear, x, w, silu_mul=silu, config=pointer)), 2)}
+            for label, (bm, bn, warps, stages) in tiles.items():
+                if silu and bn == 256:
+                    continue
+                for persistent in (False, True):
+                    cfg = {**base, "TMA": True, "PERSISTENT": persistent, "BLOCK_M": bm,
+                           "BLOCK_N": min(bn, max(16, triton.next_power_of_2(n))),
+                           "num_warps": warps, "num_stages": stages - (1 if silu and stages > 3 else 0)}
+                    key = f"tma-{label}{'-p' if persistent else ''}"
+                    try:
+                        same = torch.equal(linear(x, w, silu_mul=silu, config=cfg), ref)
+                        res[key] = round(timed(partial(linear, x, w, silu_mul=silu, config=cfg)), 2)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a stop
+                        res[key], same = f"error: {type(e).__name__}: {str(e)[:80]}", None
+                    if same is False:
+                        res[key] = f"BITS DIFFER ({res[key]})"
+            flop = 2 * m * n * k * (2 if silu else 1)
+            timed_ok = {kk: v for kk, v in res.items() if isinstance(v, float) and kk.startswith("tma")}
+            best = min(timed_ok, key=timed_ok.get) if timed_ok else None
+            record(kind="tma", name=name, m=m, split=base["SPLIT_K"], us=res, best=best,
+                   tflops={kk: round(flop / v / 1e6) for kk, v in res.items() if isinstance(v, float)})
+
+
 def sweep_moe() -> None:
     from bi_core.kernels.moe import align, grouped_config, grouped_gemm
     from bi_core.kernels.topk import softmax_topk
@@ -194,7 +236,7 @@ def sweep_pair() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "inline", "moe", "pair", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "inline", "moe", "pair", "tma", "all"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -209,6 +251,8 @@ def main() -> None:
         sweep_mid()
     if args.what in ("inline", "all"):
         sweep_inline()
+    if args.what in ("tma", "all"):
+        sweep_tma()
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

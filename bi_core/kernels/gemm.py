@@ -16,13 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
+from bi_core.kernels.common import INTERPRET, dot_mode, mma, pdl, pdl_start
 
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs) at decode
 DECODE_BLOCK_N = 32  # the tile width a decode GEMV uses; split counts are planned against it
 MIN_SPLIT_K = 256  # no split range shorter than this many K elements
 MID_M_MAX = 256  # rows up to which gemm_config uses the large-decode-batch tiles
 MID_MIN_TILES = 200  # fewer 64 x 128 tiles than this: 64 x 64 (gemm_sweep.py mid, benchmarks section 12)
+# from this many rows a 16-bit GEMM with N >= TMA_MIN_N loads its tiles by TMA on SM90
+# (``_gemm_tma_kernel``; narrower GEMMs, the router's 257 columns, are faster as they were)
+TMA_MIN_M, TMA_MIN_N = 512, 1024
 MAX_LOCKS = 1 << 16  # per-tile arrival counters (tiles of a split GEMM, any M up to 65536 rows)
 
 _locks: dict[torch.device, torch.Tensor] = {}
@@ -59,6 +62,16 @@ def _k_range(a_ptr, b_ptr, up_ptr, rm, rn, rk, M, N, k_lo, k_hi, k_steps, BLOCK_
     return acc, acc_up
 
 
+@triton.jit
+def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid``: GROUP_M row tiles sweep each column tile in
+    turn, so neighbouring programs share weight tiles in L2."""
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
+
+
 @triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
 def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -67,13 +80,7 @@ def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn,
     pdl_start(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -127,6 +134,57 @@ def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn,
                 tl.atomic_xchg(LOCKS + pid, 0)  # leave the counter at zero for the next call (and graph replays)
 
 
+@triton.jit
+def _k_range_tma(a_desc, b_desc, om, on, up_row, k_lo, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr):
+    """``_k_range`` with its tiles loaded by TMA: the same ``k_steps`` BLOCK_K steps from k_lo, in
+    order. A tile past the matrix's K (or its rows) reads zeros, as the masked loads do; a split
+    never reads the next split's K (its length is a multiple of BLOCK_K)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, k_steps):
+        k = k_lo + j * BLOCK_K
+        a = a_desc.load([om, k])
+        acc = mma(a, b_desc.load([on, k]).T, acc, DOT)
+        if SILU_MUL:  # weight rows [N, 2N): the up projection
+            acc_up = mma(a, b_desc.load([up_row + on, k]).T, acc_up, DOT)
+    return acc, acc_up
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_tma_kernel(a_desc, b_desc, C, M, N, K, K_PER_SPLIT, stride_cm, NUM_PROGRAMS, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     GROUP_M: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, FLATTEN: tl.constexpr):
+    """``_gemm_kernel``'s INLINE form (one program sums its tile's splits in split order) for
+    prefill-sized M on SM90: tiles come by TMA, and ``NUM_PROGRAMS`` programs loop over the tiles
+    (persistent when there are fewer programs than tiles; FLATTEN fuses the tile and K loops of an
+    unsplit GEMM into one pipeline). The K order is ``_gemm_kernel``'s, so every bit is too."""
+    pdl_start(PDL)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(tl.minimum(K, K_PER_SPLIT), BLOCK_K)
+    dt = C.dtype.element_ty
+    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        if SPLIT_K == 1:
+            total, total_up = _k_range_tma(a_desc, b_desc, om, on, N, 0, k_steps, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           SILU_MUL, DOT)
+        else:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.range(0, SPLIT_K, flatten=True):
+                acc, acc_up = _k_range_tma(a_desc, b_desc, om, on, N, s * K_PER_SPLIT, k_steps, BLOCK_M, BLOCK_N,
+                                           BLOCK_K, SILU_MUL, DOT)
+                total = tl.where(s == 0, acc, total + acc)  # split 0 as is, as in _gemm_kernel
+                total_up = tl.where(s == 0, acc_up, total_up + acc_up)
+        rm = om + tl.arange(0, BLOCK_M)
+        rn = on + tl.arange(0, BLOCK_N)
+        tl.store(C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], _epilogue(total, total_up, dt, SILU_MUL),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 def block_m_for(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
@@ -146,7 +204,7 @@ def split_k_for(n: int, k: int) -> int:
     return split
 
 
-def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, silu_mul: bool = False) -> dict:
     """BLOCK_K and SPLIT_K fix the K order from (N, K); the rest follows M for speed (decode tiles
     from the M=1 sweep; wider tiles for more rows, narrowed until about TARGET_PROGRAMS programs).
     With enough full-width tiles to fill the GPU, a split GEMM runs INLINE: each program adds its
@@ -177,9 +235,19 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
             bn //= 2
     if dtype == torch.float32:
         stages = 2  # fp32 tiles are twice the bytes: three stages of 128x128 tiles overflow shared memory
+    tma = dtype != torch.float32 and m >= TMA_MIN_M and n >= TMA_MIN_N
+    if tma:  # prefill: TMA tiles, splits inline; the fastest per kind (gemm_sweep.py tma, benchmarks section 23)
+        bm, warps, inline = 128, 8, True
+        if silu_mul or block_k_for(n, k) == 128:  # two weight tiles a step, or 128-wide K: 3 stages fit
+            bn, stages = 128, 3
+        else:
+            bn, stages = (256, 3) if split == 1 else (128, 4)
     bn = min(bn, max(16, triton.next_power_of_2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(n, k), "SPLIT_K": split, "INLINE": inline,
-            "num_warps": warps, "num_stages": stages}
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k_for(n, k), "SPLIT_K": split, "INLINE": inline,
+           "num_warps": warps, "num_stages": stages}
+    if tma:  # persistent (programs loop over tiles) except the SiLU-and-mul GEMM, slower so
+        cfg.update(TMA=True, PERSISTENT=not silu_mul)
+    return cfg
 
 
 def tile_locks(device: torch.device) -> torch.Tensor:
@@ -204,7 +272,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     c = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return c.view(*shape[:-1], n)
-    cfg = {"INLINE": False, **(config or gemm_config(m, n, k, x.dtype))}
+    cfg = {"INLINE": False, **(config or gemm_config(m, n, k, x.dtype, silu_mul))}
+    persistent = cfg.pop("PERSISTENT", False)
+    if cfg.pop("TMA", False) and _tma_ready(a, weight):
+        return _linear_tma(a, weight, c, cfg, persistent, silu_mul).view(*shape[:-1], n)
     split = cfg.pop("SPLIT_K")
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1 and not cfg["INLINE"] and tiles > MAX_LOCKS:
@@ -218,3 +289,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
                                  c.stride(0), SPLIT_K=split, SILU_MUL=silu_mul, GROUP_M=8, DOT=dot_mode(x.dtype),
                                  **cfg, **pdl())
     return c.view(*shape[:-1], n)
+
+
+_sms: dict[torch.device, int] = {}
+
+
+def _tma_ready(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA needs SM90 (or Triton's interpreter, which emulates it), 16-byte aligned bases and row
+    strides; a GEMM without them runs ``_gemm_kernel`` with the same tiles (the same bits)."""
+    if not (INTERPRET or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (a, weight))
+
+
+def _linear_tma(a: torch.Tensor, weight: torch.Tensor, c: torch.Tensor, cfg: dict, persistent: bool,
+                silu_mul: bool) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    n = c.shape[1]
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = tiles
+    if persistent and a.is_cuda:
+        if a.device not in _sms:
+            _sms[a.device] = torch.cuda.get_device_properties(a.device).multi_processor_count
+        programs = min(tiles, _sms[a.device])
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    _gemm_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), c, m, n, k,
+        k_per_split, c.stride(0), programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SILU_MUL=silu_mul,
+        GROUP_M=8, DOT=dot_mode(a.dtype), FLATTEN=persistent and split == 1, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl())
+    return c

@@ -41,8 +41,9 @@ def test_gemm_invariant_and_cublas_is_not(n, k):
 
 @pytest.mark.parametrize("n,k", [(2048, 4096), (512, 2048), (4096, 4096)])  # split 8, 4, 4
 def test_gemm_inline_splits_equal_split_programs(n, k):
-    """Large M runs a split GEMM INLINE (one program adds its tile's splits in order): every row
-    must be bitwise what the split programs + ordered fix-up give, and a large batch that takes
+    """Large M runs a split GEMM INLINE (one program adds its tile's splits in order; from 512 rows
+    with TMA tiles, ``_gemm_tma_kernel``): every row must be bitwise what the split programs +
+    ordered fix-up give, and a large batch that takes
     the inline path must still equal its rows computed alone (M=1)."""
     from bi_core.kernels.gemm import gemm_config, linear
 
@@ -52,7 +53,7 @@ def test_gemm_inline_splits_equal_split_programs(n, k):
     assert gemm_config(8192, n, k)["INLINE"] and not gemm_config(1, n, k)["INLINE"]
     for m in (1, 70, 1024, 8192):
         cfg = gemm_config(m, n, k)
-        split_cfg, inline_cfg = {**cfg, "INLINE": False}, {**cfg, "INLINE": True}
+        split_cfg, inline_cfg = {**cfg, "INLINE": False, "TMA": False}, {**cfg, "INLINE": True}  # TMA from 512 rows
         assert torch.equal(linear(x[:m], w, config=split_cfg), linear(x[:m], w, config=inline_cfg))
     full = linear(x, w)
     assert all(torch.equal(linear(x[i:i + 1], w), full[i:i + 1]) for i in (0, 1, 777, 8191))

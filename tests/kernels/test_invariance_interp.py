@@ -120,6 +120,32 @@ def test_gemm_negative_control(device):
     assert row_mismatches(by_batch, x.shape[0], GEMM_SIZES, device)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_tma_rows_equal_the_decode_rows(device, dtype, monkeypatch):
+    """Prefill-sized M loads tiles by TMA (``_gemm_tma_kernel``, 128-row tiles, splits summed in
+    the program): each row (plain and SiLU-and-mul) is bitwise the row computed alone (M=1: split
+    programs and the ordered fix-up) and the pointer kernel's with the same tiles. Negative control:
+    the TMA kernel with 2 K splits instead of 4 differs (the comparison sees a K-order change)."""
+    from bi_core.kernels import gemm
+    from bi_core.kernels.gemm import TMA_MIN_M, gemm_config, linear
+
+    monkeypatch.setattr(gemm, "TMA_MIN_N", GEMM_N)  # the table's TMA tiles at this test's narrow N
+    w = (torch.randn(GEMM_N, GEMM_K, device=device) / GEMM_K**0.5).to(dtype)
+    w2 = (torch.randn(2 * GEMM_N, GEMM_K, device=device) / GEMM_K**0.5).to(dtype)
+    x = torch.randn(TMA_MIN_M + 9, GEMM_K, device=device).to(dtype)
+    cfg = {**gemm_config(x.shape[0], GEMM_N, GEMM_K, torch.bfloat16), "TMA": True}  # fp32 too, to have teeth
+    assert cfg["SPLIT_K"] == 4 and cfg["INLINE"] and cfg["BLOCK_M"] == 128 and cfg["PERSISTENT"]
+    full, full2 = linear(x, w, config=cfg), linear(x, w2, silu_mul=True, config=cfg)
+    pointer = {**cfg, "TMA": False}
+    assert torch.equal(full, linear(x, w, config=pointer))
+    assert torch.equal(full2, linear(x, w2, silu_mul=True, config=pointer))
+    for i in (0, 1, 127, 128, x.shape[0] - 1):
+        assert torch.equal(linear(x[i:i + 1], w), full[i:i + 1]), f"row {i}"
+        assert torch.equal(linear(x[i:i + 1], w2, silu_mul=True), full2[i:i + 1]), f"row {i} (SiLU-and-mul)"
+    if dtype == torch.float32:
+        assert not torch.equal(linear(x, w, config={**cfg, "SPLIT_K": 2}), full)
+
+
 # ----------------------------------------------------------------------------------- norms
 
 NORM_ROWS, NORM_DIM, NORM_HEADS, HEAD_DIM = 12, 96, 8, 16  # 96 of a 128 block; 8 heads: 8 per program
