@@ -7,6 +7,7 @@ first (neither the split count nor the merge's pipelining may change a bit). A f
 
     python3 benchmarks/attention_long.py [--contexts 32000,131000] [--batches 1,4,8,32] [--repeats 5]
                                          [--merge-run N] [--split-warps W]
+                                         [--splits 64,128,256 --split-stages 2,3]
 
 Each variant is also called ``--repeats`` more times, each call's output compared with the one
 before (``repeat_elements_differing`` must be 0: a race between the kernels would show there).
@@ -103,6 +104,9 @@ def main() -> None:
     ap.add_argument("--merge-run", type=int, help="override kernels.attention.MERGE_RUN (1 << 30: one-level merge)")
     ap.add_argument("--split-warps", type=int, help="override the split kernel's warps (default: as shipped)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="calls per variant checked against the previous one")
+    ap.add_argument("--splits", help="split programs per (sequence, KV head) to try, e.g. 64,128,256 (with "
+                    "--split-stages: every pair; merge as shipped)")
+    ap.add_argument("--split-stages", default="2", help="the split kernel's pipeline stages to try with --splits")
     a = ap.parse_args()
     globals()["REPEATS"] = a.repeats
     if a.merge_run:
@@ -117,6 +121,9 @@ def main() -> None:
         chunks = -(-context // attn.KV_SPLIT)
         old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
         new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
+        if a.splits:  # scheduling only: every pair must give the first's bits
+            return [(min(chunks, int(sp)), 6, warps, int(st)) for sp in a.splits.split(",")
+                    for st in a.split_stages.split(",")]
         if a.sweep_split:  # the split kernel's warps and pipeline stages, merge as shipped
             return [(new, 6, w, st) for w, st in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2), (2, 3))]
         return [(old, 1, warps, 2), (new, 1, warps, 2), (new, 3, warps, 2), (new, 6, warps, 2)]
