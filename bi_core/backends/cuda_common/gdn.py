@@ -13,12 +13,11 @@ from bi_core.ops.gdn import GdnSpec, GdnWeights
 from bi_core.runtime.batch import to_device
 
 
-def pin_fla_autotune() -> int:
-    """Replace every fla autotuner's candidate list by its first config, so no kernel config is
-    chosen by timing (which could differ between processes). Returns how many were pinned."""
+def _fla_autotuners():
+    """Every Triton autotuner of the fla modules imported so far (each once)."""
     from triton.runtime.autotuner import Autotuner
 
-    pinned = 0
+    seen = set()
     for name, module in list(sys.modules.items()):
         if not name.startswith("fla.") or module is None:
             continue
@@ -26,20 +25,44 @@ def pin_fla_autotune() -> int:
             target = obj
             while target is not None and not isinstance(target, Autotuner):
                 target = getattr(target, "fn", None) if not isinstance(target, type) else None
-            if isinstance(target, Autotuner) and len(target.configs) > 1:
-                target.configs = target.configs[:1]
-                pinned += 1
+            if isinstance(target, Autotuner) and id(target) not in seen:
+                seen.add(id(target))
+                yield target
+
+
+def pin_fla_autotune() -> int:
+    """Replace every fla autotuner's candidate list by its first config, so no kernel config is
+    chosen by timing (which could differ between processes). Returns how many were pinned."""
+    pinned = 0
+    for tuner in _fla_autotuners():
+        if len(tuner.configs) > 1:
+            tuner.configs = tuner.configs[:1]
+            pinned += 1
     return pinned
+
+
+def cache_fla_autotune() -> int:
+    """Let every fla autotuner keep its choices on disk (Triton's ``cache_results``, in the Triton
+    cache directory: ``TRITON_CACHE_DIR``), so only the first engine start on a machine times
+    candidates; later starts, in any process, read the choice. Returns how many tuners it set."""
+    count = 0
+    for tuner in _fla_autotuners():
+        if hasattr(tuner, "cache_results"):  # Triton >= 3.2
+            tuner.cache_results = True
+            count += 1
+    return count
 
 
 class CudaGdnImpl:
     def __init__(self, spec: GdnSpec, *, pin_autotune: bool) -> None:
         self.spec = spec
         self.scale = spec.head_k_dim**-0.5
-        if pin_autotune:
-            import fla.ops.gated_delta_rule  # noqa: F401 - imported first, so pinning sees every module
+        import fla.ops.gated_delta_rule  # noqa: F401 - imported first, so the tuners below are all there
 
+        if pin_autotune:  # invariant: no timing picks a config
             pin_fla_autotune()
+        else:  # default: timed once per machine (and Triton cache directory), then read back
+            cache_fla_autotune()
 
     def forward(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext) -> torch.Tensor:
         from bi_core.kernels.gdn_decode import gdn_decode
