@@ -4,6 +4,7 @@ states gathered/scattered by slot) and the gated-norm kernel."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import torch
@@ -57,11 +58,15 @@ class CudaGdnImpl:
     def __init__(self, spec: GdnSpec, *, pin_autotune: bool) -> None:
         self.spec = spec
         self.scale = spec.head_k_dim**-0.5
-        import fla.ops.gated_delta_rule  # noqa: F401 - imported first, so the tuners below are all there
-
         if pin_autotune:  # invariant: no timing picks a config
+            import fla.ops.gated_delta_rule  # noqa: F401 - imported first, so pinning sees every module
+
             pin_fla_autotune()
-        else:  # default: timed once per machine (and Triton cache directory), then read back
+        elif importlib.util.find_spec("fla") is not None:  # default: timed once per machine (and
+            # Triton cache directory), then read back. Without fla (the CPU interpreter's test
+            # engines, whose prompts never reach the chunked form) there is nothing to cache
+            import fla.ops.gated_delta_rule  # noqa: F401
+
             cache_fla_autotune()
 
     def forward(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext) -> torch.Tensor:
