@@ -282,10 +282,11 @@ def test_padded_piece_gives_the_unpadded_bits():
     padding rows' q, k, v, g, beta zeroed, fla's real rows and final state are the unpadded
     call's bits (its masked loads read the same zeros; whole chunks of zeros leave the state);
     the conv kernel with ``valid`` stores the window of the real rows."""
-    from bi_core.backends.cuda_common.gdn import FLA_CHUNK, chunk_rule, pin_fla_autotune
+    from bi_core.backends.cuda_common.fla_tuning import pin_first
+    from bi_core.backends.cuda_common.gdn import FLA_CHUNK, chunk_rule
     from bi_core.kernels.conv1d import causal_conv1d
 
-    pin_fla_autotune()  # as the invariant backend runs fla: one config per kernel, whatever the length
+    pin_first()  # as the invariant backend runs fla: one config per kernel, whatever the length
     h, hv, d, dev = 2, 4, 128, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     unfixed = []

@@ -5,53 +5,13 @@ states gathered/scattered by slot) and the gated-norm kernel."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import torch
 
+from bi_core.backends.cuda_common import fla_tuning
 from bi_core.ops.context import ForwardContext
 from bi_core.ops.gdn import GdnSpec, GdnWeights
 from bi_core.runtime.batch import to_device
-
-
-def _fla_autotuners():
-    """Every Triton autotuner of the fla modules imported so far (each once)."""
-    from triton.runtime.autotuner import Autotuner
-
-    seen = set()
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("fla.") or module is None:
-            continue
-        for obj in vars(module).values():
-            target = obj
-            while target is not None and not isinstance(target, Autotuner):
-                target = getattr(target, "fn", None) if not isinstance(target, type) else None
-            if isinstance(target, Autotuner) and id(target) not in seen:
-                seen.add(id(target))
-                yield target
-
-
-def pin_fla_autotune() -> int:
-    """Replace every fla autotuner's candidate list by its first config, so no kernel config is
-    chosen by timing (which could differ between processes). Returns how many were pinned."""
-    pinned = 0
-    for tuner in _fla_autotuners():
-        if len(tuner.configs) > 1:
-            tuner.configs = tuner.configs[:1]
-            pinned += 1
-    return pinned
-
-
-def cache_fla_autotune() -> int:
-    """Let every fla autotuner keep its choices on disk (Triton's ``cache_results``, in the Triton
-    cache directory: ``TRITON_CACHE_DIR``), so only the first engine start on a machine times
-    candidates; later starts, in any process, read the choice. Returns how many tuners it set."""
-    count = 0
-    for tuner in _fla_autotuners():
-        if hasattr(tuner, "cache_results"):  # Triton >= 3.2
-            tuner.cache_results = True
-            count += 1
-    return count
 
 
 class CudaGdnImpl:
@@ -59,15 +19,14 @@ class CudaGdnImpl:
         self.spec = spec
         self.scale = spec.head_k_dim**-0.5
         if pin_autotune:  # invariant: no timing picks a config
-            import fla.ops.gated_delta_rule  # noqa: F401 - imported first, so pinning sees every module
-
-            pin_fla_autotune()
-        elif importlib.util.find_spec("fla") is not None:  # default: timed once per machine (and
-            # Triton cache directory), then read back. Without fla (the CPU interpreter's test
-            # engines, whose prompts never reach the chunked form) there is nothing to cache
-            import fla.ops.gated_delta_rule  # noqa: F401
-
-            cache_fla_autotune()
+            fla_tuning.pin_first()
+        elif importlib.util.find_spec("fla") is not None:  # default: the configs recorded for this GPU
+            # family; anything else timed once per machine (and Triton cache directory), then read
+            # back. Without fla (the CPU interpreter's test engines, whose prompts never reach the
+            # chunked form) there is nothing to tune
+            fla_tuning.cache_on_disk()
+            if torch.cuda.is_available():
+                fla_tuning.pin_for_device(torch.cuda.get_device_capability())
 
     def forward(self, proj, weights: GdnWeights, conv_state, state, ctx: ForwardContext) -> torch.Tensor:
         from bi_core.kernels.gdn_decode import gdn_decode
