@@ -258,6 +258,41 @@ def test_attention_long_rows_merge_in_runs_invariantly():
             assert torch.equal(verify[t:t + 1], run([1], [past + t], rows[t:t + 1])), (past, t)
 
 
+def test_decode_attention_long_rows_same_bits_every_call():
+    """The decode kernels alone (split, run merge, merge) on 64 rows at 20,000..40,000 tokens:
+    20 calls, each with a fresh output and workspace, give the first call's bits. A race between
+    warps or programs shows here and in no audit (short contexts never merge in runs). Negative
+    control: without the barrier in ``_merge_runs_kernel`` (00768dc's parent) this test fails
+    (benchmarks section 24)."""
+    import bi_core.kernels.attention as attn
+
+    hq, hkv, d, page, b = 16, 2, 256, 16, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ctx_lens = torch.randint(20000, 40000, (b,), generator=torch.Generator().manual_seed(5)).tolist()
+    pages = [-(-c // page) for c in ctx_lens]
+    kc = torch.randn(sum(pages), page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(kc.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.zeros(b, max(pages), dtype=torch.int32, device="cuda")
+    first_page = 0
+    for i, n in enumerate(pages):
+        bt[i, :n] = torch.arange(first_page, first_page + n, dtype=torch.int32)
+        first_page += n
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate = torch.randn(b, 2 * hq * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    dec = torch.arange(b, dtype=torch.int64, device="cuda")
+    chunks = sum(-(-c // attn.KV_SPLIT) for c in ctx_lens)
+    outs = []
+    for _ in range(20):
+        out = torch.full((b, hq * d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        attn.decode_attention(q, kc, vc, gate, out, bt, ctx, cu, dec, d**-0.5, 1, 128, chunks)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    differing = [int((o != outs[0]).sum()) for o in outs[1:]]
+    assert not any(differing), f"elements differing from the first call, per call: {differing}"
+
+
 def test_attention_negative_control():
     """FlashInfer's default decode split depends on the batch size (the default backend's path)."""
     flashinfer = pytest.importorskip("flashinfer")
@@ -344,12 +379,12 @@ def test_gdn_negative_control():
     pytest.importorskip("fla")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from bi_core.backends.cuda_common.gdn import pin_fla_autotune
+    from bi_core.backends.cuda_common.fla_tuning import pin_first
     from bi_core.backends.reference.gdn import gates, split_proj
     from bi_core.kernels.conv1d import causal_conv1d
     from bi_core.ops.gdn import GdnSpec
 
-    pin_fla_autotune()  # as the invariant backend does (an unpinned first call autotunes for minutes)
+    pin_first()  # as the invariant backend does (an unpinned first call autotunes for minutes)
     torch.manual_seed(0)
     proj, weights, conv0, s0 = _gdn(4)
     ctx, _ = _ragged([4], [8], [True])
