@@ -20,7 +20,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws; mkdir -p /tmp/fiws
 if ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
   cat .fi-jit/fi-jit.part-* | tar -xJ -C /tmp/fiws && echo "FlashInfer JIT cache restored"
+  # newer than FlashInfer's headers (unpacked from .gpu-deps with their own times): otherwise ninja
+  # finds its outputs out of date and rebuilds them (72 s of a fresh machine's default-backend start)
+  find /tmp/fiws -exec touch {} +
 fi
+touch /tmp/fi-marker  # FlashInfer modules built after this (missing from the carried cache) are listed at the end
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 run_step() {  # one step; its status is its command's (pipefail: not the tail's)
@@ -52,7 +56,9 @@ for step in "$@"; do
   run_step "$step" || { echo "== FAILED (status $?): $step"; failed+=("$step"); }
 done
 [ -n "$warm_pid" ] && { wait "$warm_pid"; tail -3 "$OUT/fi_warm.log"; }
-if [ -d /tmp/fiws/.cache ] && ! ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
+built=$(find /tmp/fiws -name '*.so' -newer /tmp/fi-marker 2>/dev/null)
+[ -n "$built" ] && echo "FlashInfer JIT modules built in this run (not in the carried cache):" && echo "$built" | sed 's|.*/||'
+if [ -d /tmp/fiws/.cache ] && { [ -n "$built" ] || ! ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; }; then
   tar -c -C /tmp/fiws .cache | xz -T0 -6 > /tmp/fi-jit.tar.xz
   size=$(stat -c %s /tmp/fi-jit.tar.xz); echo "FlashInfer JIT cache: $((size >> 20)) MiB compressed"
   [ "$size" -lt $((40 << 20)) ] && split -b 15M /tmp/fi-jit.tar.xz "$OUT/fi-jit.part-"
