@@ -141,9 +141,11 @@ def main() -> None:
         with open(args.profile, "w") as f:
             f.write(out.getvalue())
 
-    from bi_core.backends.cuda_common import fla_tuning
-
-    has_fla = importlib.util.find_spec("fla") is not None
+    # fla_tuning: absent from trees before the table (start_time.py also times those, as old trees)
+    has_fla = importlib.util.find_spec("fla") is not None and \
+        importlib.util.find_spec("bi_core.backends.cuda_common.fla_tuning") is not None
+    if has_fla:
+        from bi_core.backends.cuda_common import fla_tuning
     result = {
         "config": args.config, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "triton_cache": os.environ.get("TRITON_CACHE_DIR"),
         "import_torch_s": round(T_TORCH - T0, 2), "import_bi_core_s": round(T_IMPORTS - T_TORCH, 2),
