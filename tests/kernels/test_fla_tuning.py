@@ -74,13 +74,13 @@ def test_a_choice_that_is_not_a_candidate_is_skipped(fake_fla):
     assert tuner.configs == CONFIGS and not tuner.cache
 
 
-def test_a_pinned_kernel_runs_without_timing(fake_fla, monkeypatch):
+def test_a_pinned_kernel_runs_without_timing(fake_fla, monkeypatch, device):
     """The pinned autotuner runs its kernel at once; the same autotuner unpinned times its candidates
     (negative control: the stand-in timer raises)."""
     def no_timing(*args, **kwargs):
         raise AssertionError("timed a candidate")
     monkeypatch.setattr(Autotuner, "_bench", no_timing)
-    x = torch.arange(40, dtype=torch.float32)
+    x = torch.arange(40, dtype=torch.float32, device=device)
     unpinned = fake_fla()
     with pytest.raises(AssertionError, match="timed a candidate"):
         unpinned[lambda meta: (triton.cdiv(40, meta["BLOCK"]),)](x, torch.empty_like(x), 40)
