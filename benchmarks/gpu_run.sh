@@ -20,12 +20,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws; mkdir -p /tmp/fiws
 if ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
   cat .fi-jit/fi-jit.part-* | tar -xJ -C /tmp/fiws && echo "FlashInfer JIT cache restored"
-  # ninja compares FlashInfer's sources and headers with the build times in its log: the package
-  # unpacked from .gpu-deps is dated at packing, later than the carried builds, so they were all
-  # rebuilt on every fresh machine (72-110 s of a default-backend start). Date the package back.
-  find /tmp/site/flashinfer -exec touch -h -d 2000-01-01 {} +
 fi
-touch /tmp/fi-marker  # FlashInfer modules built after this (missing from the carried cache) are listed at the end
+# FlashInfer modules built after this are listed at the end. On fresh machines its sm90 prefill
+# modules (head dim 256) were rebuilt although the carried cache holds them (72-110 s inside a
+# default-backend start); touching the restored files, or dating FlashInfer's package back, did not
+# stop it (docs/notes.md). Time default-backend starts after a step that has built them.
+touch /tmp/fi-marker
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 run_step() {  # one step; its status is its command's (pipefail: not the tail's)
