@@ -12,6 +12,10 @@ mkdir -p /tmp/site && tar -xJf .gpu-deps/flashinfer.tar.xz -C /tmp/site && \
 if ls .gpu-router/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-router/*.whl || exit 1
 fi
+# Date the unpacked packages back: FlashInfer's JIT modules depend on headers in them (its own and
+# tvm_ffi's, which pip stamps with the install time), and ninja rebuilt every carried module whose
+# headers looked newer than it: 72-110 s inside the first default-backend start on a fresh machine.
+find /tmp/site -exec touch -h -d 2000-01-01 {} +
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # FlashInfer's JIT builds (~2.5 min on a fresh machine) travel back as $OUT/fi-jit.part-* (15 MiB
@@ -21,11 +25,7 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fiws; mkdir -p /tmp/fiws
 if ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
   cat .fi-jit/fi-jit.part-* | tar -xJ -C /tmp/fiws && echo "FlashInfer JIT cache restored"
 fi
-# FlashInfer modules built after this are listed at the end. On fresh machines its sm90 prefill
-# modules (head dim 256) were rebuilt although the carried cache holds them (72-110 s inside a
-# default-backend start); touching the restored files, or dating FlashInfer's package back, did not
-# stop it (docs/notes.md). Time default-backend starts after a step that has built them.
-touch /tmp/fi-marker
+touch /tmp/fi-marker  # FlashInfer modules built after this (missing or out of date) are listed at the end
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 run_step() {  # one step; its status is its command's (pipefail: not the tail's)

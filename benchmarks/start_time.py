@@ -61,12 +61,17 @@ class Hooks:
         compile_fn, bench_fn = getattr(JITFunction, "_do_compile", None), Autotuner._bench
         hooks = self
 
+        self.variants: dict[str, list[dict]] = collections.defaultdict(list)
+
         def timed_compile(jit, *args, **kwargs):
             t = time.perf_counter()
             try:
                 return compile_fn(jit, *args, **kwargs)
             finally:
                 hooks.compiles[jit.__name__].append(time.perf_counter() - t)
+                # (key, signature, device, constexprs, options, attrs, warmup): what makes a variant
+                names = ("key", "signature", "device", "constexprs", "options", "attrs")
+                hooks.variants[jit.__name__].append({n: repr(a) for n, a in zip(names, args) if n != "device"})
 
         def timed_bench(tuner, *args, **kwargs):
             t = time.perf_counter()
@@ -79,6 +84,15 @@ class Hooks:
         if self.hooked:
             JITFunction._do_compile = timed_compile
         Autotuner._bench = timed_bench
+
+    def differences(self) -> dict:
+        """For each kernel compiled more than once, what differs between its variants (by field)."""
+        out = {}
+        for name, variants in self.variants.items():
+            if len(variants) > 1:
+                out[name] = {f: sorted({v[f] for v in variants}) for f in variants[0]
+                             if f != "key" and len({v[f] for v in variants}) > 1}
+        return out
 
     def report(self) -> dict:
         def top(d):
@@ -114,6 +128,7 @@ def main() -> None:
     p.add_argument("--record-fla", metavar="PATH", help="write what fla's autotuners chose (JSON)")
     p.add_argument("--prefill", default="", help="NxLEN: time N fresh prompts of LEN tokens after the start")
     p.add_argument("--profile", metavar="PATH", help="cProfile of the start, sorted by cumulative time")
+    p.add_argument("--variants", metavar="PATH", help="write what differs between a kernel's compiled variants")
     args = p.parse_args()
 
     config = EngineConfig.from_yaml(args.config)
@@ -162,6 +177,9 @@ def main() -> None:
     chosen = fla_tuning.record() if has_fla else {}  # after the prefill: every key the engine met
     result["fla_chose_by_timing"] = sorted(chosen)
     print(json.dumps(result, indent=1), flush=True)
+    if args.variants:
+        with open(args.variants, "w") as f:
+            json.dump(hooks.differences(), f, indent=1)
     if args.record_fla:
         import fla
 
