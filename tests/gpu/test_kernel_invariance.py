@@ -225,6 +225,38 @@ def test_attention_row_invariant_across_batches_and_forms():
     assert torch.equal(run([1100], [1900], qkv_all[1900:3000]), whole[1900:])
 
 
+@pytest.mark.parametrize("hq,tokens", [(16, 8), (32, 4)])  # 8 and 16 query heads per KV head: 64 MMA rows
+def test_verify_rows_at_64_mma_rows_equal_decode_rows(hq, tokens, monkeypatch):
+    """A verify tile of 64 MMA rows (tokens x query heads per KV head) gives each row the bits of
+    the one-token decode step at its position: what lets MTP verify 3 drafts on the 122B-A10B and
+    397B-A17B shapes (16 heads per KV head) and exact scoring run 8 tokens a step on 35B-A3B
+    (``EXACT_DECODE_ROWS``). Past lengths inside a KV chunk, across a chunk boundary and across
+    the 16-chunk run boundary. Negative control: the same verify with the split kernel on 4 warps
+    (a warpgroup MMA) has other bits."""
+    import bi_core.kernels.attention as attn
+
+    torch.manual_seed(0)
+    impl, (qn, kn) = _attention(hq=hq)
+    hkv, d, page = 2, 256, 16
+    width = 2 * hq * d + 2 * hkv * d
+    kc = torch.randn(2000, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+
+    def run(qlens, plens, qkv, recurrent=None):
+        ctx, _ = _ragged(qlens, plens, recurrent)
+        return impl.forward(qkv, qn, kn, kc, vc, ctx)
+
+    first = None
+    for past in (700, 254, 4094):
+        rows = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        verify = run([tokens], [past], rows, [True])
+        first = (rows, verify) if first is None else first
+        for t in range(tokens):
+            assert torch.equal(verify[t:t + 1], run([1], [past + t], rows[t:t + 1])), (past, t)
+    monkeypatch.setattr(attn, "DECODE_WARPS", 4)
+    assert not torch.equal(run([tokens], [700], first[0], [True]), first[1])
+
+
 def test_attention_long_rows_merge_in_runs_invariantly():
     """Decode rows past 16 KV chunks (4,096 tokens) merge their chunks in runs of 16 first
     (``_merge_runs_kernel``): a row at 20,000 tokens gives the same bits on every call, alone and

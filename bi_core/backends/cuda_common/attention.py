@@ -35,7 +35,7 @@ class _TritonPlan:
     chunks: int  # KV chunks the decode sequences read: sizes the workspace (eager steps)
 
 
-EXACT_DECODE_ROWS = 32
+EXACT_DECODE_ROWS = 64  # MMA rows a decode-form step keeps one-token decode's bits up to (split kernel on 2 warps)
 
 
 CHUNKS_PER_PROGRAM = 4  # KV chunks a decode program folds in series at most
@@ -55,10 +55,11 @@ class TritonPagedAttentionImpl:
         self.spec = spec
         self.tile_tokens = tokens_per_tile(spec.num_heads, spec.num_kv_heads)  # decode form: up to this many
         self.prefill_tokens = prefill_tile_tokens(spec.num_heads, spec.num_kv_heads)  # query tokens per prompt tile
-        # Recurrent queries up to a tile run in decode form, but only up to 32 MMA rows (tokens x
-        # query heads per KV head) do they get the bits of one-token decode rows: on the 35B-A3B
-        # shape (8 heads per KV head) 8-token steps (64 rows) differed from decode, 1-, 2- and
-        # 4-token steps did not (benchmarks section 6); MTP verify (4 tokens, 32 rows) is bitwise AR.
+        # Recurrent queries up to a tile run in decode form, and up to EXACT_DECODE_ROWS MMA rows
+        # (tokens x query heads per KV head) they get the bits of one-token decode rows. With the
+        # split kernel on 4 warps (a warpgroup MMA) 64-row steps differed from decode (benchmarks
+        # section 6), so the limit was 32; on 2 warps 64 rows hold (section 24): 8 tokens on
+        # 35B-A3B, 4 on 122B-A10B / 397B-A17B (MTP verifies 3 drafts there).
         self.decode_query_len = max(1, min(self.tile_tokens, EXACT_DECODE_ROWS // (spec.num_heads // spec.num_kv_heads)))
         self.inv_freq = _inv_freq(spec)
 
