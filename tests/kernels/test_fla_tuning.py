@@ -32,6 +32,7 @@ def _tuner() -> Autotuner:
 @pytest.fixture
 def fake_fla(monkeypatch):
     """fla's modules as empty stand-ins; returns a function that puts a fresh autotuner in one."""
+    monkeypatch.setattr(fla_tuning, "_invariant_pinned", False)
     for name in fla_tuning.MODULES:
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
 
@@ -74,6 +75,19 @@ def test_a_choice_that_is_not_a_candidate_is_skipped(fake_fla):
     assert tuner.configs == CONFIGS and not tuner.cache
 
 
+def test_an_invariant_pin_holds_whatever_else_the_process_builds(fake_fla):
+    """An invariant engine's first configs do not depend on what a default engine pinned before or
+    after it in the same process (its bits would). Negative control: slicing the current candidates,
+    as pinning did before the table, keeps the table's choice."""
+    table = {"_double_kernel": [{"key": [40], "config": fla_tuning.config_fields(CONFIGS[2])}]}
+    tuner = fake_fla()
+    assert fla_tuning.pin_recorded(table) == ["_double_kernel"]  # a default engine first
+    assert tuner.configs[:1] == [CONFIGS[2]]  # what slicing would keep
+    fla_tuning.pin_first()  # then an invariant engine
+    assert tuner.configs == [CONFIGS[0]]
+    assert fla_tuning.pin_recorded(table) == [] and tuner.configs == [CONFIGS[0]]  # a default engine after it
+
+
 def test_a_pinned_kernel_runs_without_timing(fake_fla, monkeypatch, device):
     """The pinned autotuner runs its kernel at once; the same autotuner unpinned times its candidates
     (negative control: the stand-in timer raises)."""
@@ -108,7 +122,7 @@ def test_shipped_tables_are_well_formed():
         tuners = {fla_tuning.kernel_name(t): t for t in fla_tuning.autotuners()}
         for path in tables:
             for name, entries in json.loads(path.read_text())["kernels"].items():
-                own = [fla_tuning.config_fields(c) for c in tuners[name].configs]
+                own = [fla_tuning.config_fields(c) for c in fla_tuning.candidates(tuners[name])]
                 assert all(e["config"] in own for e in entries), name
 
 

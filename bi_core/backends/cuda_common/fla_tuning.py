@@ -47,13 +47,28 @@ def kernel_name(tuner) -> str:
     return tuner.base_fn.__name__
 
 
+# Pins are process-wide (fla's autotuners are module globals). Once an invariant engine pinned its
+# configs, a default engine built later in the same process keeps them: replacing them would
+# change the invariant engine's bits from then on.
+_invariant_pinned = False
+
+
+def candidates(tuner) -> list:
+    """The tuner's own candidates as fla declared them, saved before any pin replaced them."""
+    if "_bi_candidates" not in vars(tuner):
+        tuner._bi_candidates = list(tuner.configs)
+    return tuner._bi_candidates
+
+
 def pin_first() -> int:
-    """Replace every fla autotuner's candidate list by its first config, so no kernel config is
-    chosen by timing. Returns how many were pinned."""
+    """Make every fla autotuner's first declared config its only candidate, so no kernel config is
+    chosen by timing (whatever was pinned before). Returns how many were pinned."""
+    global _invariant_pinned
+    _invariant_pinned = True
     pinned = 0
     for tuner in autotuners():
-        if len(tuner.configs) > 1:
-            tuner.configs = tuner.configs[:1]
+        if len(candidates(tuner)) > 1:
+            tuner.configs = candidates(tuner)[:1]
             pinned += 1
     return pinned
 
@@ -81,7 +96,7 @@ def record() -> dict[str, list[dict]]:
     ``{"key": [...], "config": {...}}`` (Triton's tuning key: the key arguments, then the dtypes)."""
     table: dict[str, list[dict]] = {}
     for tuner in autotuners():
-        if len(tuner.configs) > 1 and tuner.cache:
+        if len(tuner.configs) > 1 and tuner.cache:  # chose by timing (not pinned)
             table[kernel_name(tuner)] = [{"key": list(key), "config": config_fields(cfg)}
                                          for key, cfg in sorted(tuner.cache.items(), key=lambda kv: repr(kv[0]))]
     return table
@@ -91,19 +106,23 @@ def pin_recorded(kernels: dict[str, list[dict]]) -> list[str]:
     """Each fla autotuner named in ``kernels`` (``record``'s form) runs the recorded choices without
     timing: one distinct choice becomes its only candidate (any key); several fill its cache by
     key (keys not recorded time as before). A choice that is not among the tuner's own candidates
-    (a table from another fla version) leaves that kernel autotuning. Returns the kernels pinned."""
+    (a table from another fla version) leaves that kernel autotuning. Nothing is pinned once an
+    invariant engine pinned first configs in this process. Returns the kernels pinned."""
     pinned = []
+    if _invariant_pinned:
+        return pinned
     for tuner in autotuners():
         entries = kernels.get(kernel_name(tuner))
-        if not entries or len(tuner.configs) < 2:
+        if not entries or len(candidates(tuner)) < 2:
             continue
-        own = {json.dumps(config_fields(c), sort_keys=True): c for c in tuner.configs}
+        own = {json.dumps(config_fields(c), sort_keys=True): c for c in candidates(tuner)}
         chosen = [own.get(json.dumps(e["config"], sort_keys=True)) for e in entries]
         if any(c is None for c in chosen):
             continue
         if len({id(c) for c in chosen}) == 1:
             tuner.configs = [chosen[0]]
         else:
+            tuner.configs = candidates(tuner)
             tuner.cache.update({tuple(e["key"]): c for e, c in zip(entries, chosen)})
         pinned.append(kernel_name(tuner))
     return pinned
