@@ -333,6 +333,12 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stri
     _gated_store(OUT, G, rows, tok * 0 + h, d, acc_all, l_all, row_ok[:, None], stride_ot, stride_gt, D)
 
 
+def decode_rows(q_len: int, group: int) -> int:
+    """MMA rows of the decode-form tile that runs ``q_len`` query tokens of ``group`` heads each (a
+    power of two when ``group`` is one: ``tl.arange`` spans them)."""
+    return max(DECODE_MIN_ROWS, triton.next_power_of_2(max(q_len, 1)) * group)
+
+
 def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens of one decode-form tile (recurrent rows up to this many run in decode form)."""
     return M_ROWS // (num_heads // num_kv_heads)
@@ -401,7 +407,7 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
     if num_dec == 0:
         return
     decode_tokens = triton.next_power_of_2(max(max_q_len, 1))
-    rows = max(DECODE_MIN_ROWS, decode_tokens * group)  # MMA rows: decode rows waste less of a small tile
+    rows = decode_rows(max_q_len, group)  # MMA rows: decode rows waste less of a small tile
     assert rows <= M_ROWS
     if chunks is None:
         chunks = num_dec * triton.cdiv(block_tables.shape[1] * page, KV_SPLIT)

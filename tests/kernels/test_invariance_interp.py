@@ -593,3 +593,25 @@ def test_gate_kernel(device, dtype):
     tol = 1e-6 if dtype == torch.float32 else (2e-2 if device.type == "cpu" else 1e-2)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert row_mismatches(lambda rows: apply_gate(o[rows], gate[rows]), tokens, (1,), device) == []
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-0.8b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
+                                    "qwen3.5-122b-a10b", "qwen3.5-397b-a17b"])
+def test_exact_decode_length_fits_one_power_of_two_tile(preset):
+    """The most tokens a step runs in decode form with decode's bits (``decode_query_len``: MTP
+    verify, exact scoring, preemption rebuilds) makes a tile the kernel can launch: its MMA rows a
+    power of two, within EXACT_DECODE_ROWS. Negative control: the earlier rule (rows // group
+    tokens) gives 27B's 6 heads per KV head a 96-row tile, past the kernel's 64."""
+    from bi_core.backends.cuda_common.attention import EXACT_DECODE_ROWS, exact_decode_tokens
+    from bi_core.kernels.attention import M_ROWS, decode_rows, tokens_per_tile
+    from bi_core.models.presets import preset_args
+
+    a = preset_args(preset)
+    group, tile = a.num_attention_heads // a.num_key_value_heads, tokens_per_tile(a.num_attention_heads,
+                                                                                 a.num_key_value_heads)
+    q = exact_decode_tokens(group, tile)
+    for n in range(1, q + 1):  # every length up to it
+        rows = decode_rows(n, group)
+        assert rows <= EXACT_DECODE_ROWS <= M_ROWS and rows & (rows - 1) == 0, (n, rows)
+    if preset == "qwen3.5-27b":
+        assert q == 2 and decode_rows(min(tile, EXACT_DECODE_ROWS // group), group) > M_ROWS

@@ -38,6 +38,22 @@ class _TritonPlan:
 EXACT_DECODE_ROWS = 64  # MMA rows a decode-form step keeps one-token decode's bits up to (split kernel on 2 warps)
 
 
+def exact_decode_tokens(group: int, tile_tokens: int) -> int:
+    """The most query tokens a decode-form step runs with one-token decode's bits: a power of two
+    whose tile (``decode_rows``) has at most EXACT_DECODE_ROWS rows, a power of two itself (a group
+    of 6 heads, as 27B's, stops at 2 tokens: 4 would need 24 rows)."""
+    from bi_core.kernels.attention import decode_rows
+
+    def fits(q: int) -> bool:
+        rows = decode_rows(q, group)
+        return q <= tile_tokens and rows <= EXACT_DECODE_ROWS and rows & (rows - 1) == 0
+
+    q = 1
+    while fits(2 * q):
+        q *= 2
+    return q
+
+
 CHUNKS_PER_PROGRAM = 4  # KV chunks a decode program folds in series at most
 PROGRAMS_WANTED = 264  # decode programs that keep an H100/H200 (132 SMs) streaming KV: two per SM
 
@@ -60,7 +76,7 @@ class TritonPagedAttentionImpl:
         # split kernel on 4 warps (a warpgroup MMA) 64-row steps differed from decode (benchmarks
         # section 6), so the limit was 32; on 2 warps 64 rows hold (section 24): 8 tokens on
         # 35B-A3B, 4 on 122B-A10B / 397B-A17B (MTP verifies 3 drafts there).
-        self.decode_query_len = max(1, min(self.tile_tokens, EXACT_DECODE_ROWS // (spec.num_heads // spec.num_kv_heads)))
+        self.decode_query_len = exact_decode_tokens(spec.num_heads // spec.num_kv_heads, self.tile_tokens)
         self.inv_freq = _inv_freq(spec)
 
     def prepare(self, ctx: ForwardContext) -> _TritonPlan:
