@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -36,10 +35,7 @@ try:  # programmatic dependent launch (SM90+): Triton >= 3.4
 except ImportError:  # pragma: no cover - an older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-PDL_MAX_TOKENS = 16  # CUDA graphs of up to this many tokens launch with PDL: it pays at small
-# batch and not at large (benchmarks section 11, change 3)
 _pdl_supported: bool | None = None
-_pdl_on = False
 
 
 def _supported() -> bool:
@@ -50,26 +46,14 @@ def _supported() -> bool:
     return _pdl_supported
 
 
-@contextlib.contextmanager
-def pdl_scope(on: bool):
-    """Kernels launched inside ``pdl_scope(True)`` use programmatic dependent launch (SM90+): each
-    may be scheduled while the previous one drains, and waits in ``pdl_start`` for that kernel's
-    completion (and memory) before touching anything, so no result can change. ``BI_PDL=0``
-    turns it off everywhere."""
-    global _pdl_on
-    before, _pdl_on = _pdl_on, on
-    try:
-        yield
-    finally:
-        _pdl_on = before
-
-
 def pdl() -> dict:
-    """Launch arguments: inside a ``pdl_scope(True)`` the kernel variant that waits, launched with
-    PDL; elsewhere the variant without the wait, so large steps run exactly the kernels they ran
-    before PDL (a large step with only the no-op wait compiled in measured slower, though inside
-    its spread between runs: benchmarks section 11, change 3)."""
-    return {"PDL": True, "launch_pdl": True} if _pdl_on and _supported() else {"PDL": False}
+    """Launch arguments of every kernel of ours: programmatic dependent launch (SM90+), eager or
+    graphed, small step or large. Each kernel may be scheduled while the previous one drains and
+    waits in ``pdl_start`` for its completion (and memory) before touching anything, so no result
+    can change. One compiled variant per kernel: ``launch_pdl`` is a compile option, so launching
+    with and without it compiled every kernel twice, a third of a fresh start (benchmarks section
+    25). ``BI_PDL=0`` turns it off everywhere (A/B runs)."""
+    return {"PDL": True, "launch_pdl": True} if _supported() else {"PDL": False}
 
 
 @triton.jit

@@ -225,27 +225,32 @@ def test_attention_row_invariant_across_batches_and_forms():
     assert torch.equal(run([1100], [1900], qkv_all[1900:3000]), whole[1900:])
 
 
-@pytest.mark.parametrize("hq,tokens", [(16, 8), (32, 4)])  # 8 and 16 query heads per KV head: 64 MMA rows
-def test_verify_rows_at_64_mma_rows_equal_decode_rows(hq, tokens, monkeypatch):
-    """A verify tile of 64 MMA rows (tokens x query heads per KV head) gives each row the bits of
-    the one-token decode step at its position: what lets MTP verify 3 drafts on the 122B-A10B and
-    397B-A17B shapes (16 heads per KV head) and exact scoring run 8 tokens a step on 35B-A3B
-    (``EXACT_DECODE_ROWS``). Past lengths inside a KV chunk, across a chunk boundary and across
-    the 16-chunk run boundary. Negative control: the same verify with the split kernel on 4 warps
-    (a warpgroup MMA) has other bits."""
-    import bi_core.kernels.attention as attn
-
-    torch.manual_seed(0)
+def _paged_attention(hq: int, pages: int):
+    """``run(qlens, past_lens, qkv, recurrent)`` over random pages of 16 tokens, 2 KV heads of 256."""
     impl, (qn, kn) = _attention(hq=hq)
-    hkv, d, page = 2, 256, 16
-    width = 2 * hq * d + 2 * hkv * d
-    kc = torch.randn(2000, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(pages, 16, 2, 256, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
 
     def run(qlens, plens, qkv, recurrent=None):
         ctx, _ = _ragged(qlens, plens, recurrent)
         return impl.forward(qkv, qn, kn, kc, vc, ctx)
 
+    return run, 2 * hq * 256 + 2 * 2 * 256
+
+
+# 4, 8 and 16 query heads per KV head (0.8B / 9B, 35B-A3B, 122B / 397B): 64 MMA rows
+@pytest.mark.parametrize("hq,tokens", [(8, 16), (16, 8), (32, 4)])
+def test_verify_rows_at_64_mma_rows_equal_decode_rows(hq, tokens, monkeypatch):
+    """A verify tile of 64 MMA rows (tokens x query heads per KV head) gives each row the bits of
+    the one-token decode step at its position: what lets MTP verify 3 drafts on the 122B-A10B and
+    397B-A17B shapes (16 heads per KV head) and exact scoring run 8 tokens a step on 35B-A3B and 16
+    on 9B / 0.8B (``EXACT_DECODE_ROWS``). Past lengths inside a KV chunk, across a chunk boundary and across
+    the 16-chunk run boundary. Negative control: the same verify with the split kernel on 4 warps
+    (a warpgroup MMA) has other bits."""
+    import bi_core.kernels.attention as attn
+
+    torch.manual_seed(0)
+    run, width = _paged_attention(hq, 2000)
     first = None
     for past in (700, 254, 4094):
         rows = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
@@ -266,16 +271,7 @@ def test_attention_long_rows_merge_in_runs_invariantly():
     from bi_core.kernels.attention import KV_SPLIT, MERGE_RUN
 
     torch.manual_seed(0)
-    impl, (qn, kn) = _attention()
-    hq, hkv, d, page = 16, 2, 256, 16
-    width = 2 * hq * d + 2 * hkv * d
-    kc = torch.randn(12000, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-
-    def run(qlens, plens, qkv, recurrent=None):
-        ctx, _ = _ragged(qlens, plens, recurrent)
-        return impl.forward(qkv, qn, kn, kc, vc, ctx)
-
+    run, width = _paged_attention(16, 12000)
     assert (4095 // KV_SPLIT + 1, 4096 // KV_SPLIT + 1) == (MERGE_RUN, MERGE_RUN + 1)
     qkv = torch.randn(64, width, device="cuda", dtype=torch.bfloat16)
     alone = run([1], [20000], qkv[:1])

@@ -62,6 +62,15 @@ def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
     return host.pin_memory() if pinned else host
 
 
+def _aligned_fields(sizes: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
+    """``name -> (start, end)`` in one int64 region, each start even (16 bytes)."""
+    fields, at = {}, 0
+    for name, n in sizes:
+        fields[name] = (at, at + n)
+        at += n + n % 2
+    return fields
+
+
 class StaticBatch:
     """The static inputs of one graph: int64 device buffers the graph reads, filled per step
     from pinned host staging buffers of the same layout (reused: a step waits for the previous
@@ -81,13 +90,20 @@ class StaticBatch:
         # chunk's last when no prompt row is asked for), an index filled per step
         self.num_logits = t if not chunk else decode + 1
         r = self.num_logits
-        self.region = torch.zeros(4 * t + 3 * r + 3 * seqs, dtype=torch.int64, device=device)
+        # every field starts 16-byte aligned (an even number of int64 before it): Triton compiles a
+        # kernel variant per pointer alignment, so odd token counts (bucket 1, a mixed graph's
+        # logits rows) compiled every index-reading kernel a second time
+        self.fields = _aligned_fields([("input_ids", t), ("positions", t), ("slot_mapping", t),
+                                       ("token_state_slots", t), ("sample_keys", r), ("temperatures", r),
+                                       ("logits_indices", r), ("context_lens", seqs), ("state_slots", seqs),
+                                       ("valid_tokens", seqs)])
+        self.region = torch.zeros(max(end for _, end in self.fields.values()), dtype=torch.int64, device=device)
         # a padded prompt piece's padding rows sit past the sequence's pages, up to a chunk past
         # max_model_len: their reads go to the scratch page, inside the table
         width = spec.max_blocks_per_seq + (-(-chunk // block_size) if chunk else 0)
         self.block_tables = torch.full((seqs, width), spec.scratch_page, dtype=torch.int64, device=device)
-        ids, pos, slots, token_states, keys, temps, logits, ctx_lens, states, valid = torch.split(
-            self.region, [t, t, t, t, r, r, r, seqs, seqs, seqs])
+        ids, pos, slots, token_states, keys, temps, logits, ctx_lens, states, valid = (
+            self.region[a:b] for a, b in self.fields.values())
         self.input_ids = ids
         self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
                           state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64),
@@ -162,20 +178,30 @@ class StaticBatch:
         p = self.padded(hb)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again (normally long since)
-        t, r = self.num_tokens, self.num_logits
-        region = self._stage_region.numpy()
-        region[: 4 * t] = p.token_ids + p.positions + p.slot_mapping + p.token_state_slots
-        region[4 * t: 4 * t + 2 * r] = 0  # every logits row samples in a graph (padding: greedy, key 0)
+        region, f = self._stage_region.numpy(), self.fields
+
+        def put(name: str, values) -> None:
+            a, b = f[name]
+            region[a:b] = values
+
+        put("input_ids", p.token_ids)
+        put("positions", p.positions)
+        put("slot_mapping", p.slot_mapping)
+        put("token_state_slots", p.token_state_slots)
+        keys, temps = (region[slice(*f[name])] for name in ("sample_keys", "temperatures"))
+        keys[:], temps[:] = 0, 0  # every logits row samples in a graph (padding: greedy, key 0)
         n = min(len(p.logits_rows), len(p.sample_keys))  # rows sampled with a key (none when the caller samples)
         if n:
             at = np.asarray(self.logit_pos(p.logits_rows[:n]))
-            region[4 * t + at] = p.sample_keys[:n]
-            region[4 * t + r: 4 * t + 2 * r].view(np.float64)[at] = p.temperatures[:n]
+            keys[at] = p.sample_keys[:n]
+            temps.view(np.float64)[at] = p.temperatures[:n]
         if self.chunk:  # the prompt row whose logits the graph computes (the decode rows' are fixed)
             prompt = [row for row in p.logits_rows if row >= self.decode]
             assert len(prompt) <= 1, "a mixed graph computes one logits row of its prompt piece"
-            region[4 * t + 2 * r: 4 * t + 3 * r] = list(range(self.decode)) + [prompt[0] if prompt else t - 1]
-        region[4 * t + 3 * r:] = p.context_lens + p.state_slots + (p.valid_tokens or [0] * len(p.state_slots))
+            put("logits_indices", list(range(self.decode)) + [prompt[0] if prompt else self.num_tokens - 1])
+        put("context_lens", p.context_lens)
+        put("state_slots", p.state_slots)
+        put("valid_tokens", p.valid_tokens or [0] * len(p.state_slots))
         self.region.copy_(self._stage_region, non_blocking=True)
         table, rows, changed = self._stage_table.numpy(), self._table_rows, False
         for i, pages in enumerate(p.blocks):
@@ -423,17 +449,14 @@ class CudaGraphRunnerImpl:
         if not self.capture:
             self.graphs[key] = _Rerun(call)
             return
-        from bi_core.kernels.common import PDL_MAX_TOKENS, pdl_scope  # triton: a CUDA extra
-
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with pdl_scope(static.num_tokens <= PDL_MAX_TOKENS):  # small steps: launch latency matters
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile and autotune outside the capture
-                    call(pad_ctx)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outs = call(pad_ctx)
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and autotune outside the capture
+                call(pad_ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outs = call(pad_ctx)
         self.pool = graph.pool()
         self.graphs[key] = _Captured(graph, tuple(outs))
