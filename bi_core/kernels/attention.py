@@ -146,10 +146,10 @@ def _fa_block(q, KC, VC, bt_row, kvh, pos, n0, kv_end, m_i, l_i, acc, scale_log2
 def _prefill_fa_kernel(Q, KC, VC, G, OUT, BT, CTX, CU, TILE_SEQ, TILE_START, scale_log2,
                        stride_qt, stride_qh, stride_gt, stride_ot, stride_kb, stride_ko, stride_kh, stride_bt,
                        PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Prompt rows: one program per (tile of M_ROWS // GROUP query tokens x the GROUP heads of a KV
     head). Blocks wholly at or before the tile's first position need no mask; the rest do."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.load(TILE_SEQ + tile).to(tl.int64)
@@ -212,8 +212,8 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
                          stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, num_heads,
                          PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
                          BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr,
-                         BLOCK_B: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                         BLOCK_B: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     i = tl.program_id(0)
     p = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -247,12 +247,12 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
 @triton.jit
 def _merge_runs_kernel(WS_ACC, WS_M, WS_L, CTX, CU, DEC_SEQS, num_heads, D: tl.constexpr, KV_SPLIT: tl.constexpr,
                         DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr, RUN: tl.constexpr,
-                        STAGES: tl.constexpr, PDL: tl.constexpr):
+                        STAGES: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """The first level of a long row's merge: for each run of RUN chunks of a row with more
     than RUN, fold the run's partials in chunk order and write the result over the run's first
     chunk's partial. Programs (axis 2) take runs in turn: only the order within a run is
     arithmetic. Rows with RUN chunks or fewer are left alone (the merge folds their chunks)."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     i = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
@@ -295,11 +295,11 @@ def _merge_runs_kernel(WS_ACC, WS_M, WS_L, CTX, CU, DEC_SEQS, num_heads, D: tl.c
 @triton.jit
 def _merge_kernel(WS_ACC, WS_M, WS_L, G, OUT, CTX, CU, DEC_SEQS, stride_gt, stride_ot, num_heads,
                   D: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr,
-                  RUN: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                  RUN: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Fold a (sequence, head)'s partials in chunk order (a long row: its runs' results, which
     ``_merge_runs_kernel`` wrote), with ``STAGES`` loads in flight (scheduling only: the fold and
     its bits are the same for any STAGES)."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(DEC_SEQS + i).to(tl.int64)

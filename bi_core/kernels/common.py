@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -35,7 +36,10 @@ try:  # programmatic dependent launch (SM90+): Triton >= 3.4
 except ImportError:  # pragma: no cover - an older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
+PDL_MAX_TOKENS = 16  # CUDA graphs of up to this many tokens let each kernel's successor start early:
+# it pays at small batch and costs at large (benchmarks section 25)
 _pdl_supported: bool | None = None
+_early = False
 
 
 def _supported() -> bool:
@@ -46,20 +50,36 @@ def _supported() -> bool:
     return _pdl_supported
 
 
+@contextlib.contextmanager
+def early_launch(on: bool):
+    """Kernels launched inside ``early_launch(True)`` let the next kernel's programs be scheduled
+    as soon as their own have started (``griddepcontrol.launch_dependents`` first thing); elsewhere
+    the next kernel starts when they finish. Either way it waits in ``pdl_start`` for their
+    completion and memory, so no result can change."""
+    global _early
+    before, _early = _early, on
+    try:
+        yield
+    finally:
+        _early = before
+
+
 def pdl() -> dict:
     """Launch arguments of every kernel of ours: programmatic dependent launch (SM90+), eager or
-    graphed, small step or large. Each kernel may be scheduled while the previous one drains and
-    waits in ``pdl_start`` for its completion (and memory) before touching anything, so no result
-    can change. One compiled variant per kernel: ``launch_pdl`` is a compile option, so launching
-    with and without it compiled every kernel twice, a third of a fresh start (benchmarks section
-    25). ``BI_PDL=0`` turns it off everywhere (A/B runs)."""
-    return {"PDL": True, "launch_pdl": True} if _supported() else {"PDL": False}
+    graphed, small step or large, so each kernel compiles once (``launch_pdl`` is a compile option:
+    launching with and without it compiled every kernel twice, a third of a fresh start). Whether a
+    kernel lets its successor start early is a runtime bool (bools get no value specialization):
+    inside ``early_launch(True)`` only. ``BI_PDL=0`` turns PDL off everywhere (A/B runs)."""
+    if _supported():
+        return {"PDL": True, "launch_pdl": True, "pdl_early": _early}
+    return {"PDL": False, "pdl_early": False}
 
 
 @triton.jit
-def pdl_start(PDL: tl.constexpr):
+def pdl_start(PDL: tl.constexpr, early):
     """First statement of every kernel: wait until the previous grid has completed and its writes
-    are visible, then let the next kernel's programs be scheduled."""
+    are visible; with ``early``, then let the next kernel's programs be scheduled."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if early:
+            gdc_launch_dependents()

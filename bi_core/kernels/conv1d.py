@@ -36,8 +36,8 @@ def _input(X, STATE_ROW, i, start, has_past, stride_x, c, mask):
 @triton.jit
 def _conv1d_kernel(X, W, STATE, OUT, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, VALID, stride_x, stride_o, stride_ss,
                    stride_sc, C, chunk, BLOCK_C: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_VALID: tl.constexpr,
-                   PDL: tl.constexpr):
-    pdl_start(PDL)
+                   PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     s = tl.load(SEQ_IDS + tl.program_id(0)).to(tl.int64)
     cb = tl.program_id(1)
     run = tl.program_id(2)

@@ -10,8 +10,8 @@ from bi_core.kernels.common import pdl, pdl_start
 
 
 @triton.jit
-def _silu_mul_kernel(X, Y, N, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _silu_mul_kernel(X, Y, N, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N

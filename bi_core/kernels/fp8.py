@@ -124,8 +124,8 @@ def _quant_group(x):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     rk = g * _BK + tl.arange(0, _BK)
@@ -230,8 +230,8 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
 def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_am, stride_asm, stride_bn,
                      stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                      INLINE: tl.constexpr, QROWS: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
-                     PDL: tl.constexpr):
-    pdl_start(PDL)
+                     PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)

@@ -53,11 +53,11 @@ def _epilogue(acc, up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
 def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_asm,
                         stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
                         SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (routing block b, column tile): the block's ROUTE_M pairs in the first rows of a
     BLOCK_M-row tile (BLOCK_M >= ROUTE_M, >= 64), A rows ``pair // A_ROW_DIV``, expert
     BLOCK_EXPERT[b]; out row = pair id."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     b = tl.program_id(0)
     e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
     if e >= num_experts:
@@ -95,11 +95,11 @@ PAIR_DOWN = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, stride_x, stride_xs, stride_we, stride_wn,
                         stride_wse, stride_wsn, stride_h, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                         E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, pdl_early):
     """Program (pair p, column tile): token p // SLOTS's quantized row in row 0 of the tile, its
     expert's gate and up rows in one K loop (two accumulators, one A tile), moe.py's epilogue:
     h[p] = silu(gate) * up."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     p = tl.program_id(0)
     e = _expert_of(IDS, p, num_pairs, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,12 +117,12 @@ def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, str
 def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h,
                           stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_sl, TOP_K: tl.constexpr,
                           SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT: tl.constexpr, PDL: tl.constexpr):
+                          DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (pair p, column tile): h[p]'s quantized row in row 0 of the tile, the down projection,
     stored rounded to Y; the last of a token's SLOTS programs to arrive (a per-(token, tile)
     counter, left at zero) combines the token's rows in slot order (moe.py's ``_combine``). The
     counter elects who adds; it orders nothing arithmetic."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     p = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     t = p // SLOTS

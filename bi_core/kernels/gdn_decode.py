@@ -135,9 +135,9 @@ def _state_tile(STATE, hv, slot, has_past, stride_ss, stride_sh, DK: tl.constexp
 
 @triton.jit
 def _gdn_conv_kernel(PROJ, CONV_W, CONV, QKV, CU, CTX, SLOTS, TOKEN_SLOTS, SEQ_IDS, stride_p, stride_cs, stride_cc,
-                     CONV_DIM: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                     CONV_DIM: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Split shape, first kernel: channels [pid(1) * BLOCK_C, +BLOCK_C) of one sequence."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     start, end, has_past, slot = _seq(SEQ_IDS, CU, CTX, SLOTS)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     _conv(PROJ, CONV_W, CONV, QKV, TOKEN_SLOTS, c, c < CONV_DIM, start, end, has_past, slot, stride_p, stride_cs,
@@ -149,9 +149,9 @@ def _gdn_recurrence_kernel(PROJ, A_LOG, DT_BIAS, NORM_W, STATE, OUT, QKV, CU, CT
                            stride_p, stride_o, stride_ss, stride_sh, scale, eps,
                            NUM_V_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                            GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_TOKEN: tl.constexpr,
-                           ROUND_STATE: tl.constexpr, PDL: tl.constexpr):
+                           ROUND_STATE: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Split shape, second kernel: value head pid(1) of one sequence."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     start, end, has_past, slot = _seq(SEQ_IDS, CU, CTX, SLOTS)
     hv = tl.program_id(1)
     h = _state_tile(STATE, hv, slot, has_past, stride_ss, stride_sh, DK, DV)
@@ -165,9 +165,9 @@ def _gdn_fused_kernel(PROJ, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV, STATE, OUT, QK
                       SEQ_IDS, stride_p, stride_o, stride_cs, stride_cc, stride_ss, stride_sh, scale, eps,
                       NUM_V_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHANNELS: tl.constexpr,
-                      PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, PDL: tl.constexpr):
+                      PER_TOKEN: tl.constexpr, ROUND_STATE: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Fused shape: key head pid(1) of one sequence, its channels' conv then its value heads."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     start, end, has_past, slot = _seq(SEQ_IDS, CU, CTX, SLOTS)
     hk = tl.program_id(1)
     h_first = _state_tile(STATE, hk * GROUP, slot, has_past, stride_ss, stride_sh, DK, DV)  # overlaps the conv

@@ -76,8 +76,8 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def _gemm_kernel(A, B, C, WS, LOCKS, M, N, K, K_PER_SPLIT, stride_am, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  INLINE: tl.constexpr, SILU_MUL: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
-                 PDL: tl.constexpr):
-    pdl_start(PDL)
+                 PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_m, pid_n = _tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -154,12 +154,12 @@ def _k_range_tma(a_desc, b_desc, om, on, up_row, k_lo, k_steps, BLOCK_M: tl.cons
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(a_desc, b_desc, C, M, N, K, K_PER_SPLIT, stride_cm, NUM_PROGRAMS, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                     GROUP_M: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, FLATTEN: tl.constexpr):
+                     GROUP_M: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, FLATTEN: tl.constexpr, pdl_early):
     """``_gemm_kernel``'s INLINE form (one program sums its tile's splits in split order) for
     prefill-sized M on SM90: tiles come by TMA, and ``NUM_PROGRAMS`` programs loop over the tiles
     (persistent when there are fewer programs than tiles; FLATTEN fuses the tile and K loops of an
     unsplit GEMM into one pipeline). The K order is ``_gemm_kernel``'s, so every bit is too."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(tl.minimum(K, K_PER_SPLIT), BLOCK_K)

@@ -48,12 +48,12 @@ def _expert_of(IDS, p, num_pairs, TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])  # batch-dependent
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, max_rows, max_blocks,
                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """One program per expert, plus one for the tail: every program counts all pairs per expert
     (a few KB from L2) to find where its expert's rows start; program e writes expert e's pairs
     in pair order (a stable counting sort), its padding rows and its blocks; the last program
     writes the rows and blocks past every expert's. Each row and block is written exactly once."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     pid = tl.program_id(0)
     e_range = tl.arange(0, E_BLOCK)
     counts = tl.zeros((E_BLOCK,), tl.int32)
@@ -147,8 +147,8 @@ def _align_sorted(topk_ids: torch.Tensor, num_experts: int, shared: bool, bm: in
 def _grouped_gemm_kernel(A, W, C, SORTED, BLOCK_EXPERT, IDS, num_pairs, N, K, num_experts, stride_am, stride_we,
                          stride_wn, stride_cm, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PER_PAIR: tl.constexpr,
-                         TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                         TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     b = tl.program_id(0)
     if PER_PAIR:  # small batches, no routing sort: program b computes pair b alone (row 0 of its tile)
         e = _expert_of(IDS, b, num_pairs, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
@@ -245,13 +245,13 @@ PAIR_DOWN = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}
 def _down_combine_kernel(HA, W2, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h, stride_we,
                          stride_wn, stride_sl, TOP_K: tl.constexpr, SLOTS: tl.constexpr, E_BLOCK: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, pdl_early):
     """Program (pair p, column tile): the pair's down projection, as the grouped GEMM computes a
     row (the pair in row 0 of a BLOCK_M tile, K in BLOCK_K steps), stored rounded to Y; the last
     of a token's SLOTS programs to arrive (a per-(token, tile) counter, left at zero) combines the
     token's rows of Y in slot order (``_combine``, as the sorted path). The counter elects who
     adds; it orders nothing arithmetic."""
-    pdl_start(PDL)
+    pdl_start(PDL, pdl_early)
     p = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     t = p // SLOTS
@@ -314,8 +314,8 @@ def _moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 
 @triton.jit
 def _combine_kernel(Y, W, SHARED_LOGIT, OUT, H, stride_sl, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                    BLOCK: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H

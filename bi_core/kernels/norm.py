@@ -12,8 +12,8 @@ from bi_core.kernels.common import pdl, pdl_start
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_OUT, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -30,8 +30,8 @@ def _rms_norm_kernel(X, R, W, Y, R_OUT, stride_x, stride_r, stride_y, stride_ro,
 
 @triton.jit
 def _gated_rms_norm_kernel(X, G, W, Y, stride_x, stride_g, stride_y, N, eps, HEADS: tl.constexpr,
-                           PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                           PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)

@@ -39,8 +39,8 @@ def _norm_rope(X, W, d, pos, inv_freq_ptr, eps, D: tl.constexpr, ROT: tl.constex
 @triton.jit
 def _qk_norm_rope_kernel(QKV, QW, KW, INV_FREQ, POS, SLOTS, QOUT, KC, VC, stride_t, stride_qt, stride_qh, eps,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                         PDL: tl.constexpr):
-    pdl_start(PDL)
+                         PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -76,8 +76,8 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
 
 
 @triton.jit
-def _gate_kernel(ATTN, G, OUT, stride_ot, stride_gt, stride_out, D: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _gate_kernel(ATTN, G, OUT, stride_ot, stride_gt, stride_out, D: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)

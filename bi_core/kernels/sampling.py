@@ -15,8 +15,8 @@ CHUNK = 8192  # vocabulary slice per program; the split is fixed by the vocabula
 
 @triton.jit
 def _sample_partial_kernel(L, SEEDS, TEMPS, PART_M, PART_S, PART_BEST, PART_IDX, V, stride_l, num_chunks,
-                           CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                           CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seed = tl.load(SEEDS + row)
@@ -55,8 +55,8 @@ def _sample_partial_kernel(L, SEEDS, TEMPS, PART_M, PART_S, PART_BEST, PART_IDX,
 
 @triton.jit
 def _sample_combine_kernel(PART_M, PART_S, PART_BEST, PART_IDX, L, TOKENS, LSE, PACKED, num_chunks, stride_l,
-                           BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                           BLOCK_C: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     mask = c < num_chunks

@@ -11,8 +11,8 @@ from bi_core.kernels.common import pdl, pdl_start
 
 
 @triton.jit
-def _softmax_topk_kernel(L, W, IDS, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _softmax_topk_kernel(L, W, IDS, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    pdl_start(PDL, pdl_early)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E

@@ -1,4 +1,6 @@
-"""Programmatic dependent launch: every launch asks for it where it is supported, none elsewhere."""
+"""Programmatic dependent launch: every launch asks for it where it is supported (one compiled
+variant per kernel), and only launches inside ``early_launch(True)`` let their successor start
+early (a runtime bool, so no second variant either)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,36 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_pdl_on_every_launch_only_where_supported(monkeypatch):
+def test_pdl_on_every_launch_early_only_inside_the_scope(monkeypatch):
     from bi_core.kernels import common
 
     monkeypatch.setattr(common, "_pdl_supported", False)
-    assert common.pdl() == {"PDL": False}  # no SM90 (or BI_PDL=0, or the interpreter): plain launches
+    with common.early_launch(True):  # no SM90 (or BI_PDL=0, or the interpreter): plain launches
+        assert common.pdl() == {"PDL": False, "pdl_early": False}
     monkeypatch.setattr(common, "_pdl_supported", True)
-    # one variant per kernel: the wait compiled in and the PDL launch, whatever the step (launch_pdl
-    # is a compile option: two launch kinds would compile every kernel twice)
-    assert common.pdl() == {"PDL": True, "launch_pdl": True}
+    assert common.pdl() == {"PDL": True, "launch_pdl": True, "pdl_early": False}
+    with common.early_launch(True):
+        assert common.pdl() == {"PDL": True, "launch_pdl": True, "pdl_early": True}
+        with common.early_launch(False):
+            assert common.pdl()["pdl_early"] is False
+        assert common.pdl()["pdl_early"] is True
+    assert common.pdl()["pdl_early"] is False
+
+
+def test_the_early_flag_is_a_bool_so_triton_compiles_no_variant_for_it():
+    """Triton specializes an int argument on its value (1, divisible by 16), a bool on nothing:
+    passing 0/1 would compile every kernel twice again."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "native_specialize_impl"):
+        pytest.skip("this Triton specializes in Python")
+    from triton.backends.compiler import BaseBackend
+
+    native_specialize_impl = libtriton.native_specialize_impl
+
+    spec = [native_specialize_impl(BaseBackend, v, False, True, True) for v in (True, False)]
+    assert spec[0] == spec[1]
+    assert native_specialize_impl(BaseBackend, 0, False, True, True) != native_specialize_impl(
+        BaseBackend, 1, False, True, True)  # negative control: ints would
 
 
 def test_pdl_off_under_the_interpreter_or_by_env(monkeypatch):

@@ -449,14 +449,17 @@ class CudaGraphRunnerImpl:
         if not self.capture:
             self.graphs[key] = _Rerun(call)
             return
+        from bi_core.kernels.common import PDL_MAX_TOKENS, early_launch  # triton: a CUDA extra
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and autotune outside the capture
-                call(pad_ctx)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outs = call(pad_ctx)
+        with early_launch(static.num_tokens <= PDL_MAX_TOKENS):  # small steps: launch latency matters
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile and autotune outside the capture
+                    call(pad_ctx)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outs = call(pad_ctx)
         self.pool = graph.pool()
         self.graphs[key] = _Captured(graph, tuple(outs))
