@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import math
 
 import torch
@@ -11,6 +10,7 @@ from bi_core.config import CacheConfig
 from bi_core.errors import ConfigError
 from bi_core.models.args import ModelArgs
 from bi_core.ops.context import ModelCaches
+from bi_core.runtime import gc_heap
 
 CPU_AUTO_BUDGET = 1 << 30  # bytes of KV pages when num_blocks is auto on the CPU
 
@@ -223,7 +223,7 @@ def _device_memory(device: torch.device) -> tuple[int, int]:
     dropped earlier (collected now, their reference cycles included) and the caching allocator's
     idle blocks (handed back to the driver first). A second engine in one process (tests, an
     evaluation loop) sizes its caches from what is really left."""
-    gc.collect()
+    gc_heap.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)

@@ -8,7 +8,6 @@ scheduler (``Scheduler.update``)."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Literal
 
@@ -18,6 +17,7 @@ import torch
 from bi_core.ops.context import ForwardContext, GraphShape
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed
+from bi_core.runtime import gc_heap
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.host_buffer import HostBuffer
@@ -288,7 +288,7 @@ class ModelRunner:
         stay: the op factory memoises them, so "building" one again would return the same."""
         for graphs in filter(None, (self.main_graphs, self.mtp_graphs)):
             graphs.release()
-        gc.collect()
+        gc_heap.collect(refreeze=True)
 
     # ------------------------------------------------------------------ sampling and scoring
 

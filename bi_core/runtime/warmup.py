@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from bi_core.policies.apply import applied
+from bi_core.runtime import gc_heap
 from bi_core.runtime.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def warm_up(engine) -> WarmupReport:
                         params)
     sync()
     engine.reset_counters()  # the first user request is request 0, as without a warm-up
+    gc_heap.freeze()  # what the start built lives as long as the engine
     report = WarmupReport(graphs, t1 - t0, sum(map(len, waves)), time.perf_counter() - t1)
     log.info("%s", report)
     return report

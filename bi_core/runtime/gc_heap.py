@@ -1,0 +1,30 @@
+"""The start's objects live as long as the engine: keep the cyclic GC from walking them.
+
+After a start a process holds the objects of the weights, the captured graphs, the op plans and
+every compiled Triton kernel, and Python's oldest-generation collections walk all of them every
+time they run. On an H200 (35B-A3B, B=256) a process whose start had compiled its kernels (an
+empty Triton cache) ran the second decode measurement at 42-46 ms a step against 31 ms of device
+time: the host fell behind the device (benchmarks section 25). ``freeze`` at the end of the
+warm-up moves what exists then out of the GC's reach, as vLLM and SGLang do after their start.
+Frozen objects are still freed by reference counting; only reference cycles among them wait for
+``collect``, which the places that drop whole engines or graphs call."""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze() -> None:
+    """Collect, then exempt every object alive now from later collections."""
+    gc.collect()
+    gc.freeze()
+
+
+def collect(refreeze: bool = False) -> None:
+    """Collect everything, frozen objects included (an engine or its graphs were dropped and may
+    sit in reference cycles); ``refreeze``: then exempt the survivors again, without a second
+    pass."""
+    gc.unfreeze()
+    gc.collect()
+    if refreeze:
+        gc.freeze()
