@@ -5,7 +5,8 @@
 
 Prints, for one process: the imports, the engine build (weights, caches, kernels chosen), the
 warm-up (graph captures, dummy prompts), and inside them the Triton compiles and autotuning
-(kernels compiled or timed, seconds) and fla's autotuners that chose by timing. Run it twice
+(kernels compiled or timed, seconds; the C launchers Triton builds with the system compiler) and
+fla's autotuners that chose by timing. Run it twice
 with one ``TRITON_CACHE_DIR``: the first on an empty directory is a fresh machine's start, the
 second a warm one. ``--record-fla`` writes what fla's autotuners chose (the table
 ``bi_core/backends/cuda_common/fla_configs/sm90.json`` is such a file); ``--prefill`` times fresh
@@ -85,6 +86,23 @@ class Hooks:
             JITFunction._do_compile = timed_compile
         Autotuner._bench = timed_bench
 
+        # C sources Triton builds with the system compiler (3.6: a launcher per kernel signature,
+        # at the kernel's first launch, outside _do_compile; cached on disk like the kernels)
+        import triton.runtime.build as build
+
+        self.builds: list[float] = []
+        build_fn = getattr(build, "_build", None)
+
+        def timed_build(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return build_fn(*args, **kwargs)
+            finally:
+                hooks.builds.append(time.perf_counter() - t)
+
+        if build_fn is not None:
+            build._build = timed_build
+
     def differences(self) -> dict:
         """For each kernel compiled more than once, what differs between its variants (by field)."""
         out = {}
@@ -100,6 +118,7 @@ class Hooks:
             return [{"kernel": k, "count": n, "s": round(s, 2)} for s, n, k in rows]
         return {"compile_hook": self.hooked, "compile_s": round(sum(map(sum, self.compiles.values())), 2),
                 "compiles": sum(map(len, self.compiles.values())),
+                "c_builds": len(self.builds), "c_build_s": round(sum(self.builds), 2),
                 "autotune_bench_s": round(sum(map(sum, self.benches.values())), 2),
                 "autotune_candidates_timed": sum(map(len, self.benches.values())),
                 "compile_by_kernel": top(self.compiles), "autotune_by_kernel": top(self.benches)}
