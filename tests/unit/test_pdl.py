@@ -35,10 +35,14 @@ def test_the_early_flag_is_a_bool_so_triton_compiles_no_variant_for_it():
 
     native_specialize_impl = libtriton.native_specialize_impl
 
-    spec = [native_specialize_impl(BaseBackend, v, False, True, True) for v in (True, False)]
-    assert spec[0] == spec[1]
-    assert native_specialize_impl(BaseBackend, 0, False, True, True) != native_specialize_impl(
-        BaseBackend, 1, False, True, True)  # negative control: ints would
+    def spec(value):
+        try:
+            return native_specialize_impl(BaseBackend, value, False, True, True)
+        except TypeError:
+            pytest.skip("native_specialize_impl's signature changed in this Triton")
+
+    assert spec(True) == spec(False)
+    assert spec(0) != spec(1)  # negative control: an int argument would be two variants
 
 
 def test_pdl_off_under_the_interpreter_or_by_env(monkeypatch):
