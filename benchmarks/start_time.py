@@ -1,7 +1,7 @@
 """Where an engine's start goes (issue 22: the default backend took 170-200 s on a fresh H200).
 
-    python3 benchmarks/start_time.py CONFIG [--num-layers N] [--record-fla PATH] [--prefill 8x2048]
-                                     [--profile PATH]
+    python3 benchmarks/start_time.py CONFIG [--num-layers N] [--record-fla PATH] [--record-compiles [PATH]]
+                                     [--prefill 8x2048] [--profile PATH]
 
 Prints, for one process: the imports, the engine build (weights, caches, kernels chosen), the
 warm-up (graph captures, dummy prompts), and inside them the Triton compiles and autotuning
@@ -9,9 +9,17 @@ warm-up (graph captures, dummy prompts), and inside them the Triton compiles and
 fla's autotuners that chose by timing. Run it twice
 with one ``TRITON_CACHE_DIR``: the first on an empty directory is a fresh machine's start, the
 second a warm one. ``--record-fla`` writes what fla's autotuners chose (the table
-``bi_core/backends/cuda_common/fla_configs/sm90.json`` is such a file); ``--prefill`` times fresh
-prompts after the start (so that a table's configs can be compared with autotuned ones);
-``--profile`` writes the start's cProfile (sorted by cumulative time) there."""
+``bi_core/backends/cuda_common/fla_configs/sm90.json`` is such a file); ``--record-compiles``
+writes the start's Triton compiles as a compile manifest (``bi_core/runtime/compile_manifest.py``;
+default: the backend's shipped folder, named by the start's key; the start records without
+replaying one); ``--prefill`` times fresh prompts after the start (so that a table's configs can
+be compared with autotuned ones); ``--profile`` writes the start's cProfile (sorted by cumulative
+time) there.
+
+Compiles and C builds are counted in the launching thread (``triton``); those of the
+compile-ahead's threads are ``compiles_ahead`` / ``c_builds_ahead``, and ``compile_ahead`` says
+what it replayed. Without the warm-up in the build (as here), the engine joins the compile-ahead
+at the end of its build: ``build_s`` includes ``compile_ahead.join_wait_s``."""
 
 from __future__ import annotations
 
@@ -28,6 +36,8 @@ import json  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -48,9 +58,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def in_launching_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 class Hooks:
     """Seconds and counts of Triton compiles (in-memory misses: a disk-cache hit is a fast
-    compile) and autotuner timings, per kernel."""
+    compile) and autotuner timings, per kernel, in the launching thread; the compile-ahead's
+    preloads and launcher builds (other threads) are only counted."""
 
     def __init__(self) -> None:
         from triton.runtime.autotuner import Autotuner
@@ -64,7 +79,12 @@ class Hooks:
 
         self.variants: dict[str, list[dict]] = collections.defaultdict(list)
 
+        self.compiles_ahead = 0
+
         def timed_compile(jit, *args, **kwargs):
+            if not in_launching_thread():  # a preload: the compile itself runs in the pool
+                hooks.compiles_ahead += 1
+                return compile_fn(jit, *args, **kwargs)
             t = time.perf_counter()
             try:
                 return compile_fn(jit, *args, **kwargs)
@@ -91,9 +111,13 @@ class Hooks:
         import triton.runtime.build as build
 
         self.builds: list[float] = []
+        self.builds_ahead = 0
         build_fn = getattr(build, "_build", None)
 
         def timed_build(*args, **kwargs):
+            if not in_launching_thread():
+                hooks.builds_ahead += 1
+                return build_fn(*args, **kwargs)
             t = time.perf_counter()
             try:
                 return build_fn(*args, **kwargs)
@@ -117,8 +141,9 @@ class Hooks:
             rows = sorted(((sum(v), len(v), k) for k, v in d.items()), reverse=True)
             return [{"kernel": k, "count": n, "s": round(s, 2)} for s, n, k in rows]
         return {"compile_hook": self.hooked, "compile_s": round(sum(map(sum, self.compiles.values())), 2),
-                "compiles": sum(map(len, self.compiles.values())),
+                "compiles": sum(map(len, self.compiles.values())), "compiles_ahead": self.compiles_ahead,
                 "c_builds": len(self.builds), "c_build_s": round(sum(self.builds), 2),
+                "c_builds_ahead": self.builds_ahead,
                 "autotune_bench_s": round(sum(map(sum, self.benches.values())), 2),
                 "autotune_candidates_timed": sum(map(len, self.benches.values())),
                 "compile_by_kernel": top(self.compiles), "autotune_by_kernel": top(self.benches)}
@@ -145,6 +170,8 @@ def main() -> None:
     p.add_argument("config")
     p.add_argument("--num-layers", type=int)
     p.add_argument("--record-fla", metavar="PATH", help="write what fla's autotuners chose (JSON)")
+    p.add_argument("--record-compiles", metavar="PATH", nargs="?", const="",
+                   help="write the start's Triton compiles as a compile manifest (default: the backend's folder)")
     p.add_argument("--prefill", default="", help="NxLEN: time N fresh prompts of LEN tokens after the start")
     p.add_argument("--profile", metavar="PATH", help="cProfile of the start, sorted by cumulative time")
     p.add_argument("--variants", metavar="PATH", help="write what differs between a kernel's compiled variants")
@@ -158,13 +185,19 @@ def main() -> None:
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    t_build = time.perf_counter()
-    engine = LLMEngine(config)
-    sync()
-    t_warm = time.perf_counter()
-    build_hooks = hooks.report()
-    report = warm_up(engine)
-    t_end = time.perf_counter()
+    recording = nullcontext()
+    if args.record_compiles is not None:  # (imported here: start_time.py also times trees from before it)
+        from bi_core.runtime import compile_manifest
+
+        recording = compile_manifest.recording()
+    with recording as recorded:
+        t_build = time.perf_counter()
+        engine = LLMEngine(config)
+        sync()
+        t_warm = time.perf_counter()
+        build_hooks = hooks.report()
+        report = warm_up(engine)
+        t_end = time.perf_counter()
     if prof:
         prof.disable()
         out = io.StringIO()
@@ -187,7 +220,7 @@ def main() -> None:
         "engine_start_s": round(t_end - t_build, 2), "process_s": round(t_end - T0, 2),
         "warmup": str(report), "build_triton": {k: build_hooks[k] for k in ("compile_s", "compiles",
                                                                           "autotune_bench_s")},
-        "triton": hooks.report(),
+        "triton": hooks.report(), "compile_ahead": compile_ahead_report(engine, hooks),
     }
     if args.prefill:
         n, length = map(int, args.prefill.split("x"))
@@ -208,6 +241,38 @@ def main() -> None:
         with open(args.record_fla, "w") as f:
             json.dump(table, f, indent=1)
         print(f"fla choices of {len(chosen)} kernels written to {args.record_fla}")
+    if args.record_compiles is not None:
+        record_compiles(engine, recorded, args.record_compiles)
+
+
+def compile_ahead_report(engine: LLMEngine, hooks: Hooks) -> dict:
+    """What the start compiled ahead, and what still compiled in the launching thread (build and
+    warm-up: a kernel compiled ahead is an in-memory hit at its launch)."""
+    ahead = getattr(engine, "compile_ahead", None)  # absent from trees before compile-ahead
+    r = ahead.report if ahead is not None else None
+    out = {"manifest": str(ahead.path) if ahead is not None and ahead.path else None,
+           "lazy_compiles": hooks.report()["compiles"], "lazy_c_builds": len(hooks.builds)}
+    if r is not None:
+        out.update(entries=r.entries, compiled=r.compiled, failed=r.failed, stale=r.stale, workers=r.workers,
+                   s=round(r.seconds, 2), join_wait_s=round(r.join_wait_s, 2))
+    return out
+
+
+def record_compiles(engine: LLMEngine, recorded, path: str) -> None:
+    from bi_core.runtime import compile_manifest
+
+    if engine.device.type != "cuda":
+        sys.exit("--record-compiles records the Triton compiles of a CUDA start")
+    fields, shipped = compile_manifest.manifest_target(engine.config, engine.registry, engine.policy, engine.args,
+                                                       engine.device)
+    path = path or shipped
+    if not path:
+        sys.exit(f"backend {engine.policy.backend} ships no compile manifests: give --record-compiles a PATH")
+    entries = recorded.entries()
+    compile_manifest.write_manifest(path, fields, entries, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                    recorded_with="python3 benchmarks/start_time.py " + " ".join(sys.argv[1:]),
+                                    triton_cache=os.environ.get("TRITON_CACHE_DIR"))
+    print(f"{len(entries)} Triton compiles written to {path} ({recorded.unrecorded} not recordable)")
 
 
 if __name__ == "__main__":

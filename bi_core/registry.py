@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
@@ -21,12 +22,15 @@ class Backend:
 
     ``invariance_refusal``: set when the whole backend can never be batch-invariant; asking it
     for invariance then raises :class:`BatchInvarianceUnsupported` with this reason.
+    ``compile_manifests``: the folder of Triton compiles recorded from this backend's starts,
+    compiled ahead by the next start of the same shape (``bi_core/runtime/compile_ahead.py``).
     """
 
     name: str
     builders: tuple[OpBuilder, ...]
     description: str = ""
     invariance_refusal: str | None = None
+    compile_manifests: Path | None = None
 
     def __attrs_post_init__(self) -> None:
         ops = [b.op for b in self.builders]

@@ -27,6 +27,7 @@ from bi_core.rl.api import RolloutAPI
 from bi_core.rl.control import RolloutControl
 from bi_core.rl.receiver import WeightSync
 from bi_core.rl.worker import worker_class
+from bi_core.runtime import compile_ahead
 from bi_core.runtime.build import build_parts, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
 from bi_core.runtime.overlap import Overlap
@@ -63,6 +64,8 @@ class LLMEngine(RolloutAPI):
         driver = lockstep.launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
         if driver is not None:
             atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
+        # Triton compiles from a recorded manifest, in a thread pool while the weights are built
+        self.compile_ahead = compile_ahead.start(config, self.registry, self.policy, self.args, self.device)
         parts = build_parts(config, self.registry, self.policy, self.factory, self.args, index, self.tp)
         self.model, self.runner, self.scheduler, self.strategy = parts.model, parts.runner, parts.scheduler, parts.strategy
         self.cache, self.max_model_len = self.runner.cache, parts.max_model_len
@@ -80,6 +83,8 @@ class LLMEngine(RolloutAPI):
         self.warmup = None
         if wants_warmup(self):
             self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
+        else:  # (the warm-up joins it first)
+            self.compile_ahead.join()  # the kernels compiled ahead are installed before any request
         if driver is not None:
             driver.started = True
             self._driver = driver

@@ -53,6 +53,7 @@ def warm_up(engine) -> WarmupReport:
     counters, prefix cache). Call it on an idle engine."""
     if engine.requests:
         raise RuntimeError("warm_up needs an idle engine")
+    engine.compile_ahead.join()  # the kernels compiled ahead are installed before the first launch
     t0 = time.perf_counter()
     with torch.inference_mode(), applied(engine.policy):
         graphs = engine.runner.capture_graphs()

@@ -11,10 +11,12 @@ NAME = "cuda_default"
 
 @hookimpl
 def bi_register_backends(register) -> None:
+    from bi_core.backends.cuda_common import COMPILE_MANIFESTS
     from bi_core.backends.cuda_default import builders as b
 
     register(Backend(name=NAME, description="fastest CUDA path; no batch invariance",
                      builders=(b.DefaultAttentionBuilder(), b.DefaultLinearBuilder(), b.DefaultNormBuilder(),
                                b.DefaultTopKBuilder(), b.DefaultMoEBuilder(), b.DefaultGdnBuilder(),
                                b.DefaultSamplingBuilder(), b.DefaultGraphRunnerBuilder(), b.DefaultAllReduceBuilder(),
-                               b.DefaultAllGatherBuilder())))
+                               b.DefaultAllGatherBuilder()),
+                     compile_manifests=COMPILE_MANIFESTS))

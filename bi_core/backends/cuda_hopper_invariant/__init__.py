@@ -12,10 +12,12 @@ NAME = "cuda_hopper_invariant"
 
 @hookimpl
 def bi_register_backends(register) -> None:
+    from bi_core.backends.cuda_common import COMPILE_MANIFESTS
     from bi_core.backends.cuda_hopper_invariant import builders as b
 
     register(Backend(name=NAME, description="batch-invariant kernels for Hopper (SM90)",
                      builders=(b.InvariantAttentionBuilder(), b.InvariantLinearBuilder(), b.InvariantNormBuilder(),
                                b.InvariantTopKBuilder(), b.InvariantMoEBuilder(), b.InvariantGdnBuilder(),
                                b.InvariantSamplingBuilder(), b.InvariantGraphRunnerBuilder(),
-                               b.InvariantAllReduceBuilder(), b.InvariantAllGatherBuilder())))
+                               b.InvariantAllReduceBuilder(), b.InvariantAllGatherBuilder()),
+                     compile_manifests=COMPILE_MANIFESTS))
