@@ -1,7 +1,9 @@
 """How many GPUs a model's weights need, in the model dtype and in block FP8, from its shapes: the
 model is built on the meta device at each tensor-parallel size (no memory, no kernels) and its
 parameters counted, FP8 scales and replicated tensors included; what is left of each GPU is
-given as KV-cache tokens, after the GDN state of ``scheduler.max_num_seqs`` sequences."""
+given as KV-cache tokens, after the GDN state of ``scheduler.max_num_seqs`` sequences (each with
+``ring`` state slots: 1 + the drafts a speculative strategy verifies per step, as the engine's
+cache reserves them)."""
 
 from __future__ import annotations
 
@@ -56,9 +58,10 @@ def _gpus() -> tuple[tuple[str, int], ...]:
     return KNOWN_GPUS
 
 
-def _fit(args, config, dtype, with_mtp, usable: float) -> str:
+def _fit(args, config, dtype, with_mtp, usable: float, ring: int) -> str:
     """The fewest GPUs holding the weights (and, if that leaves no room, the fewest leaving some)."""
     seqs, short = config.scheduler.max_num_seqs, None
+    slots = f" ({ring} state slots each)" if ring > 1 else ""
     for world in SIZES:
         try:
             weights = weight_bytes(args, dtype, world, with_mtp)
@@ -67,19 +70,20 @@ def _fit(args, config, dtype, with_mtp, usable: float) -> str:
         if weights > usable:
             continue
         kv, gdn = state_bytes(args, config, dtype, world, with_mtp)
-        room = usable - weights - gdn * seqs
+        room = usable - weights - gdn * seqs * ring
         gpus = f"{world} GPU{'s' if world > 1 else ''}"
         if room > 0:
             fit = (f"{gpus} ({weights / GiB:.1f} GiB each; KV room ~{int(room // kv):,} tokens after the GDN state of "
-                   f"{seqs} sequences)")
+                   f"{seqs} sequences{slots})")
             return fit if short is None else f"{short}; {fit}"
         short = short or (f"{gpus} {'hold' if world > 1 else 'holds'} the weights ({weights / GiB:.1f} of {usable / GiB:.1f} GiB usable) but not "
-                          f"the GDN state of {seqs} sequences ({gdn * seqs / GiB:.1f} GiB) too")
+                          f"the GDN state of {seqs} sequences{slots} ({gdn * seqs * ring / GiB:.1f} GiB) too")
     return short or f"more than {SIZES[-1]} GPUs, or no size that splits it"
 
 
-def summary(config, args: ModelArgs, with_mtp: bool) -> str:
-    """The explain lines: total weights and the GPUs needed, in the model dtype and in FP8."""
+def summary(config, args: ModelArgs, with_mtp: bool, ring: int = 1) -> str:
+    """The explain lines: total weights and the GPUs needed, in the model dtype and in FP8
+    (``ring``: GDN state slots per sequence, the strategy's ``state_ring_for``)."""
     dtype = getattr(torch, config.model.dtype)
     fp8 = attrs.evolve(args, quantization=args.quantization or Fp8Scheme())
     dense = attrs.evolve(args, quantization=None)
@@ -91,7 +95,7 @@ def summary(config, args: ModelArgs, with_mtp: bool) -> str:
         except BiEngineError as e:  # e.g. shapes that cannot be held in 128x128 blocks
             lines.append(f"  {label}: not possible ({e})")
             continue
-        fits = "; ".join(f"{name}: {_fit(a, config, dtype, with_mtp, memory * util)}" for name, memory in _gpus())
+        fits = "; ".join(f"{name}: {_fit(a, config, dtype, with_mtp, memory * util, ring)}" for name, memory in _gpus())
         lines.append(f"  {label}: {total / GiB:.1f} GiB of weights; {fits}")
     kv, gdn = state_bytes(args, config, dtype, 1, with_mtp)
     lines.append(f"  KV cache {kv / 1024:.1f} KiB per token and GDN state {gdn / 2**20:.1f} MiB per sequence on one GPU "

@@ -242,7 +242,8 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     live = wanted.type != "cuda" or torch.cuda.is_available()
     registry, _, factory = prepare(config, registry, live=live, plan_only=True)
     args, index = resolve_model(config)
-    with_mtp = builds_mtp_head(registry.strategies[config.strategy.name], args, index)
+    strategy_cls = registry.strategies[config.strategy.name]
+    with_mtp = builds_mtp_head(strategy_cls, args, index)
     world = config.parallel.tensor_parallel_size
     check_tensor_parallel(args, world)
     Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp, tp=TPInfo(0, world))
@@ -253,7 +254,7 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     if wanted.type == "cuda":  # the GPUs its weights need, in the model dtype and in FP8
         from bi_core.quant.sizing import summary
 
-        text += "\n" + summary(config, args, with_mtp)
+        text += "\n" + summary(config, args, with_mtp, strategy_cls.state_ring_for(config))
     if not live:
         text = (f"note: {wanted} is not available on this machine: the plan is shown as selected for it, without "
                 "the checks that need the device present (CUDA, SM90); package checks are this machine's\n" + text)

@@ -115,3 +115,23 @@ def test_a_tensor_parallel_split_that_cuts_a_block_is_refused():
                                           r"\[32, 32, 64, 64\] rows into one weight, and each part but the last must be "
                                           "whole 128-row blocks"):
         _explain("tiny-moe", False)  # head dims of 16 and 32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU counts for the kinds when none is here")
+@pytest.mark.parametrize("name", ["h100_default", "h100_invariant", "h100_invariant_mtp"])
+def test_the_h100_configs_fit_one_h100(name):
+    """Each shipped ``configs/h100_*.yaml`` holds its weights, the GDN state of its sequences (MTP:
+    4 state slots each, as the engine's cache reserves them) and some KV on one H100 in bf16.
+    Negative control: with 256 sequences (the H200's count, which the configs had) they do not."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
+    config = EngineConfig.from_yaml(path)
+
+    def bf16_line(cfg) -> str:
+        return next(line for line in explain(cfg).splitlines() if line.startswith("  bfloat16:"))
+
+    assert "H100 80GB: 1 GPU (" in bf16_line(config)
+    crowded = EngineConfig.from_dict({**config.to_dict(), "scheduler": {**config.to_dict()["scheduler"],
+                                                                        "max_num_seqs": 256}})
+    assert "H100 80GB: 1 GPU holds the weights" in bf16_line(crowded)
