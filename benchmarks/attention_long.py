@@ -7,7 +7,7 @@ first (neither the split count nor the merge's pipelining may change a bit). A f
 
     python3 benchmarks/attention_long.py [--contexts 32000,131000] [--batches 1,4,8,32] [--repeats 5]
                                          [--merge-run N] [--split-warps W]
-                                         [--splits 64,128,256 --split-stages 2,3]
+                                         [--splits 64,128,256 --split-stages 2,3] [--merge-warps 4,2,1]
 
 Each variant is also called ``--repeats`` more times, each call's output compared with the one
 before (``repeat_elements_differing`` must be 0: a race between the kernels would show there).
@@ -56,9 +56,11 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
     dec = torch.arange(batch, dtype=torch.int64, device="cuda")
     chunks = batch * -(-context // attn.KV_SPLIT)
     rows, ref = [], None
-    for splits, stages, warps, split_stages in variants(batch, context):
+    shipped = attn.MERGE_WARPS
+    for splits, stages, warps, split_stages, *merge_warps in variants(batch, context):
         attn.MERGE_STAGES, attn.MERGE_PIPELINED_PROGRAMS = stages, 1 << 30
         attn.DECODE_WARPS, attn.DECODE_STAGES = warps, split_stages
+        attn.MERGE_WARPS = merge_warps[0] if merge_warps else shipped
         out = torch.full((batch, HQ * D), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run(out=out, splits=splits):
@@ -80,10 +82,11 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
             run()
             differing += int((out != last).sum())
         rows.append({"batch": batch, "context": context, "splits": splits, "merge_stages": stages,
-                     "split_warps": warps, "split_stages": split_stages,
+                     "split_warps": warps, "split_stages": split_stages, "merge_warps": attn.MERGE_WARPS,
                      "split_us": split_us, "merge_us": merge_us, "total_us": split_us + merge_us,
                      "bitwise_same_as_first": same, "repeat_elements_differing": differing,
                      "all_written": not bool(out.isnan().any())})
+    attn.MERGE_WARPS = shipped
     if flashinfer is not None:
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
@@ -107,6 +110,7 @@ def main() -> None:
     ap.add_argument("--splits", help="split programs per (sequence, KV head) to try, e.g. 64,128,256 (with "
                     "--split-stages: every pair; merge as shipped)")
     ap.add_argument("--split-stages", default="2", help="the split kernel's pipeline stages to try with --splits")
+    ap.add_argument("--merge-warps", help="the merges' warps to try, e.g. 4,2,1 (the rest as shipped)")
     a = ap.parse_args()
     globals()["REPEATS"] = a.repeats
     if a.merge_run:
@@ -121,6 +125,8 @@ def main() -> None:
         chunks = -(-context // attn.KV_SPLIT)
         old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
         new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
+        if a.merge_warps:  # scheduling only: the merges' arithmetic is elementwise
+            return [(new, 6, warps, 2, int(w)) for w in a.merge_warps.split(",")]
         if a.splits:  # scheduling only: every pair must give the first's bits
             return [(min(chunks, int(sp)), 6, warps, int(st)) for sp in a.splits.split(",")
                     for st in a.split_stages.split(",")]

@@ -53,6 +53,9 @@ MERGE_STAGES, MERGE_PIPELINED_PROGRAMS = 6, 512  # merge: chunk loads in flight,
 # first: part of such a row's arithmetic (a row with fewer keeps the one-level fold's bits)
 MERGE_RUN = 16
 RUN_PROGRAMS = 528  # run-merge programs wanted (they are short: four per SM); scheduling only
+# warps of the run merge and the merge: their arithmetic is elementwise over a row's (tokens, D)
+# tile, so the layout changes no bit; fewer warps load wider vectors per thread. Scheduling only
+MERGE_WARPS = 1
 
 
 @triton.jit
@@ -431,8 +434,9 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
         per_head = max(1, min(runs, triton.cdiv(RUN_PROGRAMS, num_dec * num_heads)))
         _merge_runs_kernel[(num_dec, num_heads, per_head)](
             ws_acc, ws_m, ws_l, context_lens, cu_seqlens, dec_seqs, num_heads, D=head_dim, KV_SPLIT=KV_SPLIT,
-            DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, RUN=run, STAGES=min(stages, 4), num_warps=4, **pdl())
+            DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, RUN=run, STAGES=min(stages, 4), num_warps=MERGE_WARPS,
+            **pdl())
     _merge_kernel[(num_dec, num_heads)](
         ws_acc, ws_m, ws_l, gate, out, context_lens, cu_seqlens, dec_seqs, gate.stride(0), out.stride(0), num_heads,
         D=head_dim, KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, RUN=run, STAGES=stages,
-        num_warps=4, **pdl())
+        num_warps=MERGE_WARPS, **pdl())
