@@ -37,6 +37,7 @@ import torch
 
 from bi_core.runtime.compile_manifest import (
     RECORD_HOW,
+    changed_sources,
     is_recording,
     manifest_key,
     manifest_target,
@@ -158,18 +159,22 @@ class CompileAhead:
     report: AheadReport | None = None
     _thread: threading.Thread | None = None
 
-    def launch(self, entries: list[dict], device_index: int) -> None:
-        """Replay ``entries`` in a thread, on CUDA device ``device_index``."""
+    def launch(self, entries: list[dict], device_index: int, skipped: int = 0) -> None:
+        """Replay ``entries`` in a thread, on CUDA device ``device_index``; ``skipped``: entries of
+        the manifest left out as stale (counted in the report)."""
         _create_driver()
         workers = min(MAX_WORKERS, os.cpu_count() or 1)
-        self._thread = threading.Thread(target=self._run, args=(entries, device_index, workers),
+        self._thread = threading.Thread(target=self._run, args=(entries, device_index, workers, skipped),
                                         name="bi-compile-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self, entries: list[dict], device_index: int, workers: int) -> None:
+    def _run(self, entries: list[dict], device_index: int, workers: int, skipped: int) -> None:
         try:
             torch.cuda.set_device(device_index)  # Triton keys its kernel caches by the current device
-            self.report = replay(entries, workers)
+            report = replay(entries, workers)
+            report.entries, report.failed, report.stale = (report.entries + skipped, report.failed + skipped,
+                                                           report.stale + skipped)
+            self.report = report
         except Exception as e:  # never the engine's start: the kernels compile at their first launch
             log.warning("compile-ahead stopped (%s: %s); kernels compile at their first launch",
                         type(e).__name__, e)
@@ -223,7 +228,14 @@ def start(config: EngineConfig, registry: Registry, policy: Policy, args: ModelA
                       f"{fields['capability']}, Triton {fields['triton']}); record one with {RECORD_HOW}")
             return ahead
         entries = read_entries(path, fields)
-        ahead.launch(entries, device.index if device.index is not None else torch.cuda.current_device())
+        fresh = [e for e in entries if not changed_sources(e)]
+        if len(fresh) < len(entries):
+            changed = sorted({p for e in entries for p in changed_sources(e)})
+            _say_once(f"compile-ahead: {len(entries) - len(fresh)} of {len(entries)} entries of {path.name} are "
+                      f"for kernels whose files changed since it was recorded ({', '.join(changed)}): they "
+                      f"compile at their first launch; re-record with {RECORD_HOW}")
+        ahead.launch(fresh, device.index if device.index is not None else torch.cuda.current_device(),
+                     skipped=len(entries) - len(fresh))
         ahead.path = path
     except Exception as e:  # never the engine's start
         _say_once(f"compile-ahead: off ({type(e).__name__}: {e})")

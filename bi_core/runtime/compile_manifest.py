@@ -10,14 +10,20 @@ ahead by the next start of the same shape (``runtime/compile_ahead.py``).
   backends': ``backends/cuda_common/compile_manifests``), one file per key.
 
 Record one with ``python3 benchmarks/start_time.py CONFIG --record-compiles`` on an empty
-``TRITON_CACHE_DIR`` on the GPU; re-record after changing kernels (an entry whose kernel changed
-no longer compiles to its recorded hash: it is not installed, and costs only its preload)."""
+``TRITON_CACHE_DIR`` on the GPU; re-record after changing kernels. Each entry of a bi_core kernel
+keeps the hashes of the files its compile depends on (``kernel_sources``: Triton's key covers a
+kernel's text and lines, and those of the JIT functions it calls): a start skips the entries whose
+files changed (``changed_sources``), and a CPU test fails while a shipped manifest has such
+entries. (An entry that compiles to another hash anyway is refused by ``compile_ahead``.)"""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 import logging
 from collections.abc import Iterator
@@ -117,6 +123,38 @@ def read_entries(path: Path, fields: dict) -> list[dict]:
     return doc["entries"]
 
 
+@functools.cache
+def kernel_sources(module: str) -> dict[str, str]:
+    """The files whose text decides how a kernel of bi_core module ``module`` compiles: the
+    module's and, transitively, those of the ``bi_core.kernels`` modules it imports from; path
+    from the repository root -> the first 16 hex digits of its sha256. Other packages' kernels
+    (fla): none (their version pins them)."""
+    if not module.startswith("bi_core."):
+        return {}
+    root = Path(__file__).resolve().parents[2]
+    found, todo = {}, [module]
+    while todo:
+        path = Path(importlib.util.find_spec(todo.pop()).origin).resolve()
+        rel = path.relative_to(root).as_posix()
+        if rel in found:
+            continue
+        text = path.read_bytes()
+        found[rel] = hashlib.sha256(text).hexdigest()[:16]
+        todo += [node.module for node in ast.walk(ast.parse(text))
+                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bi_core.kernels")]
+    return dict(sorted(found.items()))
+
+
+def changed_sources(entry: dict) -> list[str]:
+    """The files of ``entry``'s kernel that differ from when it was recorded (an entry recorded
+    without ``sources``: none known)."""
+    recorded = entry.get("sources")
+    if recorded is None:
+        return []
+    now = kernel_sources(entry["kernel"].partition(":")[0])
+    return sorted(p for p in recorded.keys() | now.keys() if recorded.get(p) != now.get(p))
+
+
 def resolve(name: str):
     """The object that preloads kernel ``module:qualname``: the attribute path in the module,
     unwrapped through Triton's autotuners and heuristics (``.fn``) to the ``JITFunction``."""
@@ -153,7 +191,8 @@ class Recording:
             if data is None or not getattr(kernel, "hash", None) or resolve(name) is not info.jit_function:
                 raise ValueError("not replayable")
             spec = _portable(json.loads(data))
-            self.found[(name, spec["key"])] = {"kernel": name, "hash": kernel.hash, "spec": spec}
+            self.found[(name, spec["key"])] = {"kernel": name, "hash": kernel.hash,
+                                               "sources": kernel_sources(info.module), "spec": spec}
         except Exception as e:
             self.unrecorded += 1
             log.debug("compile manifest: a compile not recorded (%s: %s)", type(e).__name__, e)

@@ -189,8 +189,8 @@ def test_recording_writes_down_compiles_chains_the_hook_and_never_raises(monkeyp
     assert jit_module.serialize_specialization_data is failing_serialize
     assert rec.unrecorded == 5
     [entry] = rec.entries()
-    assert entry == {"kernel": "fake_kernels:good", "hash": "h1", "spec": {"name": "k", "key": "K1",
-                                                                        "options": {"num_warps": 4}}}
+    assert entry == {"kernel": "fake_kernels:good", "hash": "h1", "sources": {},  # not a bi_core module
+                     "spec": {"name": "k", "key": "K1", "options": {"num_warps": 4}}}
 
 
 def test_entries_come_out_once_each_in_a_stable_order():
@@ -352,11 +352,15 @@ def start_env(monkeypatch):
     config = cuda_config()
     policy = make_policy(batch_invariant=False, backend="cuda_default", op_overrides={}, device="cuda")
     args, _ = resolve_model(config)
-    calls = types.SimpleNamespace(launched=[], targets=0)
+    calls = types.SimpleNamespace(launched=[], skipped=[], targets=0)
     monkeypatch.delenv(compile_ahead.ENV, raising=False)
     monkeypatch.setattr(compile_ahead, "_said", set())
-    monkeypatch.setattr(compile_ahead.CompileAhead, "launch",
-                        lambda self, entries, index: calls.launched.append(entries))
+
+    def launch(self, entries, index, skipped=0):
+        calls.launched.append(entries)
+        calls.skipped.append(skipped)
+
+    monkeypatch.setattr(compile_ahead.CompileAhead, "launch", launch)
 
     def start(manifest: Path | None):
         def target(*_):
@@ -441,3 +445,57 @@ def test_the_cuda_backends_name_their_manifest_folder():
         doc = json.loads(path.read_text())
         assert path.name == compile_manifest.manifest_name(doc["fields"]) and doc["key"] in path.name
         assert all({"kernel", "hash", "spec"} <= set(e) for e in doc["entries"])
+
+
+# ------------------------------------------------------------------ kernel files changed since recording
+
+
+def test_kernel_sources_follow_the_kernel_imports():
+    """A bi_core kernel's compile depends on its module's text and, transitively, on the
+    ``bi_core.kernels`` modules it imports JIT functions from; other packages' kernels list none."""
+    norm = compile_manifest.kernel_sources("bi_core.kernels.norm")
+    assert list(norm) == ["bi_core/kernels/common.py", "bi_core/kernels/norm.py"]
+    fp8_moe = compile_manifest.kernel_sources("bi_core.kernels.fp8_moe")
+    assert {"bi_core/kernels/fp8.py", "bi_core/kernels/gemm.py", "bi_core/kernels/moe.py",
+            "bi_core/kernels/common.py"} < set(fp8_moe)
+    assert all(len(h) == 16 for h in fp8_moe.values())
+    assert compile_manifest.kernel_sources("fla.ops.utils.cumsum") == {}
+
+
+def test_an_entry_whose_kernel_file_changed_is_known():
+    entry = {"kernel": "bi_core.kernels.norm:_rms_norm_kernel",
+             "sources": dict(compile_manifest.kernel_sources("bi_core.kernels.norm"))}
+    assert compile_manifest.changed_sources(entry) == []
+    entry["sources"]["bi_core/kernels/common.py"] = "0" * 16  # negative control
+    assert compile_manifest.changed_sources(entry) == ["bi_core/kernels/common.py"]
+    assert compile_manifest.changed_sources({"kernel": "bi_core.kernels.norm:k"}) == []  # recorded without
+
+
+def test_a_start_skips_the_entries_whose_kernel_files_changed(start_env, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=compile_ahead.__name__)
+    fresh = {"kernel": "bi_core.kernels.norm:_rms_norm_kernel",
+             "sources": compile_manifest.kernel_sources("bi_core.kernels.norm")}
+    stale = {"kernel": "bi_core.kernels.topk:_softmax_topk_kernel", "sources": {"bi_core/kernels/topk.py": "0" * 16}}
+    path = tmp_path / "m.json"
+    compile_manifest.write_manifest(path, start_env.fields, [fresh, stale, {"kernel": "fla.x:k", "sources": {}}])
+    start_env.start(path)
+    assert start_env.launched == [[fresh, {"kernel": "fla.x:k", "sources": {}}]] and start_env.skipped == [1]
+    assert "1 of 3 entries" in caplog.records[0].message and "bi_core/kernels/topk.py" in caplog.records[0].message
+
+
+def test_the_shipped_manifests_match_the_kernel_files():
+    """Every shipped compile manifest was recorded from the kernel files in this tree: after editing
+    a kernel file, re-record the manifests that compile from it on the GPU (docs/notes.md says
+    how), or a start compiles those kernels lazily again. Negative control: a changed hash shows."""
+    from bi_core.backends.cuda_common import COMPILE_MANIFESTS
+
+    paths = sorted(COMPILE_MANIFESTS.glob("*.json"))
+    assert paths
+    for path in paths:
+        entries = json.loads(path.read_text())["entries"]
+        assert all("sources" in e for e in entries), path.name
+        stale = {e["kernel"]: compile_manifest.changed_sources(e) for e in entries if compile_manifest.changed_sources(e)}
+        assert not stale, f"{path.name}: recorded from other kernel files: {stale}"
+    entry = next(e for e in entries if e["sources"])
+    tampered = {**entry, "sources": {k: "0" * 16 for k in entry["sources"]}}
+    assert compile_manifest.changed_sources(tampered)
