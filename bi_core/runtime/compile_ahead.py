@@ -228,9 +228,10 @@ def start(config: EngineConfig, registry: Registry, policy: Policy, args: ModelA
                       f"{fields['capability']}, Triton {fields['triton']}); record one with {RECORD_HOW}")
             return ahead
         entries = read_entries(path, fields)
-        fresh = [e for e in entries if not changed_sources(e)]
+        changes = [changed_sources(e) for e in entries]
+        fresh = [e for e, changed in zip(entries, changes) if not changed]
         if len(fresh) < len(entries):
-            changed = sorted({p for e in entries for p in changed_sources(e)})
+            changed = sorted({p for c in changes for p in c})
             _say_once(f"compile-ahead: {len(entries) - len(fresh)} of {len(entries)} entries of {path.name} are "
                       f"for kernels whose files changed since it was recorded ({', '.join(changed)}): they "
                       f"compile at their first launch; re-record with {RECORD_HOW}")
