@@ -43,6 +43,43 @@ def kernel_times(fn, reps: int = 20) -> dict[str, float]:
     return out
 
 
+def sched_case(v: dict, batch, context, q, kc, vc, gate, bt, ctx, cu, dec, chunks, ref) -> dict:
+    """One ``--sched`` variant: the shipped kernels with the scheduling knobs ``v`` set."""
+    from bi_core.backends.cuda_common.attention import CHUNKS_PER_PROGRAM, PROGRAMS_WANTED
+
+    names = {"run_programs": "RUN_PROGRAMS", "run_stages": "RUN_STAGES"}
+    saved = {n: getattr(attn, n) for n in names.values()}
+    wanted = PROGRAMS_WANTED if v.get("splits", "wave") == "wave" else None
+    splits = (int(v["splits"]) if wanted is None else
+              max(-(-wanted // (batch * HKV)), -(-context // (attn.KV_SPLIT * CHUNKS_PER_PROGRAM))))
+    splits = max(1, min(-(-context // attn.KV_SPLIT), splits))
+    try:
+        for k, n in names.items():
+            if k in v:
+                setattr(attn, n, int(v[k]))
+        out = torch.full((batch, HQ * D), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            attn.decode_attention(q, kc, vc, gate, out, bt, ctx, cu, dec, D**-0.5, 1, splits, chunks)
+
+        times = kernel_times(run)
+        differing = 0
+        for _ in range(REPEATS):
+            last = out.clone()
+            run()
+            differing += int((out != last).sum())
+        return {"batch": batch, "context": context, "sched": v, "splits": splits,
+                "split_us": sum(t for k, t in times.items() if "split" in k),
+                "run_merge_us": sum(t for k, t in times.items() if "merge_runs" in k),
+                "merge_us": sum(t for k, t in times.items() if "merge" in k and "merge_runs" not in k),
+                "total_us": sum(t for k, t in times.items() if "split" in k or "merge" in k),
+                "bitwise_same_as_first": None if ref is None else torch.equal(out, ref),
+                "repeat_elements_differing": differing, "all_written": not bool(out.isnan().any()), "out": out}
+    finally:
+        for n, val in saved.items():
+            setattr(attn, n, val)
+
+
 def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
     pages = -(-context // PAGE)
@@ -57,7 +94,12 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
     chunks = batch * -(-context // attn.KV_SPLIT)
     rows, ref = [], None
     shipped = attn.MERGE_WARPS
-    for splits, stages, warps, split_stages, *merge_warps in variants(batch, context):
+    for v in variants(batch, context):
+        if isinstance(v, dict):
+            rows.append(sched_case(v, batch, context, q, kc, vc, gate, bt, ctx, cu, dec, chunks, ref))
+            ref = rows[0]["out"] if ref is None else ref
+            continue
+        splits, stages, warps, split_stages, *merge_warps = v
         attn.MERGE_STAGES, attn.MERGE_PIPELINED_PROGRAMS = stages, 1 << 30
         attn.DECODE_WARPS, attn.DECODE_STAGES = warps, split_stages
         attn.MERGE_WARPS = merge_warps[0] if merge_warps else shipped
@@ -87,6 +129,8 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
                      "bitwise_same_as_first": same, "repeat_elements_differing": differing,
                      "all_written": not bool(out.isnan().any())})
     attn.MERGE_WARPS = shipped
+    for r in rows:
+        r.pop("out", None)
     if flashinfer is not None:
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
@@ -111,6 +155,8 @@ def main() -> None:
                     "--split-stages: every pair; merge as shipped)")
     ap.add_argument("--split-stages", default="2", help="the split kernel's pipeline stages to try with --splits")
     ap.add_argument("--merge-warps", help="the merges' warps to try, e.g. 4,2,1 (the rest as shipped)")
+    ap.add_argument("--sched", help="scheduling knobs to try, as shipped otherwise: ';'-separated variants of "
+                    "'splits=N,run_programs=N,run_stages=N' (splits=wave: PROGRAMS_WANTED)")
     a = ap.parse_args()
     globals()["REPEATS"] = a.repeats
     if a.merge_run:
@@ -123,6 +169,8 @@ def main() -> None:
 
     def variants(batch, context):
         chunks = -(-context // attn.KV_SPLIT)
+        if a.sched:  # scheduling only: every variant must give the first's bits
+            return [dict(kv.split("=") for kv in v.split(",") if kv) for v in a.sched.split(";")]
         old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
         new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
         if a.merge_warps:  # scheduling only: the merges' arithmetic is elementwise
