@@ -5,8 +5,8 @@ every compiled Triton kernel (about 420,000 tracked objects on 35B-A3B), and Pyt
 oldest-generation collections walk all of them every time they run. ``freeze`` at the end of the
 warm-up collects once and moves what exists then out of the GC's reach, as vLLM and SGLang do
 after their start. (On an H200, processes whose start had compiled their kernels ran a B=256
-decode measurement host-bound at 40-46 ms a step against 31 ms of device time; after this change
-they did not. That the GC was the cause is likely, not shown: benchmarks section 25.)
+decode measurement host-bound; after this change they did not. That the GC was the cause is
+likely, not shown: benchmarks section 25.)
 Frozen objects are still freed by reference counting; only reference cycles among them wait for
 ``collect``, which the places that drop whole engines or graphs call."""
 

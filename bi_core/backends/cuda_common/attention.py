@@ -56,8 +56,8 @@ def exact_decode_tokens(group: int, tile_tokens: int) -> int:
 
 CHUNKS_PER_PROGRAM = 4  # KV chunks a decode program folds in series at most
 # decode programs that keep an H100/H200 (132 SMs) streaming KV: four per SM, as many as the split
-# kernel's registers let an SM hold (215 a thread, 2 warps). Two per SM left half the GPU's loads
-# unissued: B=1 at 131k tokens 86.8 -> 71.3 µs (FlashInfer 78; benchmarks section 27)
+# kernel's registers let an SM hold (2 warps). Two per SM left loads unissued: at batch 1 and long
+# contexts the split kernel was a fifth slower (benchmarks section 27)
 PROGRAMS_WANTED = 528
 
 
