@@ -8,6 +8,7 @@ first (neither the split count nor the merge's pipelining may change a bit). A f
     python3 benchmarks/attention_long.py [--contexts 32000,131000] [--batches 1,4,8,32] [--repeats 5]
                                          [--merge-run N] [--split-warps W]
                                          [--splits 64,128,256 --split-stages 2,3] [--merge-warps 4,2,1]
+                                         [--sched "splits=wave;splits=wave,run_programs=528;..."]
 
 Each variant is also called ``--repeats`` more times, each call's output compared with the one
 before (``repeat_elements_differing`` must be 0: a race between the kernels would show there).
@@ -43,16 +44,20 @@ def kernel_times(fn, reps: int = 20) -> dict[str, float]:
     return out
 
 
-def sched_case(v: dict, batch, context, q, kc, vc, gate, bt, ctx, cu, dec, chunks, ref) -> dict:
-    """One ``--sched`` variant: the shipped kernels with the scheduling knobs ``v`` set."""
+def shipped_splits(batch: int, context: int) -> int:
+    """Split programs per (sequence, KV head) as the backend plans them (equal contexts)."""
     from bi_core.backends.cuda_common.attention import CHUNKS_PER_PROGRAM, PROGRAMS_WANTED
 
+    splits = max(-(-PROGRAMS_WANTED // (batch * HKV)), -(-context // (attn.KV_SPLIT * CHUNKS_PER_PROGRAM)))
+    return max(1, min(-(-context // attn.KV_SPLIT), splits))
+
+
+def sched_case(v: dict, batch, context, q, kc, vc, gate, bt, ctx, cu, dec, chunks, ref) -> dict:
+    """One ``--sched`` variant: the shipped kernels with the scheduling knobs ``v`` set."""
     names = {"run_programs": "RUN_PROGRAMS", "run_stages": "RUN_STAGES"}
     saved = {n: getattr(attn, n) for n in names.values()}
-    wanted = PROGRAMS_WANTED if v.get("splits", "wave") == "wave" else None
-    splits = (int(v["splits"]) if wanted is None else
-              max(-(-wanted // (batch * HKV)), -(-context // (attn.KV_SPLIT * CHUNKS_PER_PROGRAM))))
-    splits = max(1, min(-(-context // attn.KV_SPLIT), splits))
+    splits = shipped_splits(batch, context) if v.get("splits", "wave") == "wave" else \
+        max(1, min(-(-context // attn.KV_SPLIT), int(v["splits"])))
     try:
         for k, n in names.items():
             if k in v:
@@ -171,8 +176,8 @@ def main() -> None:
         chunks = -(-context // attn.KV_SPLIT)
         if a.sched:  # scheduling only: every variant must give the first's bits
             return [dict(kv.split("=") for kv in v.split(",") if kv) for v in a.sched.split(";")]
-        old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
-        new = max(1, min(chunks, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))
+        old = max(1, min(64, max(-(-264 // (batch * HKV)), -(-context // (attn.KV_SPLIT * 4)))))  # section 13's plan
+        new = shipped_splits(batch, context)
         if a.merge_warps:  # scheduling only: the merges' arithmetic is elementwise
             return [(new, 6, warps, 2, int(w)) for w in a.merge_warps.split(",")]
         if a.splits:  # scheduling only: every pair must give the first's bits
