@@ -361,6 +361,12 @@ class Qwen35Model(nn.Module):
         hidden = self.norm(x, residual)[0]
         return hidden, self.compute_logits(_logits_rows(hidden, ctx))
 
+    @property
+    def plans_from_host_lengths(self) -> bool:
+        """Whether an impl plans each graph replay from the host's context lengths (FlashInfer),
+        so a context whose lengths only the device knows cannot run (``ModelRunner.shifts_on_device``)."""
+        return any(getattr(i, "plans_from_host_lengths", False) for i in self._step_planners)
+
     def prepare_step(self, ctx: ForwardContext) -> None:
         """Host-side per-step planning of impls that need it (e.g. FlashInfer), outside any graph."""
         for impl in self._step_planners:

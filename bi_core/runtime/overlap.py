@@ -8,11 +8,15 @@ logits hook) has them copied to pinned host memory behind it; meanwhile the sche
 next decode step (``Scheduler.plan_decode``: exactly what ``schedule`` would return after this
 step, else None: requests waiting, pages short, ...), the strategy plans its model call with
 each row's *source row* in the running step's samples in place of a token id
-(``Strategy.plan_ahead``; None for a strategy that cannot, such as MTP, whose next verify needs
-this one's accepted drafts: MTP instead launches its draft chain without waiting for it and its
-next verify behind the chain, strategies/mtp.py), and the runner launches it, gathering the tokens on the device
+(``Strategy.plan_ahead``), and the runner launches it, gathering the tokens on the device
 (``runtime.batch.gather_ids``). Only then does the engine wait for this step's samples and
 commit it.
+
+A strategy that cannot plan its next step before it knows this one's tokens launches its own
+work behind the step instead (``Strategy.launch_behind``): MTP, whose next verify needs this
+one's accepted drafts, runs the head's catch-up and draft chain from the verify's device outputs
+(the accept count computed on the device) while the host commits, and launches the next verify
+behind the chain (strategies/mtp.py).
 
 What stays true: a sequence this step ends with a stop token still runs one wasted row in the
 next; that row is dropped at its commit, and the pages and state slot it released are reused
@@ -43,6 +47,8 @@ class Overlap:
     def __init__(self, scheduler: Scheduler, strategy, runner: ModelRunner, *, enabled: bool) -> None:
         self.scheduler, self.strategy, self.runner = scheduler, strategy, runner
         self.enabled = enabled and strategy.plans_ahead
+        self.behind = enabled and strategy.launches_behind
+        self.num_behind = 0  # steps whose strategy work was launched behind them so far
         self.num_ahead = 0  # steps launched ahead so far
         self._ahead: _Ahead | None = None
 
@@ -61,9 +67,12 @@ class Overlap:
     def launch_next(self, plan: StepPlan, out: StepOutput) -> Landing | None:
         """If ``plan``'s samples can fly: their copy to the host (wait on it to commit ``plan``),
         and the next decode step launched behind it when it can be planned now."""
-        if not (self.enabled and self._flies(plan, out)):
+        if not ((self.enabled or self.behind) and self._flies(plan, out)):
             return None
         landing = self.runner.land(out.samples)
+        if self.behind:  # MTP: the head's catch-up and draft chain, fed from the verify on the device
+            self.num_behind += self.strategy.launch_behind(plan, out)
+            return landing
         continuing, ending = [], []
         for r in plan.forward.rows:
             if r.seq.status is Status.RUNNING:

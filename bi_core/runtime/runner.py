@@ -76,6 +76,7 @@ class StepOutput:
     offsets: list[int]
     graph: GraphShape | None = None
     routed: torch.Tensor | None = None  # [moe layers, tokens, k] expert ids, when a row asked for them
+    input_ids: torch.Tensor | None = None  # the step's token ids on the device (staged ones gathered)
 
 
 @attrs.define
@@ -120,11 +121,27 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
 
-    def execute(self, fwd: Forward) -> StepOutput:
-        """Pack ``fwd`` (straight into a graph's static buffers when one replays it) and run it."""
+    @property
+    def shifts_on_device(self) -> bool:
+        """Whether a head graph's positions can move by amounts only the device knows
+        (``execute(..., shift=)``): no attention impl re-plans a replay from host-side lengths
+        (FlashInfer does), or the host mirrors can be read for free (a CPU device)."""
+        shift = getattr(self.mtp_graphs, "shift", None)
+        return shift is not None and (self.device.type == "cpu" or not self.model.plans_from_host_lengths)
+
+    def execute(self, fwd: Forward, shift: torch.Tensor | None = None) -> StepOutput:
+        """Pack ``fwd`` (straight into a graph's static buffers when one replays it) and run it.
+        ``shift`` [S] (MTP head steps that replay a graph, when ``shifts_on_device``): sequence i
+        runs from position ``rows[i].start + shift[i]``, moved on the device after packing, so
+        a draft chain can start where a verify's device-side accept count says before the host
+        knows it (strategies/mtp.py)."""
         graphs = self.main_graphs if fwd.head == "model" else self.mtp_graphs
         hb = self._host_batch(fwd)
         input_ids, ctx = graphs.make_context(hb, self.device)
+        if shift is not None:
+            assert fwd.head == "mtp" and ctx.graph is not None and self.shifts_on_device, \
+                "execute(shift=): MTP head steps that replay a graph, with lengths read on the device"
+            ctx = graphs.shift(ctx, shift)
         if fwd.head == "model":
             outs = graphs.run(self._model_step, input_ids, ctx, self.model.prepare_step, ids_from=fwd.ids_from)
         else:
@@ -139,7 +156,7 @@ class ModelRunner:
             spans = (ctx.graph.spans(len(fwd.rows), len(fwd.rows[-1].tokens)) if ctx.graph is not None
                      else [(0, fwd.num_tokens)])
             routed = torch.cat([self.routing[:, a:b] for a, b in spans], dim=1)
-        return StepOutput(outs[0], outs[1], samples, hb.cu_seqlens[:-1], ctx.graph, routed)
+        return StepOutput(outs[0], outs[1], samples, hb.cu_seqlens[:-1], ctx.graph, routed, input_ids)
 
     def advance_mtp(self, ids: torch.Tensor, hidden: torch.Tensor) -> StepOutput | None:
         """The MTP head's next one-token step for the sequences of its last step (a draft chain's
@@ -201,8 +218,8 @@ class ModelRunner:
 
     def land(self, samples: torch.Tensor) -> Landing:
         """Queue the copy of a launched step's device samples to the host, behind the step."""
-        if not self._landing:
-            size = (self.spec.max_batch_size, 2)
+        if not self._landing:  # a uniform step's rows at most (MTP verify: 1 + N a sequence)
+            size = (self.spec.max_batch_size * max(self.spec.query_lens), 2)
             self._landing = [torch.empty(size, dtype=torch.float64, pin_memory=samples.is_cuda) for _ in range(2)]
         host = self._landing[self._turn][: samples.shape[0]]
         self._turn ^= 1

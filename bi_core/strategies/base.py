@@ -25,6 +25,7 @@ class Strategy(abc.ABC):
     is_speculative: ClassVar[bool] = False
     uses_mtp_head: ClassVar[bool] = False  # the runner builds a graph runner for the MTP head
     plans_ahead: ClassVar[bool] = False  # ``plan_ahead`` can plan a step before the last one's tokens are known
+    launches_behind: ClassVar[bool] = False  # ``launch_behind`` runs its draft model before the step's commit
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.config, self.runner = config, runner
@@ -70,6 +71,13 @@ class Strategy(abc.ABC):
         """The decode step after ``running`` (launched, not committed), its tokens taken from
         ``out.samples`` on the device; None if this strategy cannot plan before it knows them."""
         return None
+
+    def launch_behind(self, plan: StepPlan, out: StepOutput) -> bool:
+        """Launch work behind ``plan``'s model call, before its samples reach the host (a
+        speculative strategy's draft model, fed from the step's device outputs; the engine has
+        queued the samples' copy to the host first, so waiting for them never waits for this).
+        False if it cannot for this step (then ``after_update`` runs it as usual)."""
+        return False
 
     def after_update(self, plan: StepPlan, commit: StepCommit, out: StepOutput) -> None:
         """After ``Scheduler.update`` applied ``commit``: a speculative strategy drafts here."""

@@ -25,8 +25,17 @@ step's draft on the device (``Forward.ids_from``), the drafts go to host memory 
 and the next verify is planned and launched with its drafts staged as indices into the chain's
 device tensor (``runtime.batch.gather_ids``): the host plans each step while the device runs
 the one before. Only the verify's samples are waited for (the accept rule runs on the host); by
-then the drafts have landed too (the host's work per head step can still exceed the device's:
-docs/benchmarks.md section 19). A ``draft_hook`` (tests: it sees the proposals) waits for them;
+then the drafts have landed too.
+
+Where a verify's samples fly (``runtime/overlap.py``: a uniform graph, every request sampled on
+the device, every sequence verifying N drafts), the head does not wait for the commit either
+(``launch_behind``): the accept count is computed on the device (``accepted_on_device``, the
+host rule's twin), the catch-up takes the verify's samples and hidden rows on the device and
+proposes from every row, the chain's first step is packed at the row-0 position and moved by
+the accept count on the device (``ModelRunner.execute(shift=)``), and the engine queues the
+samples' copy to the host before all this, so the commit waits for the verify alone. The head
+then runs while the host commits and plans the next verify. Its drafts are the ones the host
+path proposes, bitwise (tests/strategies/test_graph_steps.py). A ``draft_hook`` (tests: it sees the proposals) waits for them;
 a ``draft_override`` (benchmarks, audits: forced drafts that do not read the proposals) is
 written over them on the device, so forced drafts take the path real ones take."""
 
@@ -41,7 +50,7 @@ from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput
+from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput, rows_of
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
 from bi_core.strategies.base import Strategy
@@ -76,6 +85,13 @@ def accepted_drafts(drafts: list[int], sampled: list[int]) -> int:
     return accepted
 
 
+def accepted_on_device(drafts: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """``accepted_drafts`` for a batch on the device: per row, the length of the longest prefix
+    of ``drafts`` [S, N] equal to ``sampled`` [S, N] (the tokens the verify drew at the drafts'
+    positions), [S] int64. Every row has N drafts (``launch_behind`` runs only then)."""
+    return torch.cumprod((drafts == sampled).to(torch.int64), dim=1).sum(dim=1)
+
+
 @attrs.frozen
 class _Head:
     """The MTP head's rows for one sequence in a step: ``tokens[j]`` is the token at position
@@ -95,12 +111,16 @@ class MTPPlan(StepPlan):
     # per row: the drafts it verifies when they were still on the device at plan time (``drafts``
     # holds [] for that row until commit reads them from host memory), and how many
     on_device: list[tuple[_OnDevice, int] | None] = attrs.field(factory=list)
+    num_drafts: list[int] = attrs.field(factory=list)  # per row: drafts it verifies (fewer than N near the end)
+    # the draft chain launched behind the verify (launch_behind): its [S, N] ids, row i sequence i
+    chain: torch.Tensor | None = None
 
 
 class MTPStrategy(Strategy):
     name = "mtp"
     is_speculative = True
     uses_mtp_head = True
+    launches_behind = True
 
     @classmethod
     def lookahead_for(cls, config: EngineConfig) -> int:
@@ -150,7 +170,7 @@ class MTPStrategy(Strategy):
     # ------------------------------------------------------------------ one engine step
 
     def plan(self, scheduled: list[Scheduled]) -> MTPPlan:
-        rows, drafts, on_device, chains = [], [], [], {}
+        rows, drafts, on_device, chains, num_drafts = [], [], [], {}, []
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed
             if seq.is_decoding:  # verify: the pending token and its drafts, padded to 1+N
@@ -169,9 +189,13 @@ class MTPStrategy(Strategy):
                     n = len(d)
                     on_device.append(None)
                 padding = [0] * (self.num_spec - n)  # KV and ring slots exist for them (lookahead)
-                rows.append(SeqRows(seq, [seq.all_ids[-1]] + staged + padding, start, True, tuple(range(1 + n)),
-                                    True))
+                # every row is sampled (a graph computes them all anyway), so every verify's samples
+                # are 1+N rows a sequence; the commit reads those of the n drafts and the one after
+                rows.append(SeqRows(seq, [seq.all_ids[-1]] + staged + padding, start, True,
+                                    tuple(range(1 + self.num_spec)), True))
+                num_drafts.append(n)
             else:
+                num_drafts.append(0)
                 d, last = [], (s.num_tokens - 1,) if s.samples else ()
                 rows.append(SeqRows(seq, seq.ids(start, start + s.num_tokens), start, s.recurrent, last, bool(last)))
                 on_device.append(None)
@@ -180,7 +204,8 @@ class MTPStrategy(Strategy):
         if chains:
             ids = [landing.device.reshape(-1) for landing, _ in chains.values()]
             ids_from = ids[0] if len(ids) == 1 else torch.cat(ids)
-        return MTPPlan(scheduled, Forward(rows, ids_from=ids_from), drafts, on_device=on_device)
+        return MTPPlan(scheduled, Forward(rows, ids_from=ids_from), drafts, on_device=on_device,
+                       num_drafts=num_drafts)
 
     def commit(self, plan: MTPPlan, out: StepOutput, landed: torch.Tensor | None = None) -> StepCommit:
         rows = plan.forward.rows
@@ -190,8 +215,11 @@ class MTPStrategy(Strategy):
                 plan.drafts[i] = pending[0].host()[: pending[1]]
         sampling = [r for r in rows if r.sample]
         flat_seqs = [r.seq for r in sampling for _ in r.logits_rows]
-        sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
-                                     out.samples) if flat_seqs else []
+        if landed is not None:  # the samples flew (runtime/overlap.py): already in host memory
+            sampled = rows_of(flat_seqs, landed)
+        else:
+            sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
+                                         out.samples) if flat_seqs else []
         commits, leaders, cursor, routed = [], [], 0, self.routing(out)
         for r, drafts, offset in zip(rows, plan.drafts, out.offsets):
             seq, got = r.seq, sampled[cursor:cursor + len(r.logits_rows)] if r.sample else []
@@ -215,7 +243,40 @@ class MTPStrategy(Strategy):
         return StepCommit(commits, scores, self.forks(leaders, out))
 
     def after_update(self, plan: MTPPlan, commit: StepCommit, out: StepOutput) -> None:
+        if plan.chain is not None:  # the head ran behind the verify: its drafts, for those still running
+            live = [(i, r.seq) for i, r in enumerate(plan.forward.rows) if r.seq.status is not Status.FINISHED]
+            for r in plan.forward.rows:
+                if r.seq.status is Status.FINISHED:
+                    self.drafts.pop(r.seq.request_id, None)
+            if live:
+                rows = [i for i, _ in live]
+                ids = plan.chain if len(rows) == plan.chain.shape[0] else \
+                    plan.chain.index_select(0, to_device(rows, plan.chain.device))
+                self._keep([seq for _, seq in live], ids)
+            return
         self._propose(plan.head, out.hidden)
+
+    def launch_behind(self, plan: MTPPlan, out: StepOutput) -> bool:
+        """The head's catch-up and draft chain, launched behind the verify before its commit
+        (module docstring): every row a verify of N drafts in a uniform graph whose samples fly."""
+        rows, q = plan.forward.rows, 1 + self.num_spec
+        if not (self.runner.shifts_on_device and out.input_ids is not None and out.graph is not None
+                and out.graph.q_len == q and all(r.seq.is_decoding and len(r.logits_rows) == q for r in rows)):
+            return False
+        s = len(rows)
+        tokens = out.input_ids.view(s, q)  # the pending token and the N drafts verified, on the device
+        sampled = out.samples[:, 0].to(torch.int64).view(s, q)
+        accepted = accepted_on_device(tokens[:, 1:], sampled[:, :-1])
+        if any(n < self.num_spec for n in plan.num_drafts):  # drafts cut short: their padding is never accepted
+            accepted = torch.minimum(accepted, to_device(plan.num_drafts, accepted.device))
+        # row j of sequence i pairs the verify's hidden row j with its sample j (the token at start + j + 1),
+        # as the host path's catch-up does; every row proposes, the accept count picks one on the device
+        head = self._mtp([SeqRows(r.seq, [-1 - (i * q + j) for j in range(q)], r.start, True, tuple(range(q)))
+                          for i, r in enumerate(rows)], out.hidden, ids_from=out.samples)
+        pick = torch.arange(s, device=accepted.device) * q + accepted
+        plan.chain = self._chain([r.seq for r in rows], [r.start for r in rows], head.logits.index_select(0, pick),
+                                 head.hidden.index_select(0, pick), shift=accepted)
+        return True
 
     def after_fork(self, forks: list[Fork], plan: MTPPlan, out: StepOutput) -> None:
         """The head runs each sample's row at the last prompt position with the sample's own first
@@ -251,20 +312,36 @@ class MTPStrategy(Strategy):
             return
         starts = [0, *_cumsum(len(h.tokens) for h in live)]
         last = out.hidden[to_device([starts[i] + live[i].draft_row for i in drafting], device)]
-        positions = [live[i].start + live[i].draft_row for i in drafting]
         seqs = [live[i].seq for i in drafting]
-        ids = torch.empty((len(seqs), self.num_spec), dtype=torch.int64, device=device)
-        ids[:, 0] = out.logits
+        self._keep(seqs, self._chain(seqs, [live[i].start + live[i].draft_row for i in drafting], out.logits, last))
+
+    def _chain(self, seqs: list[Sequence], positions: list[int], first: torch.Tensor, last: torch.Tensor,
+               shift: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft chain: ``first`` [S] the first drafts, proposed from the head's rows ``last``
+        [S, H] at ``positions`` (moved by ``shift`` on the device, if given); N - 1 more one-token
+        head steps, each taking the previous step's draft on the device. Returns the [S, N] drafts."""
+        ids = torch.empty((len(seqs), self.num_spec), dtype=torch.int64, device=last.device)
+        ids[:, 0] = first
+        moved = shift is not None
         for j in range(1, self.num_spec):  # each step's token: the previous step's draft, on the device
             positions = [q + 1 for q in positions]
             # steps after the first advance the last one's graph inputs on the device: packing a
             # step on the host took longer than the step (benchmarks sections 19 and 21)
             out = self.runner.advance_mtp(ids[:, j - 1], last) if j > 1 else None
             if out is None:
-                out = self._mtp([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in
-                                 enumerate(zip(seqs, positions))], last, ids_from=ids[:, j - 1])
+                assert not (moved and j > 1), "a chain moved on the device advances on the device"
+                fwd = Forward([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],
+                              head="mtp", hidden=last, ids_from=ids[:, j - 1])
+                out = self.runner.execute(fwd) if shift is None else self.runner.execute(fwd, shift=shift)
+                shift = None  # later steps start from this one's moved positions
             last = out.hidden
             ids[:, j] = out.logits
+        return ids
+
+    def _keep(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
+        """Keep the drafts ``ids`` [S, N] of ``seqs`` for their next verify: on the device, on their
+        way to host memory (a hook's: waited for; an override's: written over them first)."""
+        device = ids.device
         if self.draft_override is not None:  # forced drafts take the real ones' place on the device
             forced = {i: self.draft_override(seq, self.num_spec) for i, seq in enumerate(seqs)}
             forced = {i: (d + [0] * self.num_spec)[: self.num_spec] for i, d in forced.items() if d is not None}

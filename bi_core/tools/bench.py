@@ -125,10 +125,10 @@ def main_model_batches(engine: LLMEngine):
     seen: list[list[tuple[int, int]]] = []
     execute = engine.runner.execute
 
-    def spy(fwd):
+    def spy(fwd, **kw):
         if fwd.head == "model":
             seen.append([(r.seq.request_id, r.start) for r in fwd.rows])
-        return execute(fwd)
+        return execute(fwd, **kw)
 
     engine.runner.execute = spy
     try:

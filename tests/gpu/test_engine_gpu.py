@@ -177,6 +177,60 @@ def test_mtp_graphs_bitwise_equal_ar_invariant():
     assert sum(o.num_accepted_draft_tokens for o in out) > 0
 
 
+def test_mtp_head_behind_the_verify_proposes_the_committed_paths_drafts():
+    """Where a verify's samples fly (device-sampled requests), the MTP head's catch-up and draft
+    chain run before the commit, the chain moved by the accept count computed on the device
+    (``MTPStrategy.launch_behind``): its proposals equal, bitwise, those of the head run after the
+    commit, the output is AR's bitwise, and the path ran. Negative control: a chain that ignores
+    the accept count proposes other drafts. The forced drafts' cut follows the output length
+    alone, so the sequences (prefilled in one step) decode in lockstep and end in the same step:
+    the head after the commit skips sequences that just ended, the head behind runs them, and
+    with random cuts those batches differed in size; the head's drafts then differed in the
+    step after one ended (first GPU run of this test: proposal 100 of 13 x 20 tokens)."""
+    import gc
+    import random
+
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    ps = prompts(13, seed=6, vocab=248320)
+    ar = build_engine(mtp_config("cuda_hopper_invariant", True, True, "ar")).generate(ps, params)
+    truth = {i: o.token_ids for i, o in enumerate(ar)}
+
+    def run(path: str):
+        eng = build_engine(mtp_config("cuda_hopper_invariant", True, True))
+        eng.overlap.behind = path != "after"
+        if path == "ignoring":
+            import bi_core.strategies.mtp as mtp
+            real = mtp.accepted_on_device
+            mtp.accepted_on_device = lambda d, s: torch.zeros_like(real(d, s))
+        seen = []
+
+        def hook(seq, proposed):  # forced drafts, right up to a point drawn from the output length
+            seen.append((seq.request_id, len(seq.output_ids), proposed))
+            rng = random.Random(len(seq.output_ids))
+            return [t if rng.random() < 0.7 else (t + 1) % 248320
+                    for t in truth[seq.request_id][len(seq.output_ids):][:len(proposed)]]
+        eng.strategy.draft_hook = hook
+        try:
+            out = eng.generate(ps, params)
+        finally:
+            if path == "ignoring":
+                mtp.accepted_on_device = real
+        result = seen, eng.overlap.num_behind, [(o.token_ids, o.token_logprobs) for o in out]
+        assert eng.runner.mtp_graphs.num_replays[1] > 0
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        return result
+
+    after, none_behind, after_out = run("after")
+    behind, launched, behind_out = run("behind")
+    assert none_behind == 0 and launched > 5
+    assert behind_out == after_out == [(o.token_ids, o.token_logprobs) for o in ar]
+    assert behind == after
+    ignoring, _, ignoring_out = run("ignoring")
+    assert ignoring_out == after_out and ignoring != after
+
+
 def test_mtp_graphs_default_backend_matches_eager():
     """cuda_default: FlashInfer's graph-mode append wrapper for verify steps gives the eager
     verify's logits (bf16 tolerance: its plan may split KV differently)."""
@@ -194,6 +248,8 @@ def test_mtp_graphs_default_backend_matches_eager():
         eng.generate(ps, params)
         if graphs:
             assert eng.runner.main_graphs.num_replays[4] > 0 and eng.runner.mtp_graphs.num_replays[1] > 0
+            # FlashInfer re-plans every replay from host lengths: no head launched behind a verify
+            assert not eng.runner.shifts_on_device and eng.overlap.num_behind == 0
     for i in range(len(ps)):
         # rows 1..4: the first verify step (pending token + 3 drafts, the same drafts in both runs)
         eager, graphed = torch.stack(calls[False][i][1:5]), torch.stack(calls[True][i][1:5])

@@ -28,12 +28,12 @@ def prompt_tokens_run(eng) -> dict[int, int]:
     counts: dict[int, int] = {}
     execute = eng.runner.execute
 
-    def spy(fwd):
+    def spy(fwd, **kw):
         for r in fwd.rows:
             if fwd.head == "model" and r.start < len(r.seq.prompt_ids):
                 counts[r.seq.request_id] = counts.get(r.seq.request_id, 0) + min(len(r.tokens),
                                                                                  len(r.seq.prompt_ids) - r.start)
-        return execute(fwd)
+        return execute(fwd, **kw)
 
     eng.runner.execute = spy
     return counts

@@ -25,9 +25,9 @@ def record_steps(eng) -> list[list[tuple[int, bool]]]:
     steps = []
     execute = eng.runner.execute
 
-    def spy(fwd):
+    def spy(fwd, **kw):
         steps.append([(len(r.tokens), r.recurrent) for r in fwd.rows])
-        return execute(fwd)
+        return execute(fwd, **kw)
 
     eng.runner.execute = spy
     return steps

@@ -110,6 +110,59 @@ def test_chain_steps_advanced_on_the_device_propose_the_packed_steps_drafts(pres
     assert stuck != packed
 
 
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_the_head_launched_behind_the_verify_proposes_the_committed_paths_drafts(preset, mode):
+    """Where a verify's samples fly (every request sampled on the device), the head's catch-up and
+    draft chain run before the commit, from the verify's device outputs, the chain moved by the
+    accept count computed on the device (``MTPStrategy.launch_behind``). Its proposals equal,
+    bitwise, those of the head run after the commit (the host path), the output is AR's, and the
+    path ran. Drafts are forced right up to a random point, so accept counts vary. Negative
+    control: a chain that ignores the accept count proposes other drafts."""
+    ps = prompts()[:3]
+    params = {"greedy": SamplingParams(max_new_tokens=14, ignore_eos=True),
+              "sampled": SamplingParams(max_new_tokens=14, temperature=0.9, seed=77, ignore_eos=True)}[mode]
+    ar = build_engine(config(preset, "ar")).generate(ps, params)
+    truth = {i: o.token_ids for i, o in enumerate(ar)}
+
+    def proposals(path: str) -> tuple[list, int, list]:
+        eng = with_graph_runners(build_engine(config(preset, "mtp")))
+        eng.overlap.behind = path != "after commit"
+        if path == "ignores the accept count":
+            eng.strategy.launch_behind = _ignoring_accepts(eng.strategy)
+        forced, seen = hook_for("partial", truth, random.Random(3)), []
+
+        def hook(seq, proposed):
+            seen.append((seq.request_id, len(seq.output_ids), proposed))
+            return forced(seq, proposed)
+        eng.strategy.draft_hook = hook
+        out = eng.generate(ps, params)
+        return seen, eng.overlap.num_behind, [o.token_ids for o in out]
+
+    after, none_behind, after_tokens = proposals("after commit")
+    behind, launched, behind_tokens = proposals("behind the verify")
+    assert none_behind == 0 and launched > 3 and len(after) > 6
+    assert behind_tokens == after_tokens == [o.token_ids for o in ar]
+    assert behind == after
+    ignoring, _, ignoring_tokens = proposals("ignores the accept count")
+    assert ignoring_tokens == after_tokens  # drafts never change the output...
+    assert ignoring != after  # ...but these are not the head's drafts
+
+
+def _ignoring_accepts(strategy):
+    """``launch_behind`` with every accept count read as 0 (the negative control)."""
+    import bi_core.strategies.mtp as mtp
+
+    def launch(plan, out):
+        real = mtp.accepted_on_device
+        mtp.accepted_on_device = lambda drafts, sampled: torch.zeros_like(real(drafts, sampled))
+        try:
+            return type(strategy).launch_behind(strategy, plan, out)
+        finally:
+            mtp.accepted_on_device = real
+    return launch
+
+
 def test_short_drafts_are_padded_to_a_uniform_verify():
     """Drafts cut short (here: at most one draft) still verify as 1+N rows per sequence, and only
     the real drafts are sampled and counted."""

@@ -153,7 +153,8 @@ def test_verify_tokens_count_against_the_step_budget():
     eng = build_engine(cfg)
     sizes = []
     run = eng.runner.execute
-    eng.runner.execute = lambda fwd: (sizes.append(fwd.num_tokens) if fwd.head == "model" else None, run(fwd))[1]
+    eng.runner.execute = lambda fwd, **kw: (sizes.append(fwd.num_tokens) if fwd.head == "model" else None,
+                                           run(fwd, **kw))[1]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 2, 2, 8, 8, 8, 8)]

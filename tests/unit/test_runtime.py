@@ -94,8 +94,8 @@ def test_invariant_preemption_resumes_with_what_it_had():
     tight.scheduler.exact_rebuild = True
     shapes = []
     execute = tight.runner.execute
-    tight.runner.execute = lambda fwd: (shapes.extend(
-        (r.seq.request_id, len(r.tokens), r.recurrent) for r in fwd.rows), execute(fwd))[1]
+    tight.runner.execute = lambda fwd, **kw: (shapes.extend(
+        (r.seq.request_id, len(r.tokens), r.recurrent) for r in fwd.rows), execute(fwd, **kw))[1]
     out = tight.generate(ps, params)
     assert tight.scheduler.num_preemptions > 0
     assert [o.token_ids for o in out] == [o.token_ids for o in roomy]

@@ -135,6 +135,7 @@ class FlashInferAttentionImpl:
 
     decode_query_len = None  # not bitwise with decode steps at any length (its own split heuristics)
     graph_prompt_rows = False  # the prefill wrapper plans from the step's pages on the host (no mixed graphs)
+    plans_from_host_lengths = True  # every replay re-plans from ctx.context_lens_host
 
     def __init__(self, spec: AttentionSpec) -> None:
         import flashinfer

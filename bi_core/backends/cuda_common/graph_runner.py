@@ -301,6 +301,14 @@ def check_mirrors(ctx: ForwardContext) -> None:
         assert device == list(pages[:used]), f"block_tables[{i}]: device {device} != host {pages[:used]}"
 
 
+def _slots_from_positions(ctx: ForwardContext) -> None:
+    """Each row's KV slot from its position and its sequence's block table, on the device (a
+    one-token graph: row i is sequence i)."""
+    bs, pos = ctx.block_size, ctx.positions
+    pages = ctx.block_tables.gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
+    torch.add(pages * bs, pos % bs, out=ctx.slot_mapping)
+
+
 class CudaGraphRunnerImpl:
     def __init__(self, spec: GraphRunnerSpec, *, capture: bool = True) -> None:
         self.spec = spec
@@ -411,12 +419,30 @@ class CudaGraphRunnerImpl:
         g = ctx.graph
         if g is None or g.chunk or g.q_len != 1:
             return None
-        bs, pos = ctx.block_size, ctx.positions
-        pos.add_(1)
+        ctx.positions.add_(1)
         ctx.context_lens.add_(1)
-        pages = ctx.block_tables.gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
-        torch.add(pages * bs, pos % bs, out=ctx.slot_mapping)
-        return attrs.evolve(ctx, context_lens_host=[n + 1 for n in ctx.context_lens_host], step_tensors={})
+        _slots_from_positions(ctx)
+        host = ctx.context_lens_host
+        return attrs.evolve(ctx, context_lens_host=None if host is None else [n + 1 for n in host], step_tensors={})
+
+    def shift(self, ctx: ForwardContext, by: torch.Tensor) -> ForwardContext:
+        """The static context of a one-token graph just packed, its first ``len(by)`` sequences
+        moved ``by`` positions on (their KV slots and context lengths with them), in place on the
+        device: a draft chain that starts where a verify's accept count, still on the device,
+        says. The host mirror of the context lengths is then unknown (None) unless reading
+        ``by`` costs no wait (a CPU tensor): only for impls that read lengths on the device at
+        replay (``ModelRunner.shifts_on_device``); like ``advance``, for a model without GDN
+        layers (the MTP head)."""
+        g = ctx.graph
+        assert g is not None and not g.chunk and g.q_len == 1, "shift: a one-token graph's static context"
+        n = by.shape[0]
+        ctx.positions[:n].add_(by)
+        ctx.context_lens[:n].add_(by)
+        _slots_from_positions(ctx)
+        host = None
+        if not by.is_cuda:
+            host = [c + d for c, d in zip(ctx.context_lens_host, by.tolist())] + ctx.context_lens_host[n:]
+        return attrs.evolve(ctx, context_lens_host=host, step_tensors={})
 
     def _mark_inputs(self) -> None:
         """Record that everything the host staged for this step is queued (``wait_inputs``)."""
