@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab-size", type=int)
     ap.add_argument("--strategy", default="mtp", choices=["mtp", "ar"])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--cprofile", action="store_true", help="also the host's Python time per function over "
+                    "--steps steps (cProfile, no torch profiler): what the host does while the device idles")
     a = ap.parse_args()
     engine = build_engine(config(a.strategy, a.layers, a.num_spec, a.preset, a.draft_vocab_size))
     params = SamplingParams(max_new_tokens=1000, ignore_eos=True)
@@ -176,6 +178,22 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     plain = (time.perf_counter() - start) / a.steps * 1e3
+    if a.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(a.steps):
+            step()
+        torch.cuda.synchronize()
+        prof_host.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof_host, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+        print(f"host functions over {a.steps} steps (cProfile; its own overhead included):\n{text.getvalue()}")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(a.steps):

@@ -304,8 +304,9 @@ class GraphConfig:
                                "off with FlashInfer's host planning; with MTP, auto captures a prompt piece alone "
                                "only (its decode rows are several tokens)")
     overlap: bool = _field(_bool, True, doc="launch the next decode step before this one's tokens reach the host "
-                           "(AR steps replayed from a graph, sampled on the device): the host plans and books steps "
-                           "while the device runs; outputs are the same")
+                           "(AR steps replayed from a graph, sampled on the device), and MTP's head behind its verify "
+                           "before the commit (the invariant backend): the host plans and books steps while the "
+                           "device runs; outputs are the same")
 
 
 @attrs.frozen(kw_only=True)
