@@ -163,6 +163,23 @@ def _ignoring_accepts(strategy):
     return launch
 
 
+def test_mirror_check_reads_device_lengths_where_the_host_has_none():
+    """A draft chain moved on a GPU by a device-side accept count has no host mirror of its
+    context lengths (``CudaGraphRunnerImpl.shift``); the rerun stand-in's mirror check then
+    checks the block table against the device lengths instead of failing on None (the kernels'
+    engine test on a GPU hit that). Negative control: a block table that disagrees still fails."""
+    from bi_core.backends.cuda_common.graph_runner import check_mirrors
+    from bi_core.runtime.batch import build_context
+
+    _, ctx = build_context([[5], [6]], [20, 3], [[4, 9], [7]], [0, 1], [True, True], block_size=16,
+                           device=torch.device("cpu"))
+    unknown = attrs.evolve(ctx, context_lens_host=None)
+    check_mirrors(unknown)
+    unknown.block_tables[0, 1] = 8
+    with pytest.raises(AssertionError, match="block_tables"):
+        check_mirrors(unknown)
+
+
 def test_short_drafts_are_padded_to_a_uniform_verify():
     """Drafts cut short (here: at most one draft) still verify as 1+N rows per sequence, and only
     the real drafts are sampled and counted."""

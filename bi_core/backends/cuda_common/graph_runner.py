@@ -289,14 +289,16 @@ def check_mirrors(ctx: ForwardContext) -> None:
     host-side planners and the reference backend read)."""
     pairs = {"state_slots": (ctx.state_slots, ctx.state_slots_host),
              "token_state_slots": (ctx.token_state_slots, ctx.token_state_slots_host),
-             "context_lens": (ctx.context_lens, ctx.context_lens_host),
              "cu_seqlens_q": (ctx.cu_seqlens_q, ctx.cu_seqlens_host)}
+    # a chain moved by a device-side count (``shift``) on a GPU has no host mirror of its lengths
+    lens = ctx.context_lens.tolist() if ctx.context_lens_host is None else ctx.context_lens_host
+    pairs["context_lens"] = (ctx.context_lens, lens)
     if ctx.valid_tokens is not None:
         pairs["valid_tokens"] = (ctx.valid_tokens, ctx.valid_tokens_host)
     for name, (tensor, host) in pairs.items():
         assert tensor.tolist() == list(host), f"{name}: device {tensor.tolist()} != host {list(host)}"
     for i, pages in enumerate(ctx.block_tables_host):
-        used = -(-ctx.context_lens_host[i] // ctx.block_size)
+        used = -(-lens[i] // ctx.block_size)
         device = ctx.block_tables[i, :used].tolist()
         assert device == list(pages[:used]), f"block_tables[{i}]: device {device} != host {pages[:used]}"
 
