@@ -35,7 +35,8 @@ proposes from every row, the chain's first step is packed at the row-0 position 
 the accept count on the device (``ModelRunner.execute(shift=)``), and the engine queues the
 samples' copy to the host before all this, so the commit waits for the verify alone. The head
 then runs while the host commits and plans the next verify. Its drafts are the ones the host
-path proposes, bitwise (tests/strategies/test_graph_steps.py). A ``draft_hook`` (tests: it sees the proposals) waits for them;
+path proposes, bitwise, where both run the same sequences (tests/strategies/test_graph_steps.py;
+it also runs those the commit then ends, which the host path skips). A ``draft_hook`` (tests: it sees the proposals) waits for them;
 a ``draft_override`` (benchmarks, audits: forced drafts that do not read the proposals) is
 written over them on the device, so forced drafts take the path real ones take."""
 
