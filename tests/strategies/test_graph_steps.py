@@ -149,6 +149,25 @@ def test_the_head_launched_behind_the_verify_proposes_the_committed_paths_drafts
     assert ignoring != after  # ...but these are not the head's drafts
 
 
+def test_a_stop_token_inside_drafts_run_behind_ends_the_sequence_as_ar_does():
+    """A sequence that a stop token ends inside a verify whose head already ran behind it: its
+    output stops where AR's does (accepted drafts past the stop are dropped), the others go on,
+    and no drafts are kept for it."""
+    ps = prompts()[:3]
+    free = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    ar_free = build_engine(config("tiny-dense", "ar")).generate(ps, free)
+    stop = ar_free[1].token_ids[4]  # ends request 1 at its 5th token (others where it occurs)
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True, stop_token_ids=[stop])
+    ar = build_engine(config("tiny-dense", "ar")).generate(ps, params)
+    assert len(ar[1].token_ids) <= 5 and any(len(o.token_ids) == 14 for o in ar)
+    truth = {i: o.token_ids for i, o in enumerate(ar_free)}  # drafts run past the stop token
+    eng = with_graph_runners(build_engine(config("tiny-dense", "mtp")))
+    eng.strategy.draft_hook = lambda seq, d: truth[seq.request_id][len(seq.output_ids): len(seq.output_ids) + len(d)]
+    out = eng.generate(ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    assert eng.overlap.num_behind > 0 and not eng.strategy.drafts
+
+
 def _ignoring_accepts(strategy):
     """``launch_behind`` with every accept count read as 0 (the negative control)."""
     import bi_core.strategies.mtp as mtp
