@@ -28,17 +28,19 @@ the one before. Only the verify's samples are waited for (the accept rule runs o
 then the drafts have landed too.
 
 Where a verify's samples fly (``runtime/overlap.py``: a uniform graph, every request sampled on
-the device, every sequence verifying N drafts), the head does not wait for the commit either
-(``launch_behind``): the accept count is computed on the device (``accepted_on_device``, the
-host rule's twin), the catch-up takes the verify's samples and hidden rows on the device and
+the device), the head does not wait for the commit either (``launch_behind``): the accept count
+is computed on the device (``accepted_on_device``, the host rule's twin), the catch-up takes the verify's samples and hidden rows on the device and
 proposes from every row, the chain's first step is packed at the row-0 position and moved by
 the accept count on the device (``ModelRunner.execute(shift=)``), and the engine queues the
 samples' copy to the host before all this, so the commit waits for the verify alone. The head
 then runs while the host commits and plans the next verify. Its drafts are the ones the host
 path proposes, bitwise, where both run the same sequences (tests/strategies/test_graph_steps.py;
-it also runs those the commit then ends, which the host path skips). A ``draft_hook`` (tests: it sees the proposals) waits for them;
-a ``draft_override`` (benchmarks, audits: forced drafts that do not read the proposals) is
-written over them on the device, so forced drafts take the path real ones take."""
+it also runs those the commit then ends, which the host path skips).
+
+A ``draft_hook`` (tests: it sees the proposals) waits for the drafts; a ``draft_override``
+(benchmarks, audits: forced drafts that do not read the proposals) is written over them on the
+device, so forced drafts take the path real ones take. Both are applied after the commit (they
+read the sequence's output so far)."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def accepted_drafts(drafts: list[int], sampled: list[int]) -> int:
 def accepted_on_device(drafts: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """``accepted_drafts`` for a batch on the device: per row, the length of the longest prefix
     of ``drafts`` [S, N] equal to ``sampled`` [S, N] (the tokens the verify drew at the drafts'
-    positions), [S] int64. Every row has N drafts (``launch_behind`` runs only then)."""
+    positions), [S] int64. A row with fewer drafts (near its end, padded) is capped by the caller."""
     return torch.cumprod((drafts == sampled).to(torch.int64), dim=1).sum(dim=1)
 
 
@@ -259,7 +261,7 @@ class MTPStrategy(Strategy):
 
     def launch_behind(self, plan: MTPPlan, out: StepOutput) -> bool:
         """The head's catch-up and draft chain, launched behind the verify before its commit
-        (module docstring): every row a verify of N drafts in a uniform graph whose samples fly."""
+        (module docstring): every row a verify, in a uniform graph whose samples fly."""
         rows, q = plan.forward.rows, 1 + self.num_spec
         if not (self.runner.shifts_on_device and out.input_ids is not None and out.graph is not None
                 and out.graph.q_len == q and all(r.seq.is_decoding and len(r.logits_rows) == q for r in rows)):
