@@ -5,7 +5,7 @@ config keeps BLOCK_K and SPLIT_K (the K order) as the tile table has them: only 
 move (BLOCK_M / BLOCK_N / warps / stages / INLINE), so any config found here can replace the
 table's without changing a bit of output. cuBLAS is timed alongside as the speed reference.
 
-python3 benchmarks/gemm_sweep.py [dense|mid|inline|moe|pair|tma|all] [--json out.jsonl]"""
+python3 benchmarks/gemm_sweep.py [dense|mid|inline|moe|pair|tma|small|all] [--json out.jsonl]"""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def sweep_inline() -> None:
         record(kind="inline", name="out_proj", m=m, table=base, us=res)
 
 
-def sweep_tma() -> None:
+def sweep_tma(rows_m: tuple[int, ...] = ()) -> None:
     """Prefill-sized dense GEMMs (35B-A3B and 9B shapes; the 9B MLP's gate/up with SiLU-and-mul):
     the pointer-load kernel at the table's tiles against ``_gemm_tma_kernel`` (TMA tiles,
     optionally persistent) at a few tiles, cuBLAS alongside. Every TMA variant must give the
@@ -130,17 +130,22 @@ def sweep_tma() -> None:
 
     shapes = {**{k: (n, kk, False) for k, (n, kk) in DENSE.items() if k != "lm_head"}, "router": (257, 2048, False),
               "9b_gate_up": (12288, 4096, True), "9b_down": (4096, 12288, False)}
+    if rows_m and min(rows_m) < 1024:  # a short prompt's prefill: the 9B's GEMMs alone
+        shapes = {name: (n, k, silu) for name, (n, k, silu) in SMALL.items()}
     tiles = {"128x128w8s3": (128, 128, 8, 3), "128x128w8s4": (128, 128, 8, 4), "128x256w8s3": (128, 256, 8, 3),
-             "128x64w4s4": (128, 64, 4, 4), "64x128w4s4": (64, 128, 4, 4)}
+             "128x64w4s4": (128, 64, 4, 4), "64x128w4s4": (64, 128, 4, 4), "64x256w8s3": (64, 256, 8, 3),
+             "64x128w4s3": (64, 128, 4, 3), "64x64w4s4": (64, 64, 4, 4)}
     for name, (n, k, silu) in shapes.items():
         w = torch.randn((2 if silu else 1) * n, k, device=DEV, dtype=BF16) / k**0.5
-        for m in (1024, 4080, 7680):
+        for m in rows_m or (1024, 4080, 7680):
             x = torch.randn(m, k, device=DEV, dtype=BF16)
-            base = gemm_config(m, n, k)
+            base = gemm_config(m, n, k, silu_mul=silu)
             pointer = {**base, "TMA": False}
             ref = linear(x, w, silu_mul=silu, config=pointer)
             res = {"cublas": round(timed(partial(torch.matmul, x, w.T)), 2),
-                   "pointer": round(timed(partial(linear, x, w, silu_mul=silu, config=pointer)), 2)}
+                   "pointer": round(timed(partial(linear, x, w, silu_mul=silu, config=pointer)), 2),
+                   "table": round(timed(partial(linear, x, w, silu_mul=silu, config=base)), 2)}
+            assert torch.equal(linear(x, w, silu_mul=silu, config=base), ref), f"{name} M={m}: table bits differ"
             for label, (bm, bn, warps, stages) in tiles.items():
                 if silu and bn == 256:
                     continue
@@ -159,8 +164,61 @@ def sweep_tma() -> None:
             flop = 2 * m * n * k * (2 if silu else 1)
             timed_ok = {kk: v for kk, v in res.items() if isinstance(v, float) and kk.startswith("tma")}
             best = min(timed_ok, key=timed_ok.get) if timed_ok else None
-            record(kind="tma", name=name, m=m, split=base["SPLIT_K"], us=res, best=best,
+            record(kind="tma", name=name, m=m, split=base["SPLIT_K"], table=base, us=res, best=best,
                    tflops={kk: round(flop / v / 1e6) for kk, v in res.items() if isinstance(v, float)})
+
+
+SMALL = {  # the 9B dense shapes (hidden 4096): (N, K, SiLU-and-mul)
+    "9b_gdn_in_proj": (12352, 4096, False), "9b_attn_qkv": (10240, 4096, False), "9b_o_proj": (4096, 4096, False),
+    "9b_gate_up": (12288, 4096, True), "9b_down": (4096, 12288, False)}
+L2_DEFEAT_BYTES = 256 << 20  # weights rotated until a call's weight was last read this many bytes ago
+
+
+def _rotating(x, ws, silu, cfg):
+    """A call that takes the next weight copy each time (a CUDA graph captures each call's own)."""
+    from bi_core.kernels.gemm import linear
+
+    turn = [0]
+
+    def fn():
+        turn[0] = (turn[0] + 1) % len(ws)
+        linear(x, ws[turn[0]], silu_mul=silu, config=cfg)
+    return fn
+
+
+def sweep_small() -> None:
+    """Decode and verify row counts (M = 1, 4, 8, 32: AR B=1/8, MTP N=3 verify B=1/8) on the
+    9B dense shapes: the table's tiles against BLOCK_M / BLOCK_N / warps / stages (the K order
+    kept: every variant must give the table's bits). Weights rotate over copies so that no call
+    finds its weight in L2, as in a model step; GB/s is the weight's bytes over the time."""
+    from bi_core.kernels.gemm import gemm_config, linear
+
+    for name, (n, k, silu) in SMALL.items():
+        nbytes = (2 if silu else 1) * n * k * 2
+        ws = [torch.randn((2 if silu else 1) * n, k, device=DEV, dtype=BF16) / k**0.5
+              for _ in range(max(2, -(-L2_DEFEAT_BYTES // nbytes)))]
+        for m in (1, 4, 8, 32):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            base = gemm_config(m, n, k, silu_mul=silu)
+            ref = linear(x, ws[0], silu_mul=silu, config=base)
+
+            res = {"table": round(timed(_rotating(x, ws, silu, base)), 2)}
+            # 16-row tiles over 32 rows are two row tiles: a weight tile is read twice (the second from L2)
+            for bm, bn, warps, stages in itertools.product((16, 32), (16, 32, 64), (2, 4), (3, 4)):
+                cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                key = f"{bm}x{bn}w{warps}s{stages}"
+                try:
+                    if not torch.equal(linear(x, ws[0], silu_mul=silu, config=cfg), ref):
+                        res[key] = "BITS DIFFER"
+                        continue
+                    res[key] = round(timed(_rotating(x, ws, silu, cfg)), 2)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a stop
+                    res[key] = f"error: {type(e).__name__}"
+            timed_ok = {kk: v for kk, v in res.items() if isinstance(v, float)}
+            best = min(timed_ok, key=timed_ok.get)
+            record(kind="small", name=name, m=m, table=base, table_us=res["table"], best=best,
+                   best_us=res[best], table_gbs=round(nbytes / res["table"] / 1e3), best_gbs=round(nbytes / res[best] / 1e3),
+                   us=res)
 
 
 def sweep_moe() -> None:
@@ -236,8 +294,10 @@ def sweep_pair() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "inline", "moe", "pair", "tma", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["dense", "mid", "inline", "moe", "pair", "tma", "small", "all"])
     ap.add_argument("--json")
+    ap.add_argument("--m", help="tma: these row counts (e.g. 512,3968) instead of 1024,4080,7680; under 1024 "
+                    "the 9B shapes alone")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), flush=True)
@@ -252,7 +312,9 @@ def main() -> None:
     if args.what in ("inline", "all"):
         sweep_inline()
     if args.what in ("tma", "all"):
-        sweep_tma()
+        sweep_tma(tuple(int(x) for x in args.m.split(",")) if args.m else ())
+    if args.what == "small":
+        sweep_small()
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

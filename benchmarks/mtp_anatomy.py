@@ -46,6 +46,58 @@ def annotate(engine) -> None:
         setattr(obj, name, wrapped)
 
 
+def host_phases(engine, steps: int) -> None:
+    """The host's time per phase without any profiler (perf_counter around each call), and the
+    path that decides an overlapped step's length: from the moment a verify's samples reach the
+    host (``Landing.wait`` returns) to the return of the next model ``execute`` (the next verify
+    launched). While it runs the device has only the head's chain to do."""
+    from bi_core.runtime import runner as runner_mod
+
+    sums, marks = defaultdict(float), {"landed": None, "paths": []}
+    originals = []
+    for owner, name in PHASES:
+        obj = getattr(engine, owner)
+        fn = getattr(obj, name)
+
+        def timed(*a, _fn=fn, _label=f"{owner}.{name}", **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                sums[_label] += time.perf_counter() - t
+                if _label == "runner.execute" and a and getattr(a[0], "head", None) == "model" \
+                        and marks["landed"] is not None:
+                    marks["paths"].append(time.perf_counter() - marks["landed"])
+                    marks["landed"] = None
+        originals.append((obj, name, fn))
+        setattr(obj, name, timed)
+    wait = runner_mod.Landing.wait
+
+    def timed_wait(self):
+        out = wait(self)
+        marks["landed"] = time.perf_counter()
+        return out
+    runner_mod.Landing.wait = timed_wait
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        runner_mod.Landing.wait = wait
+        for obj, name, fn in originals:
+            setattr(obj, name, fn)
+    print(f"host phases without a profiler (phase wrappers' own cost included), {steps} steps: wall {wall / steps * 1e3:.3f} ms a step")
+    for name, sec in sorted(sums.items(), key=lambda x: -x[1]):
+        print(f"  {name:24s} {sec / steps * 1e3:7.3f} ms a step")
+    paths = sorted(marks["paths"])
+    if paths:
+        print(f"  last wait on the device -> next verify launched: median {paths[len(paths) // 2] * 1e3:.3f} ms, "
+              f"max {paths[-1] * 1e3:.3f} ms over {len(paths)} steps")
+
+
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
@@ -158,6 +210,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cprofile", action="store_true", help="also the host's Python time per function over "
                     "--steps steps (cProfile, no torch profiler): what the host does while the device idles")
+    ap.add_argument("--phases", action="store_true", help="also the host's time per phase with no profiler, "
+                    "and the path from a verify's samples landing to the next verify's launch")
     a = ap.parse_args()
     engine = build_engine(config(a.strategy, a.layers, a.num_spec, a.preset, a.draft_vocab_size))
     params = SamplingParams(max_new_tokens=1000, ignore_eos=True)
@@ -178,6 +232,8 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     plain = (time.perf_counter() - start) / a.steps * 1e3
+    if a.phases:
+        host_phases(engine, a.steps)
     if a.cprofile:
         import cProfile
         import io

@@ -4,7 +4,9 @@
     python3 benchmarks/profile_long_chunk.py CONFIG [CONFIG...] [--prompt-len 32000] [--at 20000]
 
 A prompt of ``--prompt-len`` tokens prefills alone until ``--at`` tokens are in the cache; the next
-step (one chunk) is timed on the host and profiled (torch profiler, CUDA kernels by total time)."""
+step (one chunk) is timed on the host and profiled (torch profiler, CUDA kernels by total time).
+With ``--at 0`` each measured step is a fresh prompt's first chunk (a whole short prompt: its
+prefill, e.g. ``--prompt-len 512``)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,23 @@ from bi_core import EngineConfig, SamplingParams, build_engine
 def run(path: str, prompt_len: int, at: int) -> None:
     eng = build_engine(EngineConfig.from_yaml(path))
     g = torch.Generator().manual_seed(0)
-    seq = eng.add_request(torch.randint(0, eng.args.vocab_size, (prompt_len,), generator=g).tolist(),
-                          SamplingParams(max_new_tokens=1, ignore_eos=True))
+
+    def add(engine=eng):
+        return engine.add_request(torch.randint(0, engine.args.vocab_size, (prompt_len,), generator=g).tolist(),
+                                  SamplingParams(max_new_tokens=1, ignore_eos=True))
+    seq = add()
     while seq.num_computed < at:
         eng.step()
+    if at == 0:  # a prompt's first chunk: the first one warms up, the timed and profiled ones are fresh prompts
+        eng.step()
+        add()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     eng.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
+    if at == 0:
+        add()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()

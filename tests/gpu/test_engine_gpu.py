@@ -231,6 +231,49 @@ def test_mtp_head_behind_the_verify_proposes_the_committed_paths_drafts():
     assert ignoring_out == after_out and ignoring != after
 
 
+def test_mtp_drafts_do_not_depend_on_the_batch(monkeypatch):
+    """The MTP head's drafts (greedy, never in an output) are the same bits for a request decoded
+    alone and among others that end at other steps (the head's batch shrinks under it, its
+    catch-up running behind the verify): acceptance counts, and so speed, are batch-invariant too.
+    Negative control: a GEMM whose split count follows the row count (a K order chosen by M) gives
+    other drafts for the request in the batch."""
+    import gc
+
+    import bi_core.kernels.gemm as gemm
+
+    ps = prompts(13, seed=8, vocab=248320)
+
+    def drafts_of_first(batch: int) -> tuple[list, list]:
+        eng = build_engine(mtp_config("cuda_hopper_invariant", True, True))
+        seen, first = [], eng.intake.next_id
+
+        def hook(seq, proposed):
+            if seq.request_id == first:
+                seen.append((len(seq.output_ids), proposed))
+            return proposed
+        eng.strategy.draft_hook = hook
+        lens = [24] + [4 + 2 * i for i in range(batch - 1)]  # the others end at steps of their own
+        outs = eng.generate(ps[:batch], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens])
+        assert eng.overlap.num_behind > 5
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        return seen, outs[0].token_ids
+
+    alone, alone_out = drafts_of_first(1)
+    among, among_out = drafts_of_first(13)
+    assert among_out == alone_out and len(alone) >= 6
+    assert among == alone
+    real = gemm.gemm_config
+
+    def by_rows(m, n, k, *a, **kw):  # invariance off: the split count doubles past 4 rows
+        cfg = real(m, n, k, *a, **kw)
+        return {**cfg, "SPLIT_K": 2 * cfg["SPLIT_K"], "INLINE": False} if m > 4 and "TMA" not in cfg else cfg
+    monkeypatch.setattr(gemm, "gemm_config", by_rows)
+    broken, _ = drafts_of_first(13)
+    assert broken != alone
+
+
 def test_mtp_graphs_default_backend_matches_eager():
     """cuda_default: FlashInfer's graph-mode append wrapper for verify steps gives the eager
     verify's logits (bf16 tolerance: its plan may split KV differently)."""
