@@ -13,7 +13,7 @@ from helpers import tiny_config
 from test_graph_steps import clear_scratch, scratch_written
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl, mixed_buckets
+from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl, lone_sizes, mixed_buckets
 from bi_core.errors import ConfigError
 from bi_core.runtime.batch import plan_batch
 
@@ -35,9 +35,9 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 7, 6, 96, 75)]
 
 
-def lone_prompt() -> list[int]:
+def lone_prompt(n: int = 5) -> list[int]:
     """A prompt of a quarter chunk or less, run alone: its step replays the quarter-chunk graph."""
-    return torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(4)).tolist()
 
 
 def with_mixed_runner(eng):
@@ -94,6 +94,21 @@ def test_a_lone_short_prompt_replays_the_quarter_chunk_graph(preset):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_a_lone_prompt_pads_to_the_next_size_of_its_ladder(preset):
+    """A lone prompt longer than a quarter chunk pads to the next size of bucket 0's doubling
+    ladder (``lone_sizes``: 12 tokens -> 16 rows, not the whole chunk of 32); outputs as eager's."""
+    params = PARAMS["greedy"]
+    eager = build_engine(config(preset)).generate([lone_prompt(12)], params)
+    eng = with_mixed_runner(build_engine(config(preset)))
+    out = eng.generate([lone_prompt(12)], params)
+    graphs = eng.runner.main_graphs
+    assert graphs.mixed_replays == 1 and (1, 0, 16) in graphs.graphs and (1, 0, CHUNK) not in graphs.graphs
+    assert out[0].token_ids == eager[0].token_ids
+    torch.testing.assert_close(torch.tensor(out[0].token_logprobs), torch.tensor(eager[0].token_logprobs),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_mixed_graph_keys():
     """(1, bucket of the decode rows, chunk) for one-token recurrent rows then one prompt piece of
     at most the chunk size (a prompt's last piece is padded at its end); two pieces, a piece not
@@ -117,6 +132,12 @@ def test_mixed_graph_keys():
     assert runner.mixed_sizes == [CHUNK // 4, CHUNK]
     assert key([1, 1, CHUNK // 4], [True, True, False]) == (1, 2, CHUNK // 4)
     assert key([5], [False]) == (1, 0, CHUNK // 4)
+    # a lone piece (bucket 0) pads to the next size of a doubling ladder (lone_sizes), a piece among
+    # decode rows to a quarter chunk or the chunk
+    assert runner.lone_sizes == lone_sizes(CHUNK) == [CHUNK // 4, CHUNK // 2, CHUNK]
+    assert lone_sizes(3968) == [128, 256, 512, 1024, 2048, 3968]
+    assert key([CHUNK // 4 + 1], [False]) == (1, 0, CHUNK // 2)
+    assert key([1, CHUNK // 4 + 1], [True, False]) == (1, 1, CHUNK)
     assert key([1, 1, CHUNK // 4 + 1], [True, True, False]) == (1, 2, CHUNK)
     assert key([1, 1, CHUNK + 1], [True, True, False]) is None
     assert key([1, CHUNK, CHUNK], [True, False, False]) is None

@@ -8,7 +8,8 @@ shorter piece is padded at its end to its graph's piece size (its padding rows' 
 One graph per (L, batch bucket) with buckets 1, 2, 4, 8, then multiples of 16; one per (1,
 bucket, piece size) with buckets 0, 1, 2, 4, 8, 16, then multiples of 32 (a mixed step's cost is
 mostly its piece: coarser buckets, fewer graphs) and sizes the chunk and a quarter of it
-(``mixed_sizes``: a piece is padded to the smallest that holds it). A step of B sequences is packed straight into
+(``mixed_sizes``: a piece is padded to the smallest that holds it); bucket 0 (a lone prompt's
+piece) at sizes doubling up to the chunk (``lone_sizes``). A step of B sequences is packed straight into
 the static buffers of the smallest bucket >= B (one transfer of the integer fields, one of the
 block table); sequences B..bucket-1 are padding whose KV writes go to a reserved scratch page and
 whose GDN state is a reserved scratch slot, so padding never touches a real sequence; in a mixed
@@ -53,6 +54,24 @@ def mixed_sizes(chunk: int) -> list[int]:
     than running it eagerly (docs/benchmarks.md section 21); a piece's real rows do not depend
     on how far it is padded."""
     return sorted({max(1, chunk // 4), chunk}) if chunk else []
+
+
+LONE_MIN = 128  # the smallest piece size of a lone prompt's graphs (a quarter chunk, if smaller)
+
+
+def lone_sizes(chunk: int) -> list[int]:
+    """The piece sizes of bucket 0's mixed graphs (a prompt piece with no decode rows: a lone
+    prompt's prefill, its time to first token): sizes doubling from ``LONE_MIN`` (or a quarter
+    chunk) up to the chunk, so a short prompt pads at most to twice its length. A 512-token prompt
+    padded to a quarter chunk (992 rows at chunk 3968) took twice its first token's GEMM work
+    (docs/benchmarks.md section 29)."""
+    if not chunk:
+        return []
+    size, sizes = min(LONE_MIN, max(1, chunk // 4)), []
+    while size < chunk:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, chunk]
 
 
 def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
@@ -319,6 +338,7 @@ class CudaGraphRunnerImpl:
         self.mixed_buckets = ((mixed_buckets(spec.max_batch_size) if spec.mixed_decode_rows else [0])
                               if spec.prompt_chunk else [])
         self.mixed_sizes = mixed_sizes(spec.prompt_chunk)
+        self.lone_sizes = lone_sizes(spec.prompt_chunk)  # bucket 0's
         self.statics: dict[tuple[int, ...], StaticBatch] = {}
         self.graphs: dict[tuple[int, ...], _Captured | _Rerun] = {}
         self.pool = None
@@ -340,8 +360,9 @@ class CudaGraphRunnerImpl:
         chunk, head = self.spec.prompt_chunk, hb.num_seqs - 1
         if (chunk and not rec[-1] and lens[-1] <= chunk and all(rec[:-1]) and all(x == 1 for x in lens[:-1])
                 and head <= self.mixed_buckets[-1]):
-            size = next(x for x in self.mixed_sizes if x >= lens[-1])
-            return 1, next(x for x in self.mixed_buckets if x >= head), size
+            bucket = next(x for x in self.mixed_buckets if x >= head)
+            size = next(x for x in (self.lone_sizes if bucket == 0 else self.mixed_sizes) if x >= lens[-1])
+            return 1, bucket, size
         return None
 
     def _static(self, key: tuple[int, ...], block_size: int, device: torch.device) -> StaticBatch:
@@ -368,7 +389,8 @@ class CudaGraphRunnerImpl:
         input (its trailing shape and dtype). Returns how many graphs were captured."""
         if not self.spec.use_graphs:
             return 0
-        keys = [(1, b, size) for size in reversed(self.mixed_sizes) for b in reversed(self.mixed_buckets)]
+        keys = [(1, b, size) for b in self.mixed_buckets for size in (self.lone_sizes if b == 0 else self.mixed_sizes)]
+        keys.sort(key=lambda k: (k[2], k[1]), reverse=True)  # by piece size, then bucket: the largest first
         keys += [(q, b) for q in self.spec.query_lens for b in reversed(self.buckets)]
         n = 0
         for key in keys:
