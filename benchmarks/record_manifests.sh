@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Re-record the shipped compile manifests (bi_core/backends/cuda_common/compile_manifests), each
+# start on an empty Triton cache, after a change to the kernels a start compiles or to the graphs
+# it captures; copies them to $OUT/manifests (copy them back into the tree from there).
+#   bash benchmarks/record_manifests.sh [CONFIG...]   (default: the five configs the manifests ship for)
+set -uo pipefail
+configs=("$@")
+if [ ${#configs[@]} -eq 0 ]; then
+  configs=(benchmarks/configs/qwen35b_default.yaml benchmarks/configs/qwen35b_invariant.yaml
+           configs/h100_default.yaml configs/h100_invariant.yaml configs/h100_invariant_mtp.yaml)
+fi
+rc=0
+for c in "${configs[@]}"; do
+  cache=$(mktemp -d)
+  if TRITON_CACHE_DIR=$cache timeout 150 python3 benchmarks/start_time.py "$c" --record-compiles > "$cache.log" 2>&1; then
+    echo "recorded $c: $(grep -o '"engine_start_s": [0-9.]*' "$cache.log")"
+  else
+    echo "FAILED $c"; tail -5 "$cache.log"; rc=1
+  fi
+  rm -rf "$cache"
+done
+mkdir -p "${OUT:-/tmp/out}/manifests"
+cp bi_core/backends/cuda_common/compile_manifests/*.json "${OUT:-/tmp/out}/manifests/"
+exit $rc
