@@ -62,9 +62,8 @@ LONE_MIN = 128  # the smallest piece size of a lone prompt's graphs (a quarter c
 def lone_sizes(chunk: int) -> list[int]:
     """The piece sizes of bucket 0's mixed graphs (a prompt piece with no decode rows: a lone
     prompt's prefill, its time to first token): sizes doubling from ``LONE_MIN`` (or a quarter
-    chunk) up to the chunk, so a short prompt pads at most to twice its length. A 512-token prompt
-    padded to a quarter chunk (992 rows at chunk 3968) took twice its first token's GEMM work
-    (docs/benchmarks.md section 29)."""
+    chunk) up to the chunk, so a short prompt pads to less than twice its length, not to a quarter
+    chunk (measured: docs/benchmarks.md section 29)."""
     if not chunk:
         return []
     size, sizes = min(LONE_MIN, max(1, chunk // 4)), []
