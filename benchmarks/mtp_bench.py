@@ -16,7 +16,8 @@ for AR and for the verify's rows; the head's weights, draft lm_head rows and KV 
 head steps) over the measured memory bandwidth.
 
 python3 benchmarks/mtp_bench.py [--layers N] [--num-spec 3] [--preset qwen3.5-35b-a3b]
-                                [--draft-vocab-size 32768]   (MTP drafts over a pruned vocabulary)"""
+                                [--draft-vocab-size 32768]   (MTP drafts over a pruned vocabulary)
+                                [--step-times]   (one B=1 r=0.8 generate, step by step)"""
 
 from __future__ import annotations
 
@@ -104,6 +105,55 @@ def expected_accepted(rate: float, n: int) -> float:
     return sum(rate ** j for j in range(1, n + 1)) / n
 
 
+def step_times(engine, truth_b: list[list[int]], rate: float, gen_tokens: int) -> None:
+    """One B=1 generate at forced acceptance ``rate`` with each engine step timed on the host (no
+    sync added: a step returns once its commit has waited for its samples), and inside them the
+    head's catch-up and chain over the prompt rows (``_propose``, in the prompt's own step) and
+    the forced drafts' host work (``_keep``): where the generate's decode phase goes beyond
+    its steps at ``time_decode_steps``' cost."""
+    strat, first = engine.strategy, engine.intake.next_id
+    strat.draft_override = forced({first: truth_b[0]}, rate, 0)
+    times, spent = [], {"_keep": 0.0, "_propose": 0.0}
+    plain = {name: getattr(strat, name) for name in spent}
+    step = engine.step
+
+    def timed(fn, label):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[label] += time.perf_counter() - t0
+        return run
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            times.append(time.perf_counter() - t0)
+    engine.step = timed_step
+    for name, fn in plain.items():
+        setattr(strat, name, timed(fn, name))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts(1), SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True))
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    finally:
+        del engine.step
+        for name in plain:
+            delattr(strat, name)
+    ms = [t * 1e3 for t in times]
+    mid = sorted(ms[1:-2])
+    print(f"step times B=1 r={rate}: {len(ms)} steps, {total * 1e3:.1f} ms in all ({sum(ms):.1f} in steps); "
+          f"the prompt's step {ms[0]:.2f} ms (of it the head over the prompt {spent['_propose'] * 1e3:.2f} ms); "
+          f"verify steps median {mid[len(mid) // 2]:.3f} ms, mean {sum(mid) / len(mid):.3f}; last two "
+          f"{ms[-2]:.2f} / {ms[-1]:.2f} ms; forced drafts' host work {spent['_keep'] * 1e3 / len(ms):.3f} ms a step; "
+          f"{out[0].num_accepted_draft_tokens}/{out[0].num_draft_tokens} drafts accepted", flush=True)
+
+
 def first_token_s(engine, b: int) -> float:
     """Seconds of a 1-token generate of the B prompts (their prefill), median of 3."""
     times = []
@@ -122,6 +172,8 @@ def main() -> None:
     ap.add_argument("--num-spec", type=int, default=3)
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--draft-vocab-size", type=int, help="MTP drafts over this many token ids (default: all)")
+    ap.add_argument("--step-times", action="store_true", help="also one B=1 r=0.8 generate with each engine "
+                    "step timed: the prompt's step (the head over the prompt in it), the verify steps, the last ones")
     a = ap.parse_args()
     layers, n = a.layers, a.num_spec
     gen_tokens, batches = 64, (1, 8, 64)
@@ -186,6 +238,9 @@ def main() -> None:
                   f"(x{tps / ar_tps[b]:.2f}); decode phase x{decode / ar_decode[b]:.2f}; accepted {acc:.2f} of "
                   f"drafts (expected {expected_accepted(rate, n):.2f}) over {runs} generate(s); tokens == AR: {same}", flush=True)
     print(f"graph replays: model {mtp.runner.main_graphs.num_replays}, MTP head {mtp.runner.mtp_graphs.num_replays}")
+    if a.step_times:
+        for _ in range(2):  # the second is printed warm as well
+            step_times(mtp, truth[1], 0.8, gen_tokens)
 
 
 if __name__ == "__main__":
