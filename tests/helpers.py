@@ -18,3 +18,14 @@ def tiny_config(**overrides) -> dict:
         else:
             base[key] = value
     return base
+
+
+def benchmark_module(name: str):
+    """A script under ``benchmarks/`` imported as a module (its ``main`` not run)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def tax_ab():
-    spec = importlib.util.spec_from_file_location("tax_ab", ROOT / "benchmarks" / "tax_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("tax_ab")
 
 
 def _report(ms: float, tok_s: float) -> dict:
