@@ -4,8 +4,9 @@
    the head's own drafts: every verify runs N+1 tokens whatever is accepted, and random weights
    accept next to nothing).
 2. End to end: tokens/s of AR vs MTP with drafts forced right with probability r per position
-   until the first wrong one (cuts drawn stratified: ``forced``; ``draft_override``: the head still runs its chain, and the forced drafts are written over
-   its drafts on the device, so the verify takes them the way it takes real ones); outputs are
+   until the first wrong one (cuts drawn stratified: ``forced``). Through ``draft_override`` the
+   head still runs its chain, and the forced drafts are written over its drafts on the device,
+   so the verify takes them the way it takes real ones. Outputs are
    checked equal to AR's (at B=1 over 4 generates with other draws, so that r is sampled over
    about 100 chains). Each generate is 512-token prompts then 64 new tokens, so the prompts'
    prefill (the same in both) is in both times; the decode phase alone is also printed: the
