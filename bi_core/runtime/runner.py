@@ -101,7 +101,7 @@ class ModelRunner:
         self.model, self.cache, self.spec = model, cache, spec
         self.device = spec.device
         self.main_graphs = build_graphs(spec)
-        self.mtp_graphs = build_graphs(attrs.evolve(spec, name="mtp", prompt_chunk=0)) if with_mtp_graphs else None
+        self.mtp_graphs = build_graphs(mtp_graph_spec(spec)) if with_mtp_graphs else None
         self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
         self.sleep_level = 0
         self._host: HostBuffer | None = None  # level 1's host copy of the weights, kept between sleeps
@@ -358,6 +358,16 @@ class ModelRunner:
                 entry[tokens[i]] = lps[i]
                 scores.append((seq, lps[i], entry))
         return scores
+
+
+def mtp_graph_spec(spec: GraphRunnerSpec) -> GraphRunnerSpec:
+    """The MTP head's graph runner: uniform steps (catch-up after a verify, chain steps) and,
+    where the main model replays a prompt piece alone (``mixed_decode_rows`` off: MTP's lone
+    prompt graphs), the head's catch-up over that piece at the same sizes, so a prompt's step
+    launches no eager head (it took 4.8 ms of a 512-token prompt's step on the 9B shape:
+    docs/benchmarks.md section 29)."""
+    return attrs.evolve(spec, name="mtp", prompt_chunk=0 if spec.mixed_decode_rows else spec.prompt_chunk,
+                        mixed_decode_rows=False)
 
 
 def rows_of(seqs: list[Sequence], packed: torch.Tensor, n: int = 0) -> list[Sampled]:

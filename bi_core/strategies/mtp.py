@@ -18,7 +18,8 @@ with the token sampled for q + 1; rows past the accepted ones only write MTP KV 
 that the next step rewrites before anything reads them), takes its first draft from the row of
 the last accepted token, and chains N-1 more single-row steps (greedy). The head runs through
 its own graph runner: catch-up steps of verify sequences are uniform (1+N rows), chain steps
-are single-row.
+are single-row, and a prompt piece alone (its main step a lone prompt graph) replays a head
+prompt graph of the same size (``runtime.runner.mtp_graph_spec``).
 
 Nothing in the chain waits for the device: each chain step takes its token from the previous
 step's draft on the device (``Forward.ids_from``), the drafts go to host memory behind the chain,
@@ -106,6 +107,9 @@ class _Head:
     tokens: list[int]
     offset: int
     draft_row: int
+    # the form of the main rows it pairs with: a prompt piece's head rows run as a prompt piece
+    # (a lone one replays the head's prompt graphs), verify and fork rows as decode rows
+    recurrent: bool = True
 
 
 @attrs.define
@@ -166,6 +170,8 @@ class MTPStrategy(Strategy):
         self.drafts: dict[int, list[int] | _OnDevice] = {}
         self.draft_hook: DraftHook | None = None  # tests force drafts through this (it waits for them)
         self.draft_override: DraftOverride | None = None  # benchmarks and audits force drafts without reading them
+        self._staging: torch.Tensor | None = None  # forced drafts' page-locked host rows (_force)
+        self._staged = None  # the event of its last copy to the device
 
     def forget(self, seq) -> None:
         self.drafts.pop(seq.request_id, None)
@@ -242,7 +248,7 @@ class MTPStrategy(Strategy):
             if seq.score_from is None:  # a scoring request never drafts: no head rows
                 end = r.start + 1 + len(r.tokens)
                 head = seq.ids(r.start + 1, min(end, seq.num_tokens)) + [t for t, _, _ in got[:1]]
-                plan.head.append(_Head(seq, r.start, head, offset, len(r.tokens) - 1))
+                plan.head.append(_Head(seq, r.start, head, offset, len(r.tokens) - 1, r.recurrent))
         return StepCommit(commits, scores, self.forks(leaders, out))
 
     def after_update(self, plan: MTPPlan, commit: StepCommit, out: StepOutput) -> None:
@@ -306,11 +312,14 @@ class MTPStrategy(Strategy):
         if not live:
             return
         device = hidden.device
-        rows = [h.offset + j for h in live for j in range(len(h.tokens))]
+        if len(live) == 1:  # one sequence (a lone prompt's piece): its rows are a span of the step's
+            paired = hidden.narrow(0, live[0].offset, len(live[0].tokens))
+        else:
+            paired = hidden[to_device([h.offset + j for h in live for j in range(len(h.tokens))], device)]
         drafting = [i for i, h in enumerate(live) if h.seq.is_decoding and h.seq.status is not Status.FINISHED]
         wanted = set(drafting)
-        out = self._mtp([SeqRows(h.seq, h.tokens, h.start, True, (h.draft_row,) if i in wanted else ())
-                         for i, h in enumerate(live)], hidden[to_device(rows, device)])
+        out = self._mtp([SeqRows(h.seq, h.tokens, h.start, h.recurrent, (h.draft_row,) if i in wanted else ())
+                         for i, h in enumerate(live)], paired)
         if not drafting:
             return
         starts = [0, *_cumsum(len(h.tokens) for h in live)]
@@ -344,13 +353,8 @@ class MTPStrategy(Strategy):
     def _keep(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
         """Keep the drafts ``ids`` [S, N] of ``seqs`` for their next verify: on the device, on their
         way to host memory (a hook's: waited for; an override's: written over them first)."""
-        device = ids.device
         if self.draft_override is not None:  # forced drafts take the real ones' place on the device
-            forced = {i: self.draft_override(seq, self.num_spec) for i, seq in enumerate(seqs)}
-            forced = {i: (d + [0] * self.num_spec)[: self.num_spec] for i, d in forced.items() if d is not None}
-            if forced:
-                values = to_device([t for d in forced.values() for t in d], device).view(len(forced), self.num_spec)
-                ids.index_copy_(0, to_device(list(forced), device), values)
+            self._force(seqs, ids)
         landing = self.runner.to_host(ids)
         for i, seq in enumerate(seqs):
             if self.draft_hook is not None:
@@ -358,11 +362,45 @@ class MTPStrategy(Strategy):
             else:
                 self.drafts[seq.request_id] = _OnDevice(landing, i)
 
+    def _force(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
+        """Write ``draft_override``'s drafts over ``ids`` [S, N] on the device. Every row forced
+        (benchmarks, audits): one copy from a page-locked staging buffer straight into ``ids``
+        (the buffer is reused once its last copy is done), so forcing costs the host no more than
+        the drafts it replaces (two uploads and an index copy took 0.29 ms a step: docs/benchmarks.md
+        section 29). Some rows forced: the rows with a flag column, one upload and a select."""
+        n = self.num_spec
+        forced = [self.draft_override(seq, n) for seq in seqs]
+        if all(d is None for d in forced):
+            return
+        if all(d is not None for d in forced):
+            stage = self._stage(len(seqs), ids)
+            stage.numpy()[:] = [(d + [0] * n)[:n] for d in forced]
+            ids.copy_(stage, non_blocking=True)
+            if self._staged is not None:
+                self._staged.record()
+            return
+        rows = [[0] * (n + 1) if d is None else [1, *(d + [0] * n)[:n]] for d in forced]
+        staged = to_device([t for r in rows for t in r], ids.device).view(len(rows), n + 1)
+        torch.where(staged[:, :1].bool(), staged[:, 1:], ids, out=ids)
+
+    def _stage(self, s: int, ids: torch.Tensor) -> torch.Tensor:
+        """The first ``s`` rows of the forced drafts' host staging buffer, free to write."""
+        if self._staging is None or self._staging.shape[0] < s:
+            pinned = ids.is_cuda
+            self._staging = torch.empty((max(s, self.runner.spec.max_batch_size), self.num_spec),
+                                        dtype=torch.int64, pin_memory=pinned)
+            self._staged = torch.cuda.Event() if pinned else None
+        elif self._staged is not None:
+            self._staged.synchronize()  # its last copy has left (long since: a step ago)
+        return self._staging[:s]
+
     def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
         """The MTP head over ``rows`` (its own KV cache, same pages), the main model's ``hidden``
         paired with their tokens: its output rows, and (as ``logits``) the greedy draft of each
-        logits row. The head has no GDN layer, so every row is marked recurrent: any uniform step
-        can replay a graph."""
+        logits row. The head has no GDN layer; its rows take the form of the main rows they pair
+        with (``_Head.recurrent``, which only picks the attention's decode or prompt form): a
+        uniform step of recurrent rows replays a uniform graph, a prompt piece alone a head
+        prompt graph (``runtime.runner.mtp_graph_spec``)."""
         return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from))
 
 

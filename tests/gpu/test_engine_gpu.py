@@ -274,6 +274,53 @@ def test_mtp_drafts_do_not_depend_on_the_batch(monkeypatch):
     assert broken != alone
 
 
+def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
+    """The MTP head's catch-up over a lone prompt's pieces replays head prompt graphs (256-token
+    pieces, the last one padded to 128 rows): every draft the head proposes afterwards (they read
+    the head's KV over the prompt) and the output are the bits of the same run with the head's
+    prompt rows eager. Negative control: the head graph fed the piece's hidden rows reversed
+    proposes other drafts."""
+    import gc
+
+    import attrs
+
+    from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+
+    needle = torch.randint(0, 248320, (600,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+    def run(head: str) -> tuple[list, list[int]]:
+        cfg = mtp_config("cuda_hopper_invariant", True, True)
+        eng = build_engine(cfg.replace(scheduler={"prefill_chunk_size": 256}))
+        graphs = eng.runner.mtp_graphs
+        assert graphs.spec.prompt_chunk == 256 and graphs.lone_sizes == [64, 128, 256]
+        if head == "eager":
+            graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(attrs.evolve(graphs.spec, prompt_chunk=0))
+        elif head == "reversed rows":
+            replay = graphs.run
+
+            def reversed_rows(step, ids, ctx, prepare=None, extra=None, ids_from=None):
+                if ctx.graph is not None and ctx.graph.chunk and extra is not None:
+                    extra = extra.flip(0)
+                return replay(step, ids, ctx, prepare, extra, ids_from)
+            graphs.run = reversed_rows
+        seen = []
+        eng.strategy.draft_hook = lambda seq, d: seen.append((len(seq.output_ids), d)) or d
+        out = eng.generate([needle], params)[0].token_ids
+        assert graphs.mixed_replays == (0 if head == "eager" else 3)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        return seen, out
+
+    eager, eager_out = run("eager")
+    graphed, graphed_out = run("graphs")
+    assert graphed_out == eager_out and len(eager) >= 6
+    assert graphed == eager
+    wrong, wrong_out = run("reversed rows")
+    assert wrong_out == eager_out and wrong != eager
+
+
 def test_mtp_graphs_default_backend_matches_eager():
     """cuda_default: FlashInfer's graph-mode append wrapper for verify steps gives the eager
     verify's logits (bf16 tolerance: its plan may split KV differently)."""

@@ -17,6 +17,7 @@ from test_mtp import N_SPEC, PARAMS, config, hook_for, prompts
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+from bi_core.runtime.runner import mtp_graph_spec
 
 
 def rerun_runner(spec) -> CudaGraphRunnerImpl:
@@ -29,7 +30,7 @@ def with_graph_runners(eng):
     runner = eng.runner
     runner.main_graphs = rerun_runner(runner.spec)
     if runner.mtp_graphs is not None:
-        runner.mtp_graphs = rerun_runner(attrs.evolve(runner.spec, name="mtp"))
+        runner.mtp_graphs = rerun_runner(mtp_graph_spec(runner.spec))
     return eng
 
 

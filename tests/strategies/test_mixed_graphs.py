@@ -16,6 +16,7 @@ from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl, lone_sizes, mixed_buckets
 from bi_core.errors import ConfigError
 from bi_core.runtime.batch import plan_batch
+from bi_core.runtime.runner import mtp_graph_spec
 
 CHUNK = 32
 
@@ -222,7 +223,7 @@ def test_mtp_gets_graphs_for_a_prompt_piece_alone(monkeypatch):
     spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size,
                         mixed_decode_rows=False)
     eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
-    eng.runner.mtp_graphs = CudaGraphRunnerImpl(attrs.evolve(spec, name="mtp", prompt_chunk=0), capture=False)
+    eng.runner.mtp_graphs = CudaGraphRunnerImpl(mtp_graph_spec(spec), capture=False)
     eng.strategy.draft_hook = hook_for("partial", {i: o.token_ids for i, o in enumerate(ar)}, random.Random(3))
     first = eng.add_request(ps[0], params)
     eng.step()  # the lone prompt: a bucket-0 mixed graph
@@ -234,6 +235,62 @@ def test_mtp_gets_graphs_for_a_prompt_piece_alone(monkeypatch):
         eng.step()
     assert [first.output_ids, second.output_ids] == [o.token_ids for o in ar]
     assert all(k[1] == 0 for k in graphs.graphs if len(k) == 3)  # never a mixed graph with decode rows
+    assert eng.runner.mtp_graphs.mixed_replays >= 1  # the head's catch-up over the lone prompt
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch, preset):
+    """Where MTP's prompt pieces replay graphs alone (bucket 0), the head's catch-up over each
+    piece replays a head graph of the same size (``mtp_graph_spec``), the main model's hidden
+    rows copied into its static input, the last piece padded at its end. Its drafts (every
+    proposal, through the hook) are those of the head run eagerly, and the output stays AR's.
+    Negative control: a head graph fed the piece's hidden rows in reverse order proposes other
+    drafts, so the comparison sees the head's prompt rows."""
+    import random
+
+    from test_mtp import config as mtp_config
+    from test_mtp import hook_for
+
+    from bi_core.backends.reference.attention import ReferenceAttentionImpl
+
+    monkeypatch.setattr(ReferenceAttentionImpl, "graph_prompt_rows", True, raising=False)
+    ps, params = [prompts()[4]], PARAMS["greedy"]  # 75 tokens: pieces of 32, 32 and 11 (padded to 16)
+    ar = build_engine(mtp_config(preset, "ar")).generate(ps, params)
+    truth = {0: ar[0].token_ids}
+
+    def proposals(head: str) -> tuple[list, int, list[int]]:
+        eng = build_engine(mtp_config(preset, "mtp"))
+        clear_scratch(eng)
+        spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size,
+                            mixed_decode_rows=False)
+        eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
+        mtp_spec = mtp_graph_spec(spec) if head != "eager" else attrs.evolve(spec, name="mtp", prompt_chunk=0)
+        graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(mtp_spec, capture=False)
+        if head == "reversed rows":
+            run = graphs.run
+
+            def reversed_rows(step, ids, ctx, prepare=None, extra=None, ids_from=None):
+                if ctx.graph is not None and ctx.graph.chunk and extra is not None:
+                    extra = extra.flip(0)
+                return run(step, ids, ctx, prepare, extra, ids_from)
+            graphs.run = reversed_rows
+        forced, seen = hook_for("partial", truth, random.Random(5)), []
+
+        def hook(seq, proposed):
+            seen.append((len(seq.output_ids), proposed))
+            return forced(seq, proposed)
+        eng.strategy.draft_hook = hook
+        out = eng.generate(ps, params)
+        return seen, graphs.mixed_replays, out[0].token_ids
+
+    eager, none, eager_tokens = proposals("eager")
+    graphed, replays, graphed_tokens = proposals("graphs")
+    assert none == 0 and replays == 3  # pieces 0 and 32 at the chunk's size, the last at 16 rows
+    assert graphed_tokens == eager_tokens == truth[0]
+    assert len(eager) > 3 and graphed == eager
+    wrong, _, wrong_tokens = proposals("reversed rows")
+    assert wrong_tokens == truth[0]  # drafts never change the output...
+    assert wrong != eager  # ...but these are not the head's drafts
 
 
 def test_a_last_chunk_replayed_alone_is_not_launched_ahead_of():

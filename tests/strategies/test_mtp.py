@@ -216,3 +216,27 @@ def test_drafts_staged_on_the_device_equal_ar(n):
     drafted = [s.num_draft_tokens for o in out for s in (o.samples or [o])]
     assert sum(accepted) > 0 and sum(accepted) < sum(drafted), (accepted, drafted)
     assert not eng.strategy.drafts
+
+
+def test_forced_drafts_overwrite_the_proposed_rows():
+    """``draft_override`` (benchmarks, audits): forced rows replace the proposals on the device,
+    short lists padded with 0; rows it leaves (None) keep the head's. Every row forced goes through
+    one reused staging buffer (twice here, at two batch sizes); some rows forced through a flag."""
+    eng = build_engine(config("tiny-dense", "mtp"))
+    strat = eng.strategy
+    seqs = [attrs.make_class("S", ["request_id"])(i) for i in range(3)]
+    forced = {0: [7, 8, 9], 1: None, 2: [5]}
+    strat.draft_override = lambda seq, n: forced[seq.request_id]
+    proposed = torch.arange(9, dtype=torch.int64).view(3, N_SPEC) + 100
+    ids = proposed.clone()
+    strat._force(seqs, ids)
+    assert ids.tolist() == [[7, 8, 9], [103, 104, 105], [5, 0, 0]]
+    forced[1] = [1, 2, 3]
+    for s in (3, 2):
+        ids = proposed[:s].clone()
+        strat._force(seqs[:s], ids)
+        assert ids.tolist() == [[7, 8, 9], [1, 2, 3], [5, 0, 0]][:s]
+    strat.draft_override = lambda seq, n: None
+    ids = proposed.clone()
+    strat._force(seqs, ids)
+    assert torch.equal(ids, proposed)

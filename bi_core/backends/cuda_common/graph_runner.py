@@ -21,7 +21,7 @@ per step: the piece's last real row). Other steps (two prompt pieces, mixed leng
 captured, more sequences than the largest bucket) run eagerly. ``prepare(ctx)`` (host-side
 planning, e.g. FlashInfer's) runs before every forward, outside the graph. ``extra`` is an
 optional per-token input (the MTP head's main-model hidden states) that gets a static buffer
-like the token ids."""
+like the token ids (a prompt piece alone, too: the MTP head's catch-up over a lone prompt)."""
 
 from __future__ import annotations
 
@@ -414,7 +414,10 @@ class CudaGraphRunnerImpl:
             self._mark_inputs()
             return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
         static = self.statics[key]
-        assert not static.chunk or (ids_from is None and extra is None), "mixed graphs: host token ids, main model"
+        # a mixed graph's token ids come from the host; its per-token input (the MTP head's
+        # catch-up over a prompt piece) only where no decode rows precede the piece (bucket 0)
+        assert not static.chunk or (ids_from is None and (extra is None or static.bucket == 0)), \
+            "mixed graphs: host token ids; a per-token input with a prompt piece alone"
         if key not in self.graphs:
             self._record(key, step, prepare, extra)
             static.load(static.current)  # capture ran on padding: put this step's rows back
