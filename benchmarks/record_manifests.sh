@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-record the shipped compile manifests (bi_core/backends/cuda_common/compile_manifests), each
 # start on an empty Triton cache, after a change to the kernels a start compiles or to the graphs
-# it captures; copies them to $OUT/manifests (copy them back into the tree from there).
+# it captures; archives them as $OUT/manifests.tar (unpack it into bi_core/backends/cuda_common).
 #   bash benchmarks/record_manifests.sh [CONFIG...]   (default: the five configs the manifests ship for)
 set -uo pipefail
 configs=("$@")
@@ -19,6 +19,7 @@ for c in "${configs[@]}"; do
   fi
   rm -rf "$cache"
 done
-mkdir -p "${OUT:-/tmp/out}/manifests"
-cp bi_core/backends/cuda_common/compile_manifests/*.json "${OUT:-/tmp/out}/manifests/"
+# one archive: the device tool brings back a handful of files per call, not six manifests and logs
+mkdir -p "${OUT:-/tmp/out}"
+tar -cf "${OUT:-/tmp/out}/manifests.tar" -C bi_core/backends/cuda_common compile_manifests
 exit $rc

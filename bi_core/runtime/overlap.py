@@ -16,7 +16,7 @@ A strategy that cannot plan its next step before it knows this one's tokens laun
 work behind the step instead (``Strategy.launch_behind``): MTP, whose next verify needs this
 one's accepted drafts, runs the head's catch-up and draft chain from the verify's device outputs
 (the accept count computed on the device) while the host commits, and launches the next verify
-behind the chain (strategies/mtp.py).
+behind the chain (strategies/mtp.py); and so behind a lone prompt's last piece, from its sample.
 
 What stays true: a sequence this step ends with a stop token still runs one wasted row in the
 next; that row is dropped at its commit, and the pages and state slot it released are reused
@@ -87,9 +87,11 @@ class Overlap:
 
     def _flies(self, plan: StepPlan, out: StepOutput) -> bool:
         rows = plan.forward.rows
-        # a uniform (decode) graph only: plan_ahead moves every row one token on, and a mixed
-        # graph's step (decode rows plus a prompt's last chunk) samples every row too
-        return (out.samples is not None and out.graph is not None and not out.graph.chunk
+        # a uniform (decode) graph: plan_ahead moves every row one token on; a mixed graph's step
+        # (decode rows plus a prompt's last chunk) flies only for work launched behind it, and
+        # with the piece alone (bucket 0: MTP's head over a lone prompt)
+        g = out.graph
+        return (out.samples is not None and g is not None and (not g.chunk or (self.behind and g.bucket == 0))
                 and self.runner.on_logits is None
                 and all(r.sample for r in rows) and not any(r.seq.followers for r in rows)
                 and device_sampled([r.seq for r in rows]))

@@ -267,8 +267,11 @@ class MTPStrategy(Strategy):
 
     def launch_behind(self, plan: MTPPlan, out: StepOutput) -> bool:
         """The head's catch-up and draft chain, launched behind the verify before its commit
-        (module docstring): every row a verify, in a uniform graph whose samples fly."""
+        (module docstring): every row a verify, in a uniform graph whose samples fly; or a
+        lone prompt's last piece (``_behind_prompt``)."""
         rows, q = plan.forward.rows, 1 + self.num_spec
+        if out.graph is not None and out.graph.chunk:
+            return self._behind_prompt(plan, out)
         if not (self.runner.shifts_on_device and out.input_ids is not None and out.graph is not None
                 and out.graph.q_len == q and all(r.seq.is_decoding and len(r.logits_rows) == q for r in rows)):
             return False
@@ -285,6 +288,23 @@ class MTPStrategy(Strategy):
         pick = torch.arange(s, device=accepted.device) * q + accepted
         plan.chain = self._chain([r.seq for r in rows], [r.start for r in rows], head.logits.index_select(0, pick),
                                  head.hidden.index_select(0, pick), shift=accepted)
+        return True
+
+    def _behind_prompt(self, plan: MTPPlan, out: StepOutput) -> bool:
+        """A lone prompt's last piece (a mixed graph alone, its sample flying): the head's catch-up
+        over the piece, its last row's token the sample still on the device, and the draft chain
+        from that row, launched before the commit as behind a verify. A first token that ends the
+        request leaves drafts nobody reads (``after_update`` drops them)."""
+        if len(plan.forward.rows) != 1:
+            return False
+        r = plan.forward.rows[0]
+        seq, n = r.seq, len(r.tokens)
+        if seq.is_decoding or seq.score_from is not None or r.logits_rows != (n - 1,):
+            return False
+        # row j pairs the hidden row of position start + j with the token at start + j + 1
+        tokens = seq.ids(r.start + 1, r.start + n) + [-1]  # the last: sample 0, on the device
+        head = self._mtp([SeqRows(seq, tokens, r.start, r.recurrent, (n - 1,))], out.hidden, ids_from=out.samples)
+        plan.chain = self._chain([seq], [r.start + n - 1], head.logits, head.hidden.narrow(0, n - 1, 1))
         return True
 
     def after_fork(self, forks: list[Fork], plan: MTPPlan, out: StepOutput) -> None:

@@ -276,10 +276,11 @@ def test_mtp_drafts_do_not_depend_on_the_batch(monkeypatch):
 
 def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
     """The MTP head's catch-up over a lone prompt's pieces replays head prompt graphs (256-token
-    pieces, the last one padded to 128 rows): every draft the head proposes afterwards (they read
-    the head's KV over the prompt) and the output are the bits of the same run with the head's
-    prompt rows eager. Negative control: the head graph fed the piece's hidden rows reversed
-    proposes other drafts."""
+    pieces, the last one padded to 128 rows), the last launched behind the piece from its sample
+    on the device: every draft the head proposes afterwards (they read the head's KV over the
+    prompt) and the output are the bits of the same run with the head's prompt rows eager, after
+    the commit. Negative control: the head graph fed the piece's hidden rows reversed proposes
+    other drafts."""
     import gc
 
     import attrs
@@ -296,6 +297,7 @@ def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
         assert graphs.spec.prompt_chunk == 256 and graphs.lone_sizes == [64, 128, 256]
         if head == "eager":
             graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(attrs.evolve(graphs.spec, prompt_chunk=0))
+            eng.overlap.behind = False
         elif head == "reversed rows":
             replay = graphs.run
 
@@ -306,8 +308,10 @@ def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
             graphs.run = reversed_rows
         seen = []
         eng.strategy.draft_hook = lambda seq, d: seen.append((len(seq.output_ids), d)) or d
+        behind = eng.overlap.num_behind
         out = eng.generate([needle], params)[0].token_ids
         assert graphs.mixed_replays == (0 if head == "eager" else 3)
+        assert (eng.overlap.num_behind > behind) == (head != "eager")
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -242,10 +242,11 @@ def test_mtp_gets_graphs_for_a_prompt_piece_alone(monkeypatch):
 def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch, preset):
     """Where MTP's prompt pieces replay graphs alone (bucket 0), the head's catch-up over each
     piece replays a head graph of the same size (``mtp_graph_spec``), the main model's hidden
-    rows copied into its static input, the last piece padded at its end. Its drafts (every
-    proposal, through the hook) are those of the head run eagerly, and the output stays AR's.
-    Negative control: a head graph fed the piece's hidden rows in reverse order proposes other
-    drafts, so the comparison sees the head's prompt rows."""
+    rows copied into its static input, the last piece padded at its end; launched behind the
+    piece (its sample flying, ``MTPStrategy._behind_prompt``) or after the commit. Its drafts
+    (every proposal, through the hook) are those of the head run eagerly, and the output stays
+    AR's. Negative control: a head graph fed the piece's hidden rows in reverse order proposes
+    other drafts, so the comparison sees the head's prompt rows."""
     import random
 
     from test_mtp import config as mtp_config
@@ -254,13 +255,17 @@ def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch
     from bi_core.backends.reference.attention import ReferenceAttentionImpl
 
     monkeypatch.setattr(ReferenceAttentionImpl, "graph_prompt_rows", True, raising=False)
-    ps, params = [prompts()[4]], PARAMS["greedy"]  # 75 tokens: pieces of 32, 32 and 11 (padded to 16)
+    ps = [prompts()[4]]  # 75 tokens: pieces of 32, 32 and 11 (padded to 16)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)  # sampled on the device: the piece's sample flies
     ar = build_engine(mtp_config(preset, "ar")).generate(ps, params)
     truth = {0: ar[0].token_ids}
 
     def proposals(head: str) -> tuple[list, int, list[int]]:
         eng = build_engine(mtp_config(preset, "mtp"))
         clear_scratch(eng)
+        eng.overlap.behind = head == "graphs, behind"
+        behind_prompt, launched = eng.strategy._behind_prompt, []
+        eng.strategy._behind_prompt = lambda plan, out: launched.append(behind_prompt(plan, out)) or launched[-1]
         spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size,
                             mixed_decode_rows=False)
         eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
@@ -281,6 +286,7 @@ def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch
             return forced(seq, proposed)
         eng.strategy.draft_hook = hook
         out = eng.generate(ps, params)
+        assert launched == ([True] if head == "graphs, behind" else [])
         return seen, graphs.mixed_replays, out[0].token_ids
 
     eager, none, eager_tokens = proposals("eager")
@@ -288,6 +294,8 @@ def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch
     assert none == 0 and replays == 3  # pieces 0 and 32 at the chunk's size, the last at 16 rows
     assert graphed_tokens == eager_tokens == truth[0]
     assert len(eager) > 3 and graphed == eager
+    behind, replays, behind_tokens = proposals("graphs, behind")
+    assert replays == 3 and behind_tokens == truth[0] and behind == eager
     wrong, _, wrong_tokens = proposals("reversed rows")
     assert wrong_tokens == truth[0]  # drafts never change the output...
     assert wrong != eager  # ...but these are not the head's drafts

@@ -414,10 +414,10 @@ class CudaGraphRunnerImpl:
             self._mark_inputs()
             return step(input_ids, ctx) if extra is None else step(input_ids, ctx, extra)
         static = self.statics[key]
-        # a mixed graph's token ids come from the host; its per-token input (the MTP head's
-        # catch-up over a prompt piece) only where no decode rows precede the piece (bucket 0)
-        assert not static.chunk or (ids_from is None and (extra is None or static.bucket == 0)), \
-            "mixed graphs: host token ids; a per-token input with a prompt piece alone"
+        # a mixed graph with decode rows takes host token ids and no per-token input; a prompt
+        # piece alone (bucket 0: the MTP head's catch-up over it) may take both
+        assert not static.chunk or static.bucket == 0 or (ids_from is None and extra is None), \
+            "mixed graphs with decode rows: host token ids, no per-token input"
         if key not in self.graphs:
             self._record(key, step, prepare, extra)
             static.load(static.current)  # capture ran on padding: put this step's rows back
