@@ -7,6 +7,8 @@ tensors (eager steps) or into a CUDA graph's static buffers, padded to the graph
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from bi_core.ops.context import ForwardContext, GraphShape, HostBatch
@@ -108,13 +110,29 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     return ids, ctx
 
 
-def gather_ids(input_ids: torch.Tensor, ids_from: torch.Tensor) -> None:
+@functools.lru_cache(maxsize=64)
+def _in_order(n: int) -> list[int]:
+    return list(range(-1, -1 - n, -1))
+
+
+def staged_in_order(host_ids: list[int]) -> bool:
+    """Whether packed token ids are -1, -2, ..., -n: every token staged, in order (``gather_ids``)."""
+    return bool(host_ids) and host_ids[0] == -1 and host_ids[-1] == -len(host_ids) \
+        and host_ids == _in_order(len(host_ids))
+
+
+def gather_ids(input_ids: torch.Tensor, ids_from: torch.Tensor, host_ids: list[int] | None = None) -> None:
     """Input ids staged as ``-1 - i`` become token i of ``ids_from`` on the device; the others are
     token ids already. ``ids_from``: token ids [R], or a step's device samples [R, 2] float64
     (token, logprob). So a step can be launched before some of its tokens reach the host: the
     next decode step behind a running one (strategies/ar.py), a verify behind the draft chain
-    that proposes its drafts (strategies/mtp.py)."""
+    that proposes its drafts (strategies/mtp.py). ``host_ids``: the staged ids as the host packed
+    them, if known; where they are -1, -2, ..., -n (the MTP head's catch-up and chain steps take
+    every token in order) the gather is one copy instead of six kernels."""
     tokens = ids_from[:, 0] if ids_from.dim() == 2 else ids_from
+    if host_ids is not None and staged_in_order(host_ids):  # every token, in order: one copy
+        input_ids[: len(host_ids)].copy_(tokens[: len(host_ids)])
+        return
     staged = input_ids < 0
     picked = tokens.index_select(0, (-1 - input_ids).clamp_(min=0)).to(input_ids.dtype)
     input_ids.copy_(torch.where(staged, picked, input_ids))

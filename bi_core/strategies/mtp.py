@@ -183,8 +183,7 @@ class MTPStrategy(Strategy):
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed
             if seq.is_decoding:  # verify: the pending token and its drafts, padded to 1+N
-                remaining = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
-                n = max(0, min(self.num_spec, remaining - 1))
+                n = max(0, min(self.num_spec, _remaining(seq) - 1))
                 d = self.drafts.get(seq.request_id, [])
                 if isinstance(d, _OnDevice):  # staged as -1 - (index into the chains' ids laid end to end)
                     if id(d.landing) not in chains:
@@ -270,6 +269,8 @@ class MTPStrategy(Strategy):
         (module docstring): every row a verify, in a uniform graph whose samples fly; or a
         lone prompt's last piece (``_behind_prompt``)."""
         rows, q = plan.forward.rows, 1 + self.num_spec
+        if all(_remaining(r.seq) <= 1 for r in rows):  # no draft would be read (the head after the commit skips them)
+            return False
         if out.graph is not None and out.graph.chunk:
             return self._behind_prompt(plan, out)
         if not (self.runner.shifts_on_device and out.input_ids is not None and out.graph is not None
@@ -422,6 +423,12 @@ class MTPStrategy(Strategy):
         uniform step of recurrent rows replays a uniform graph, a prompt piece alone a head
         prompt graph (``runtime.runner.mtp_graph_spec``)."""
         return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from))
+
+
+def _remaining(seq: Sequence) -> int:
+    """How many more tokens ``seq`` may get (its length limits): at most 1, and the next token
+    sampled is its last, so no draft would be verified."""
+    return min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_total_len - seq.num_tokens)
 
 
 def _cumsum(values):

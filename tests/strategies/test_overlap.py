@@ -71,7 +71,7 @@ def test_gather_is_what_feeds_the_next_step():
     ref = engine(False).generate(ps, params)
     eng = engine(True)
     real = gr.gather_ids
-    gr.gather_ids = lambda ids, src: ids.copy_((-1 - ids).clamp(min=0))  # the row numbers, not their tokens
+    gr.gather_ids = lambda ids, src, host=None: ids.copy_((-1 - ids).clamp(min=0))  # the row numbers, not their tokens
     try:
         out = eng.generate(ps, params)
     finally:
@@ -135,3 +135,22 @@ def test_abort_and_arrivals_between_steps():
     same([o for i, o in enumerate(out) if i != 2], [o for i, o in enumerate(ref) if i != 2])
     assert out[2].finish_reason == "abort" and len(out[2].token_ids) <= len(ref[2].token_ids)
     assert eng.cache.num_pages_in_use == 0 and eng.cache.slots.num_free == ref_eng.cache.slots.num_free
+
+
+def test_a_gather_of_every_token_in_order_is_one_copy():
+    """``gather_ids`` with the host's packed ids: every token staged in order takes a plain copy
+    (samples [R, 2] or ids [R]), and gives what the general gather gives; ids not all staged, or
+    out of order, go through the general gather."""
+    from bi_core.runtime.batch import gather_ids, staged_in_order
+
+    samples = torch.tensor([[7.0, -0.5], [3.0, -1.0], [9.0, -2.0]], dtype=torch.float64)
+    for host in ([-1, -2, -3], [-1, -2], [-2, -1, -3], [-1, 5, -3], [4, -1]):
+        fast, slow = torch.tensor(host + [0]), torch.tensor(host + [0])
+        gather_ids(fast, samples, host)
+        gather_ids(slow, samples)
+        assert torch.equal(fast, slow), host
+    assert staged_in_order([-1, -2, -3]) and staged_in_order([-1])
+    assert not any(staged_in_order(h) for h in ([], [-2, -1], [-1, -3], [-1, 2], [0]))
+    ids = torch.zeros(2, dtype=torch.int64)
+    gather_ids(ids, torch.tensor([11, 12]), [-1, -2])
+    assert ids.tolist() == [11, 12]

@@ -421,8 +421,8 @@ class CudaGraphRunnerImpl:
         if key not in self.graphs:
             self._record(key, step, prepare, extra)
             static.load(static.current)  # capture ran on padding: put this step's rows back
-        if ids_from is not None:
-            gather_ids(input_ids, ids_from)
+        if ids_from is not None:  # the host's packed ids: where every token is staged in order, one copy
+            gather_ids(input_ids, ids_from, static.current.token_ids)
         if extra is not None:
             static.extra[: extra.shape[0]].copy_(extra)
         if prepare is not None:
