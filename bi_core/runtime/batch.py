@@ -88,6 +88,17 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
         valid_tokens=valid_tokens, valid_tokens_host=list(hb.valid_tokens) if hb.valid_tokens is not None else None)
 
 
+def aligned_fields(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of int64 fields of ``sizes`` laid end to end in one region, each start even
+    (16-byte aligned: Triton compiles a kernel variant per pointer alignment). Eager steps
+    (``upload``) and graphs' static buffers share it."""
+    spans, at = [], 0
+    for n in sizes:
+        spans.append((at, at + n))
+        at += n + n % 2
+    return spans
+
+
 def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
     """An eager step's inputs: every integer field in one transfer, then views. Triton compiles a
     kernel variant per pointer alignment (16 bytes or not) and per integer argument class (1,
@@ -99,9 +110,12 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     recurrent = [i for i, r in enumerate(hb.is_recurrent) if r]
     fields = [hb.token_ids, hb.positions, hb.cu_seqlens, hb.context_lens, table, hb.slot_mapping, hb.state_slots,
               hb.logits_rows, recurrent, hb.token_state_slots, hb.sample_keys, float_bits(hb.temperatures)]
-    flat = [x for f in fields for x in list(f) + [0] * (len(f) % 2)]  # int64 pairs: 16-byte aligned views
-    padded = torch.split(to_device(flat, device), [len(f) + len(f) % 2 for f in fields])
-    parts = [t[: len(f)] for t, f in zip(padded, fields)]
+    spans = aligned_fields([len(f) for f in fields])
+    flat = [0] * spans[-1][1]
+    for f, (a, b) in zip(fields, spans):
+        flat[a:b] = f
+    region = to_device(flat, device)
+    parts = [region[a:b] for a, b in spans]
     ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states, keys, temps = parts
     sampling = {"sample_keys": keys, "temperatures": temps.view(torch.float64)} if hb.sample_keys else {}
     ctx = context_from(hb, positions=pos, cu_seqlens=cu, context_lens=ctx_lens,

@@ -363,9 +363,8 @@ class MTPStrategy(Strategy):
             out = self.runner.advance_mtp(ids[:, j - 1], last) if j > 1 else None
             if out is None:
                 assert not (moved and j > 1), "a chain moved on the device advances on the device"
-                fwd = Forward([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],
-                              head="mtp", hidden=last, ids_from=ids[:, j - 1])
-                out = self.runner.execute(fwd) if shift is None else self.runner.execute(fwd, shift=shift)
+                out = self._mtp([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],
+                                last, ids_from=ids[:, j - 1], shift=shift)
                 shift = None  # later steps start from this one's moved positions
             last = out.hidden
             ids[:, j] = out.logits
@@ -415,14 +414,15 @@ class MTPStrategy(Strategy):
             self._staged.synchronize()  # its last copy has left (long since: a step ago)
         return self._staging[:s]
 
-    def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
+    def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None,
+             shift: torch.Tensor | None = None) -> StepOutput:
         """The MTP head over ``rows`` (its own KV cache, same pages), the main model's ``hidden``
         paired with their tokens: its output rows, and (as ``logits``) the greedy draft of each
         logits row. The head has no GDN layer; its rows take the form of the main rows they pair
         with (``_Head.recurrent``, which only picks the attention's decode or prompt form): a
         uniform step of recurrent rows replays a uniform graph, a prompt piece alone a head
         prompt graph (``runtime.runner.mtp_graph_spec``)."""
-        return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from))
+        return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from), shift=shift)
 
 
 def _remaining(seq: Sequence) -> int:

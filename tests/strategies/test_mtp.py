@@ -186,8 +186,9 @@ def drafts_on_device(eng, truth: dict[int, list[int]], rng: random.Random, vocab
     them from the device, as real drafts go (no hook, no wait for the host)."""
     real = eng.strategy._mtp
 
-    def mtp(rows, hidden, ids_from=None):
-        out = real(rows, hidden, ids_from)
+    def mtp(rows, hidden, ids_from=None, shift=None):
+        out = real(rows, hidden, ids_from, shift)
+        assert shift is None, "eager steps: no chain moved on the device"
         want = []
         for r in rows:  # logits row x of a head row at position p proposes the token at p + x + 2
             for x in r.logits_rows:

@@ -34,7 +34,7 @@ import torch
 
 from bi_core.ops.context import ForwardContext, GraphShape, HostBatch
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.runtime.batch import context_from, gather_ids, upload
+from bi_core.runtime.batch import aligned_fields, context_from, gather_ids, upload
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -82,11 +82,7 @@ def _staging(like: torch.Tensor, pinned: bool) -> torch.Tensor:
 
 def _aligned_fields(sizes: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
     """``name -> (start, end)`` in one int64 region, each start even (16 bytes)."""
-    fields, at = {}, 0
-    for name, n in sizes:
-        fields[name] = (at, at + n)
-        at += n + n % 2
-    return fields
+    return dict(zip([name for name, _ in sizes], aligned_fields([n for _, n in sizes])))
 
 
 class StaticBatch:
