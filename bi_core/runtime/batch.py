@@ -7,8 +7,6 @@ tensors (eager steps) or into a CUDA graph's static buffers, padded to the graph
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from bi_core.ops.context import ForwardContext, GraphShape, HostBatch
@@ -124,15 +122,21 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     return ids, ctx
 
 
-@functools.lru_cache(maxsize=64)
-def _in_order(n: int) -> list[int]:
-    return list(range(-1, -1 - n, -1))
+MAX_RUNS = 4  # staged ids in at most this many runs are copied run by run (else gathered)
 
 
-def staged_in_order(host_ids: list[int]) -> bool:
-    """Whether packed token ids are -1, -2, ..., -n: every token staged, in order (``gather_ids``)."""
-    return bool(host_ids) and host_ids[0] == -1 and host_ids[-1] == -len(host_ids) \
-        and host_ids == _in_order(len(host_ids))
+def staged_runs(host_ids: list[int]) -> list[list[int]]:
+    """The staged ids (``-1 - i``) of packed token ids as runs ``[position, i, length]`` in which
+    both the position and the source index go up by one (``gather_ids``)."""
+    runs: list[list[int]] = []
+    for p, t in enumerate(host_ids):
+        if t < 0:
+            last = runs[-1] if runs else None
+            if last is not None and last[0] + last[2] == p and last[1] + last[2] == -1 - t:
+                last[2] += 1
+            else:
+                runs.append([p, -1 - t, 1])
+    return runs
 
 
 def gather_ids(input_ids: torch.Tensor, ids_from: torch.Tensor, host_ids: list[int] | None = None) -> None:
@@ -140,12 +144,15 @@ def gather_ids(input_ids: torch.Tensor, ids_from: torch.Tensor, host_ids: list[i
     token ids already. ``ids_from``: token ids [R], or a step's device samples [R, 2] float64
     (token, logprob). So a step can be launched before some of its tokens reach the host: the
     next decode step behind a running one (strategies/ar.py), a verify behind the draft chain
-    that proposes its drafts (strategies/mtp.py). ``host_ids``: the staged ids as the host packed
-    them, if known; where they are -1, -2, ..., -n (the MTP head's catch-up and chain steps take
-    every token in order) the gather is one copy instead of six kernels."""
+    that proposes its drafts (strategies/mtp.py). ``host_ids``: the ids as the host packed them,
+    if known: staged ids in at most ``MAX_RUNS`` runs (the MTP head's catch-up and chain take
+    every token in order, a B=1 verify its drafts in one run) are a copy per run instead of the
+    gather's seven kernels, which the host launches on a B=1 step's critical path."""
     tokens = ids_from[:, 0] if ids_from.dim() == 2 else ids_from
-    if host_ids is not None and staged_in_order(host_ids):  # every token, in order: one copy
-        input_ids[: len(host_ids)].copy_(tokens[: len(host_ids)])
+    runs = staged_runs(host_ids) if host_ids is not None else None
+    if runs is not None and len(runs) <= MAX_RUNS:
+        for at, first, n in runs:
+            input_ids[at:at + n].copy_(tokens[first:first + n])
         return
     staged = input_ids < 0
     picked = tokens.index_select(0, (-1 - input_ids).clamp_(min=0)).to(input_ids.dtype)

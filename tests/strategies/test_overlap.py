@@ -137,20 +137,24 @@ def test_abort_and_arrivals_between_steps():
     assert eng.cache.num_pages_in_use == 0 and eng.cache.slots.num_free == ref_eng.cache.slots.num_free
 
 
-def test_a_gather_of_every_token_in_order_is_one_copy():
-    """``gather_ids`` with the host's packed ids: every token staged in order takes a plain copy
-    (samples [R, 2] or ids [R]), and gives what the general gather gives; ids not all staged, or
-    out of order, go through the general gather."""
-    from bi_core.runtime.batch import gather_ids, staged_in_order
+def test_a_gather_of_few_runs_is_a_copy_per_run():
+    """``gather_ids`` with the host's packed ids: staged ids in at most ``MAX_RUNS`` runs (position
+    and source index both going up by one) are copied run by run (samples [R, 2] or ids [R]), and
+    give what the general gather gives; more runs go through the general gather."""
+    from bi_core.runtime.batch import MAX_RUNS, gather_ids, staged_runs
 
-    samples = torch.tensor([[7.0, -0.5], [3.0, -1.0], [9.0, -2.0]], dtype=torch.float64)
-    for host in ([-1, -2, -3], [-1, -2], [-2, -1, -3], [-1, 5, -3], [4, -1]):
+    samples = torch.arange(40, dtype=torch.float64).view(20, 2) * 10
+    cases = ([-1, -2, -3], [7, -1, -2, -3, 0], [-2, -1, -3], [-1, 5, -3], [4, -1], [3, 4],
+             [9, -5, -6, 9, -9, -10, 0, -11, 1, -12, 2, -1, 3, -2])  # the last: six runs
+    for host in cases:
         fast, slow = torch.tensor(host + [0]), torch.tensor(host + [0])
         gather_ids(fast, samples, host)
         gather_ids(slow, samples)
         assert torch.equal(fast, slow), host
-    assert staged_in_order([-1, -2, -3]) and staged_in_order([-1])
-    assert not any(staged_in_order(h) for h in ([], [-2, -1], [-1, -3], [-1, 2], [0]))
+    assert staged_runs([7, -1, -2, -3, 0]) == [[1, 0, 3]]
+    assert staged_runs([9, -5, -6, 5, -1, -2]) == [[1, 4, 2], [4, 0, 2]]
+    assert staged_runs([-2, -1]) == [[0, 1, 1], [1, 0, 1]] and staged_runs([3, 4]) == []
+    assert len(staged_runs(cases[-1])) > MAX_RUNS
     ids = torch.zeros(2, dtype=torch.int64)
     gather_ids(ids, torch.tensor([11, 12]), [-1, -2])
     assert ids.tolist() == [11, 12]
