@@ -29,3 +29,15 @@ def benchmark_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def reverse_prompt_piece_rows(graphs) -> None:
+    """Negative control for the MTP head's prompt graphs: a graph runner whose mixed (prompt-piece)
+    graphs are fed the piece's hidden rows in reverse order."""
+    run = graphs.run
+
+    def reversed_rows(step, ids, ctx, prepare=None, extra=None, ids_from=None):
+        if ctx.graph is not None and ctx.graph.chunk and extra is not None:
+            extra = extra.flip(0)
+        return run(step, ids, ctx, prepare, extra, ids_from)
+    graphs.run = reversed_rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import reverse_prompt_piece_rows, tiny_config
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 
@@ -299,13 +299,7 @@ def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
             graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(attrs.evolve(graphs.spec, prompt_chunk=0))
             eng.overlap.behind = False
         elif head == "reversed rows":
-            replay = graphs.run
-
-            def reversed_rows(step, ids, ctx, prepare=None, extra=None, ids_from=None):
-                if ctx.graph is not None and ctx.graph.chunk and extra is not None:
-                    extra = extra.flip(0)
-                return replay(step, ids, ctx, prepare, extra, ids_from)
-            graphs.run = reversed_rows
+            reverse_prompt_piece_rows(graphs)
         seen = []
         eng.strategy.draft_hook = lambda seq, d: seen.append((len(seq.output_ids), d)) or d
         behind = eng.overlap.num_behind

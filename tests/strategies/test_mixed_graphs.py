@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import reverse_prompt_piece_rows, tiny_config
 from test_graph_steps import clear_scratch, scratch_written
 
 from bi_core import EngineConfig, SamplingParams, build_engine
@@ -272,13 +272,7 @@ def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch
         mtp_spec = mtp_graph_spec(spec) if head != "eager" else attrs.evolve(spec, name="mtp", prompt_chunk=0)
         graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(mtp_spec, capture=False)
         if head == "reversed rows":
-            run = graphs.run
-
-            def reversed_rows(step, ids, ctx, prepare=None, extra=None, ids_from=None):
-                if ctx.graph is not None and ctx.graph.chunk and extra is not None:
-                    extra = extra.flip(0)
-                return run(step, ids, ctx, prepare, extra, ids_from)
-            graphs.run = reversed_rows
+            reverse_prompt_piece_rows(graphs)
         forced, seen = hook_for("partial", truth, random.Random(5)), []
 
         def hook(seq, proposed):
