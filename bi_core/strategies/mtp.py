@@ -385,9 +385,9 @@ class MTPStrategy(Strategy):
     def _force(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
         """Write ``draft_override``'s drafts over ``ids`` [S, N] on the device. Every row forced
         (benchmarks, audits): one copy from a page-locked staging buffer straight into ``ids``
-        (the buffer is reused once its last copy is done), so forcing costs the host no more than
-        the drafts it replaces (two uploads and an index copy took 0.29 ms a step: docs/benchmarks.md
-        section 29). Some rows forced: the rows with a flag column, one upload and a select."""
+        (the buffer is reused once its last copy is done), so the bench measures the engine, not
+        its own hook (two uploads and an index copy cost the host more: docs/benchmarks.md
+        sections 29 and 30). Some rows forced: the rows with a flag column, one upload and a select."""
         n = self.num_spec
         forced = [self.draft_override(seq, n) for seq in seqs]
         if all(d is None for d in forced):
