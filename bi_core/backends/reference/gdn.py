@@ -91,9 +91,8 @@ class ReferenceGdnImpl:
         mixed, z, b, a = split_proj(proj, s)
         mixed = self.conv(mixed.contiguous(), weights.conv1d, conv_state, ctx, seqs)
         q, k, v = torch.split(mixed, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        g, beta = gates(a, b, weights)
         o = self.delta_rule(q.reshape(t, s.num_k_heads, s.head_k_dim), k.reshape(t, s.num_k_heads, s.head_k_dim),
-                            v.reshape(t, s.num_v_heads, s.head_v_dim), g, beta, state, ctx, seqs)
+                            v.reshape(t, s.num_v_heads, s.head_v_dim), a, b, weights, state, ctx, seqs)
         dv = s.head_v_dim
         return gated_rms_norm(o.reshape(-1, dv), z.reshape(-1, dv), weights.norm, s.norm_eps).reshape(t, s.value_dim)
 
@@ -118,7 +117,11 @@ class ReferenceGdnImpl:
                 conv_state[dst] = full[t + 1 : t + 1 + width].transpose(0, 1).to(conv_state.dtype)
         return out
 
-    def delta_rule(self, q, k, v, g, beta, state, ctx: ForwardContext, seqs=None) -> torch.Tensor:
+    def delta_rule(self, q, k, v, a, b, weights: GdnWeights, state, ctx: ForwardContext, seqs=None) -> torch.Tensor:
+        """The delta rule over each sequence's rows, its gates (``gates`` of ``a``, ``b``) computed
+        from its own rows: torch's CPU kernels compute a vector's tail with other code than its
+        body (softplus: std::log1p/exp against SLEEF), so gates over the whole step gave a row
+        bits that followed the step's row count (seen on an AVX-512 CPU)."""
         out = torch.zeros_like(v)
         scale = self.spec.head_k_dim**-0.5
         for i in range(ctx.num_seqs) if seqs is None else seqs:
@@ -127,7 +130,7 @@ class ReferenceGdnImpl:
             qi = l2norm(q[start:end].float().repeat_interleave(self.group, dim=1)).transpose(0, 1) * scale
             ki = l2norm(k[start:end].float().repeat_interleave(self.group, dim=1)).transpose(0, 1)
             vi = v[start:end].float().transpose(0, 1)
-            gi, bi = g[start:end].float().transpose(0, 1), beta[start:end].float().transpose(0, 1)
+            gi, bi = (x.float().transpose(0, 1) for x in gates(a[start:end], b[start:end], weights))
             # the cache holds S transposed ([Hv, Dv, Dk]); the math here uses S [Hv, Dk, Dv]
             # contiguous: CPU reductions follow the memory layout, and a step must see the same
             # layout whether its state came from the cache or from the previous token
