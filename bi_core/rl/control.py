@@ -28,7 +28,7 @@ from bi_core.errors import RequestError
 from bi_core.parallel import lockstep
 from bi_core.policies.apply import applied
 from bi_core.rl.receiver import started
-from bi_core.runtime.warmup import wants_warmup
+from bi_core.runtime.warmup import capture_graphs, wants_warmup
 
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (1, 2)  # 1: weights to host memory; 2: weights dropped (a weight update refills them)
@@ -94,7 +94,7 @@ class RolloutControl:
         e.runner.wake_up(None if tags is None else list(tags))
         if not e.runner.sleeping and wants_warmup(e):
             with torch.inference_mode(), applied(e.policy):  # as at start: no capture inside a running batch
-                e.runner.capture_graphs()
+                capture_graphs(e)
 
     def reset_prefix_cache(self) -> bool:
         prefix = self.engine.cache.prefix

@@ -94,6 +94,30 @@ class Landing:
         return self.host
 
 
+class HeadSteps:
+    """What a head program's body runs on the device (``ModelRunner.head_program``): the MTP
+    head's steps over its uniform graphs' static buffers, whose contexts the body gets."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner, self._graphs = runner, runner.mtp_graphs
+
+    def inputs(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's token ids [rows] and main-model hidden rows [rows, H], to write."""
+        return self._graphs.static_inputs(ctx)
+
+    def run(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over every row of the step: (its hidden rows, each row's greedy draft)."""
+        return self._graphs.direct(self._runner._mtp_step, ctx)
+
+    def shift(self, ctx: ForwardContext, by: torch.Tensor) -> ForwardContext:
+        """A one-token step's first ``len(by)`` sequences moved ``by`` positions on, on the device."""
+        return self._graphs.shift(ctx, by)
+
+    def advance(self, ctx: ForwardContext) -> ForwardContext:
+        """The next one-token step of the same sequences, one position further, on the device."""
+        return self._graphs.advance(ctx)
+
+
 class ModelRunner:
     def __init__(self, model, cache: CacheManager, build_graphs: Callable[[GraphRunnerSpec], object],
                  spec: GraphRunnerSpec, *, with_mtp_graphs: bool = False) -> None:
@@ -123,25 +147,17 @@ class ModelRunner:
 
     @property
     def shifts_on_device(self) -> bool:
-        """Whether a head graph's positions can move by amounts only the device knows
-        (``execute(..., shift=)``): no attention impl re-plans a replay from host-side lengths
-        (FlashInfer does), or the host mirrors can be read for free (a CPU device)."""
+        """Whether a head graph's positions can move by amounts only the device knows (a head
+        program's chain, moved by the accept count): no attention impl re-plans a replay from
+        host-side lengths (FlashInfer does), or the host mirrors can be read for free (a CPU)."""
         shift = getattr(self.mtp_graphs, "shift", None)
         return shift is not None and (self.device.type == "cpu" or not self.model.plans_from_host_lengths)
 
-    def execute(self, fwd: Forward, shift: torch.Tensor | None = None) -> StepOutput:
-        """Pack ``fwd`` (straight into a graph's static buffers when one replays it) and run it.
-        ``shift`` [S] (MTP head steps that replay a graph, when ``shifts_on_device``): sequence i
-        runs from position ``rows[i].start + shift[i]``, moved on the device after packing, so
-        a draft chain can start where a verify's device-side accept count says before the host
-        knows it (strategies/mtp.py)."""
+    def execute(self, fwd: Forward) -> StepOutput:
+        """Pack ``fwd`` (straight into a graph's static buffers when one replays it) and run it."""
         graphs = self.main_graphs if fwd.head == "model" else self.mtp_graphs
         hb = self._host_batch(fwd)
         input_ids, ctx = graphs.make_context(hb, self.device)
-        if shift is not None:
-            assert fwd.head == "mtp" and ctx.graph is not None and self.shifts_on_device, \
-                "execute(shift=): MTP head steps that replay a graph, with lengths read on the device"
-            ctx = graphs.shift(ctx, shift)
         if fwd.head == "model":
             outs = graphs.run(self._model_step, input_ids, ctx, self.model.prepare_step, ids_from=fwd.ids_from)
         else:
@@ -179,6 +195,55 @@ class ModelRunner:
         self._mtp_last = (input_ids, nxt, hb)
         return StepOutput(outs[0], outs[1], None, hb.cu_seqlens[:-1], nxt.graph)
 
+    @property
+    def runs_head_programs(self) -> bool:
+        """Whether MTP head steps can run as one program (``head_program``): head graphs whose
+        positions move on the device."""
+        return self.shifts_on_device and hasattr(self.mtp_graphs, "program")
+
+    def captured_shapes(self, q_len: int) -> list[GraphShape]:
+        """The uniform main-model graphs of ``q_len`` tokens a sequence captured so far."""
+        return [GraphShape(*key) for key in getattr(self.main_graphs, "graphs", {}) if key[:1] == (q_len,)
+                and len(key) == 2]
+
+    def whole(self, shape: GraphShape) -> tuple[torch.Tensor, ...]:
+        """(input ids, hidden, logits, samples) of the uniform main-model graph of ``shape`` as its
+        last replay left them, every row of its bucket (padding included), at the addresses its
+        replays write: what a head program reads (``head_program``)."""
+        return self.main_graphs.whole(shape)
+
+    def head_program(self, name: str, steps: list[Forward], inputs: tuple[torch.Tensor, ...],
+                     body: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """MTP head steps and the device work between them as one program, one CUDA graph where
+        the head's graphs are captured (``CudaGraphRunnerImpl.program``, under ``name``): each of
+        ``steps`` (uniform head steps; their token ids are placeholders) is packed into its
+        graph's static buffers, then ``body(head, ctxs, *inputs)`` runs on the device: ``head``
+        a ``HeadSteps``, ``ctxs`` the steps' static contexts. ``inputs``: the device tensors the
+        body reads besides them (the same tensors every step, e.g. ``whole``'s), which it must
+        not write. Only where ``runs_head_programs``."""
+        graphs, ctxs = self.mtp_graphs, []
+        for fwd in steps:
+            _, ctx = graphs.make_context(self._host_batch(fwd), self.device)
+            assert ctx.graph is not None and not ctx.graph.chunk, "head_program: steps of uniform head graphs"
+            ctxs.append(ctx)
+        head = HeadSteps(self)
+        self._mtp_last = None  # the program moves its steps' positions: advance_mtp continues execute's steps only
+        return graphs.program(name, ctxs, lambda c, *args: body(head, c, *args), inputs, self.model.prepare_step,
+                              extra=self._hidden_like())
+
+    def capture_head_program(self, name: str, shapes: list[GraphShape], inputs: tuple[torch.Tensor, ...],
+                             body: Callable[..., tuple[torch.Tensor, ...]]) -> bool:
+        """``head_program``'s graph for steps of ``shapes``, captured now (at engine start) on
+        padding rows; False where nothing is captured (eager head, rerun stand-in)."""
+        head = HeadSteps(self)
+        return self.mtp_graphs.capture_program(name, [s.key for s in shapes], lambda c, *args: body(head, c, *args),
+                                               inputs, self.cache.block_size, self.model.prepare_step,
+                                               extra=self._hidden_like())
+
+    def _hidden_like(self) -> torch.Tensor:
+        """An empty tensor shaped and typed as the main model's hidden rows (the head's per-token input)."""
+        return torch.empty((0, self.model.args.hidden_size), dtype=self.spec.dtype, device=self.device)
+
     def _host_batch(self, fwd: Forward):
         rows = fwd.rows
         sampled = [r for r in rows if r.sample]
@@ -207,9 +272,8 @@ class ModelRunner:
         """Capture every CUDA graph the steps will replay (at engine start); returns how many."""
         n = self.main_graphs.capture_all(self._model_step, self.cache.block_size, self.model.prepare_step)
         if self.mtp_graphs is not None:
-            hidden = torch.empty((0, self.model.args.hidden_size), dtype=self.spec.dtype, device=self.device)
             n += self.mtp_graphs.capture_all(self._mtp_step, self.cache.block_size, self.model.prepare_step,
-                                             extra=hidden)
+                                             extra=self._hidden_like())
         return n
 
     def wait_inputs(self) -> None:

@@ -48,6 +48,12 @@ def wants_warmup(engine) -> bool:
     return g.warmup and g.enabled and engine.device.type == "cuda"
 
 
+def capture_graphs(engine) -> int:
+    """Capture every CUDA graph the engine replays: the runner's, then the strategy's own
+    programs (which read the runner's graphs' outputs). Returns how many."""
+    return engine.runner.capture_graphs() + engine.strategy.capture_graphs()
+
+
 def warm_up(engine) -> WarmupReport:
     """Capture the strategy's graphs, then run the dummy prompts and forget them (results,
     counters, prefix cache). Call it on an idle engine."""
@@ -56,7 +62,7 @@ def warm_up(engine) -> WarmupReport:
     engine.compile_ahead.join()  # the kernels compiled ahead are installed before the first launch
     t0 = time.perf_counter()
     with torch.inference_mode(), applied(engine.policy):
-        graphs = engine.runner.capture_graphs()
+        graphs = capture_graphs(engine)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t1 = time.perf_counter()

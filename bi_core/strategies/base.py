@@ -55,6 +55,11 @@ class Strategy(abc.ABC):
               checkpoint_has_mtp: bool) -> None:
         """Raise a clear error if this strategy cannot run with this model and config."""
 
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs of the strategy's own programs now (at engine start, after the
+        runner's); returns how many."""
+        return 0
+
     def forget(self, seq) -> None:
         """The request finished or was aborted: drop anything kept for it."""
 

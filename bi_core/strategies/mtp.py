@@ -30,13 +30,15 @@ then the drafts have landed too.
 
 Where a verify's samples fly (``runtime/overlap.py``: a uniform graph, every request sampled on
 the device), the head does not wait for the commit either (``launch_behind``): the accept count
-is computed on the device (``accepted_on_device``, the host rule's twin), the catch-up takes the verify's samples and hidden rows on the device and
-proposes from every row, the chain's first step is packed at the row-0 position and moved by
-the accept count on the device (``ModelRunner.execute(shift=)``), and the engine queues the
-samples' copy to the host before all this, so the commit waits for the verify alone. The head
-then runs while the host commits and plans the next verify. Its drafts are the ones the host
-path proposes, bitwise, where both run the same sequences (tests/strategies/test_graph_steps.py;
-it also runs those the commit then ends, which the host path skips).
+is computed on the device (``accepted_on_device``, the host rule's twin), the catch-up takes the
+verify's samples and hidden rows on the device and proposes from every row, the chain's first
+step is packed at the row-0 position and moved by the accept count on the device, and the
+engine queues the samples' copy to the host before all this, so the commit waits for the verify
+alone. All of it is one head program (``ModelRunner.head_program``: one CUDA graph per verify
+bucket, which also holds the eager kernels that ran between the head's graphs). The head then
+runs while the host commits and plans the next verify. Its drafts are the ones the host path
+proposes, bitwise, where both run the same sequences (tests/strategies/test_graph_steps.py; it
+also runs those the commit then ends, which the host path skips).
 
 A ``draft_hook`` (tests: it sees the proposals) waits for the drafts; a ``draft_override``
 (benchmarks, audits: forced drafts that do not read the proposals) is written over them on the
@@ -53,8 +55,9 @@ import torch
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
+from bi_core.ops.context import GraphShape
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Forward, Landing, SeqRows, StepOutput, rows_of
+from bi_core.runtime.runner import Forward, HeadSteps, Landing, SeqRows, StepOutput, rows_of
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
 from bi_core.strategies.base import Strategy
@@ -63,13 +66,28 @@ DraftHook = Callable[[Sequence, list[int]], list[int]]
 DraftOverride = Callable[[Sequence, int], "list[int] | None"]  # (sequence, N) -> forced drafts, or None
 
 
+@attrs.define
+class _Lease:
+    """Whether a head program's static drafts still hold what one replay wrote: the next replay
+    of the same program writes over them."""
+
+    valid: bool = True
+
+
 @attrs.frozen
 class _OnDevice:
     """A sequence's drafts still on the device: row ``row`` of a draft chain's [S, N] ids, whose
-    host copy is ``landing``."""
+    host copy is ``landing``; ``lease``: where the ids are a head program's static output."""
 
     landing: Landing
     row: int
+    lease: _Lease | None = None
+
+    @property
+    def on_device(self) -> bool:
+        """The device ids are still these drafts (a sequence that skipped a step may find its
+        head program's output rewritten: its host copy, landed long since, stands in)."""
+        return self.lease is None or self.lease.valid
 
     def host(self) -> list[int]:
         return self.landing.wait()[self.row].tolist()
@@ -119,8 +137,10 @@ class MTPPlan(StepPlan):
     # holds [] for that row until commit reads them from host memory), and how many
     on_device: list[tuple[_OnDevice, int] | None] = attrs.field(factory=list)
     num_drafts: list[int] = attrs.field(factory=list)  # per row: drafts it verifies (fewer than N near the end)
-    # the draft chain launched behind the verify (launch_behind): its [S, N] ids, row i sequence i
+    # the draft chain launched behind the verify (launch_behind): its [S, N] ids, row i sequence i,
+    # and the lease of the head program's output they are
     chain: torch.Tensor | None = None
+    lease: _Lease | None = None
 
 
 class MTPStrategy(Strategy):
@@ -172,6 +192,8 @@ class MTPStrategy(Strategy):
         self.draft_override: DraftOverride | None = None  # benchmarks and audits force drafts without reading them
         self._staging: torch.Tensor | None = None  # forced drafts' page-locked host rows (_force)
         self._staged = None  # the event of its last copy to the device
+        self._limits = _Limits()  # head programs' per-row draft counts (launch_behind)
+        self._leases: dict[int, _Lease] = {}  # per verify bucket: its head program's output, as last written
 
     def forget(self, seq) -> None:
         self.drafts.pop(seq.request_id, None)
@@ -185,6 +207,8 @@ class MTPStrategy(Strategy):
             if seq.is_decoding:  # verify: the pending token and its drafts, padded to 1+N
                 n = max(0, min(self.num_spec, _remaining(seq) - 1))
                 d = self.drafts.get(seq.request_id, [])
+                if isinstance(d, _OnDevice) and not d.on_device:
+                    d = d.host()
                 if isinstance(d, _OnDevice):  # staged as -1 - (index into the chains' ids laid end to end)
                     if id(d.landing) not in chains:
                         chains[id(d.landing)] = (d.landing, sum(c.device.numel() for c, _ in chains.values()))
@@ -258,38 +282,86 @@ class MTPStrategy(Strategy):
                     self.drafts.pop(r.seq.request_id, None)
             if live:
                 rows = [i for i, _ in live]
-                ids = plan.chain if len(rows) == plan.chain.shape[0] else \
-                    plan.chain.index_select(0, to_device(rows, plan.chain.device))
-                self._keep([seq for _, seq in live], ids)
+                if len(rows) == plan.chain.shape[0]:
+                    self._keep([seq for _, seq in live], plan.chain, plan.lease)
+                else:  # a copy of the live rows: no lease
+                    self._keep([seq for _, seq in live], plan.chain.index_select(0, to_device(rows, plan.chain.device)))
             return
         self._propose(plan.head, out.hidden)
 
     def launch_behind(self, plan: MTPPlan, out: StepOutput) -> bool:
         """The head's catch-up and draft chain, launched behind the verify before its commit
-        (module docstring): every row a verify, in a uniform graph whose samples fly; or a
-        lone prompt's last piece (``_behind_prompt``)."""
+        (module docstring): every row a verify, in a uniform graph whose samples fly, as one
+        head program (``_behind_verify``); or a lone prompt's last piece (``_behind_prompt``)."""
         rows, q = plan.forward.rows, 1 + self.num_spec
         if all(_remaining(r.seq) <= 1 for r in rows):  # no draft would be read (the head after the commit skips them)
             return False
         if out.graph is not None and out.graph.chunk:
             return self._behind_prompt(plan, out)
-        if not (self.runner.shifts_on_device and out.input_ids is not None and out.graph is not None
+        if not (self.runner.runs_head_programs and out.input_ids is not None and out.graph is not None
                 and out.graph.q_len == q and all(r.seq.is_decoding and len(r.logits_rows) == q for r in rows)):
             return False
-        s = len(rows)
-        tokens = out.input_ids.view(s, q)  # the pending token and the N drafts verified, on the device
-        sampled = out.samples[:, 0].to(torch.int64).view(s, q)
-        accepted = accepted_on_device(tokens[:, 1:], sampled[:, :-1])
-        if any(n < self.num_spec for n in plan.num_drafts):  # drafts cut short: their padding is never accepted
-            accepted = torch.minimum(accepted, to_device(plan.num_drafts, accepted.device))
-        # row j of sequence i pairs the verify's hidden row j with its sample j (the token at start + j + 1),
-        # as the host path's catch-up does; every row proposes, the accept count picks one on the device
-        head = self._mtp([SeqRows(r.seq, [-1 - (i * q + j) for j in range(q)], r.start, True, tuple(range(q)))
-                          for i, r in enumerate(rows)], out.hidden, ids_from=out.samples)
-        pick = torch.arange(s, device=accepted.device) * q + accepted
-        plan.chain = self._chain([r.seq for r in rows], [r.start for r in rows], head.logits.index_select(0, pick),
-                                 head.hidden.index_select(0, pick), shift=accepted)
+        # the catch-up over every verify row and the chain's first step, packed at the row-0
+        # position (the program moves it by the accept count); their tokens are written on the device
+        catch_up = [SeqRows(r.seq, [0] * q, r.start, True, tuple(range(q))) for r in rows]
+        chain = [SeqRows(r.seq, [0], r.start + 1, True, (0,)) for r in rows]
+        limits = self._limits.of(plan.num_drafts, out.graph.bucket, out.input_ids.device)
+        drafts, = self.runner.head_program("behind", [Forward(catch_up, head="mtp"), Forward(chain, head="mtp")],
+                                           (*self.runner.whole(out.graph), limits), self._behind_verify)
+        written = self._leases.get(out.graph.bucket)  # what the program's last replay wrote: gone now
+        if written is not None:
+            written.valid = False
+        plan.chain, plan.lease = drafts[: len(rows)], _Lease()
+        self._leases[out.graph.bucket] = plan.lease
         return True
+
+    def capture_graphs(self) -> int:
+        """The head programs behind verifies, one per verify graph (at engine start, after the
+        runner's graphs, whose outputs they read)."""
+        if not self.runner.runs_head_programs:
+            return 0
+        q, n = 1 + self.num_spec, 0
+        for shape in self.runner.captured_shapes(q):
+            limits = self._limits.of([], shape.bucket, self.runner.device)
+            n += self.runner.capture_head_program("behind", [shape, GraphShape(1, shape.bucket)],
+                                                  (*self.runner.whole(shape), limits), self._behind_verify)
+        return n
+
+    def _behind_verify(self, head: HeadSteps, ctxs: list, ids: torch.Tensor, hidden: torch.Tensor,
+                       _logits: torch.Tensor, samples: torch.Tensor, limits: torch.Tensor) -> tuple[torch.Tensor]:
+        """The head behind a verify, device work only (one graph: ``ModelRunner.head_program``),
+        over the verify graph's whole bucket (``ids``, ``hidden``, ``samples``: its rows, padding
+        included; ``limits``: each sequence's draft count, 0 for padding):
+        - the catch-up over every verify row: row j of a sequence pairs the verify's hidden row
+          j with its sample j (the token at start + j + 1), as the host path's catch-up does;
+        - the accept count (``accepted_on_device``, the host rule's twin), capped by the draft
+          count (a row near its end verifies fewer, padded drafts);
+        - the first draft, from the catch-up row of the last accepted token;
+        - N - 1 one-token chain steps, the first moved by the accept count, each taking the
+          previous step's draft.
+        Returns ([bucket, N] drafts,)."""
+        catch_up, chain = ctxs
+        q, b = 1 + self.num_spec, limits.shape[0]
+        sampled = samples[:, 0].to(torch.int64)
+        up_ids, up_hidden = head.inputs(catch_up)
+        up_ids.copy_(sampled)
+        up_hidden.copy_(hidden)
+        rows, proposed = head.run(catch_up)
+        accepted = torch.minimum(accepted_on_device(ids.view(b, q)[:, 1:], sampled.view(b, q)[:, :-1]), limits)
+        pick = torch.arange(0, b * q, q, device=ids.device) + accepted
+        drafts = torch.empty((b, self.num_spec), dtype=torch.int64, device=ids.device)
+        drafts[:, 0] = proposed.index_select(0, pick)
+        last = rows.index_select(0, pick)
+        step_ids, step_hidden = head.inputs(chain)
+        ctx = head.shift(chain, accepted)
+        for j in range(1, self.num_spec):  # each step's token: the previous step's draft
+            if j > 1:
+                ctx = head.advance(ctx)
+            step_ids.copy_(drafts[:, j - 1])
+            step_hidden.copy_(last)
+            last, proposed = head.run(ctx)
+            drafts[:, j] = proposed
+        return (drafts,)
 
     def _behind_prompt(self, plan: MTPPlan, out: StepOutput) -> bool:
         """A lone prompt's last piece (a mixed graph alone, its sample flying): the head's catch-up
@@ -348,31 +420,30 @@ class MTPStrategy(Strategy):
         seqs = [live[i].seq for i in drafting]
         self._keep(seqs, self._chain(seqs, [live[i].start + live[i].draft_row for i in drafting], out.logits, last))
 
-    def _chain(self, seqs: list[Sequence], positions: list[int], first: torch.Tensor, last: torch.Tensor,
-               shift: torch.Tensor | None = None) -> torch.Tensor:
+    def _chain(self, seqs: list[Sequence], positions: list[int], first: torch.Tensor, last: torch.Tensor
+               ) -> torch.Tensor:
         """The draft chain: ``first`` [S] the first drafts, proposed from the head's rows ``last``
-        [S, H] at ``positions`` (moved by ``shift`` on the device, if given); N - 1 more one-token
-        head steps, each taking the previous step's draft on the device. Returns the [S, N] drafts."""
+        [S, H] at ``positions``; N - 1 more one-token head steps, each taking the previous step's
+        draft on the device. Returns the [S, N] drafts. (Behind a verify, the chain runs inside
+        the head program instead: ``_behind_verify``.)"""
         ids = torch.empty((len(seqs), self.num_spec), dtype=torch.int64, device=last.device)
         ids[:, 0] = first
-        moved = shift is not None
         for j in range(1, self.num_spec):  # each step's token: the previous step's draft, on the device
             positions = [q + 1 for q in positions]
             # steps after the first advance the last one's graph inputs on the device: packing a
             # step on the host took longer than the step (benchmarks sections 19 and 21)
             out = self.runner.advance_mtp(ids[:, j - 1], last) if j > 1 else None
             if out is None:
-                assert not (moved and j > 1), "a chain moved on the device advances on the device"
                 out = self._mtp([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],
-                                last, ids_from=ids[:, j - 1], shift=shift)
-                shift = None  # later steps start from this one's moved positions
+                                last, ids_from=ids[:, j - 1])
             last = out.hidden
             ids[:, j] = out.logits
         return ids
 
-    def _keep(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
+    def _keep(self, seqs: list[Sequence], ids: torch.Tensor, lease: _Lease | None = None) -> None:
         """Keep the drafts ``ids`` [S, N] of ``seqs`` for their next verify: on the device, on their
-        way to host memory (a hook's: waited for; an override's: written over them first)."""
+        way to host memory (a hook's: waited for; an override's: written over them first).
+        ``lease``: where ``ids`` is a head program's output."""
         if self.draft_override is not None:  # forced drafts take the real ones' place on the device
             self._force(seqs, ids)
         landing = self.runner.to_host(ids)
@@ -380,7 +451,7 @@ class MTPStrategy(Strategy):
             if self.draft_hook is not None:
                 self.drafts[seq.request_id] = self.draft_hook(seq, landing.wait()[i].tolist())
             else:
-                self.drafts[seq.request_id] = _OnDevice(landing, i)
+                self.drafts[seq.request_id] = _OnDevice(landing, i, lease)
 
     def _force(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
         """Write ``draft_override``'s drafts over ``ids`` [S, N] on the device. Every row forced
@@ -414,15 +485,31 @@ class MTPStrategy(Strategy):
             self._staged.synchronize()  # its last copy has left (long since: a step ago)
         return self._staging[:s]
 
-    def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None,
-             shift: torch.Tensor | None = None) -> StepOutput:
+    def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
         """The MTP head over ``rows`` (its own KV cache, same pages), the main model's ``hidden``
         paired with their tokens: its output rows, and (as ``logits``) the greedy draft of each
         logits row. The head has no GDN layer; its rows take the form of the main rows they pair
         with (``_Head.recurrent``, which only picks the attention's decode or prompt form): a
         uniform step of recurrent rows replays a uniform graph, a prompt piece alone a head
         prompt graph (``runtime.runner.mtp_graph_spec``)."""
-        return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from), shift=shift)
+        return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from))
+
+
+class _Limits:
+    """Per verify bucket: each sequence's draft count on the device, 0 for padding rows. A head
+    program's input (the same tensor every step), uploaded only when the counts change."""
+
+    def __init__(self) -> None:
+        self._by_bucket: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
+
+    def of(self, counts: list[int], bucket: int, device: torch.device) -> torch.Tensor:
+        values = counts + [0] * (bucket - len(counts))
+        tensor, held = self._by_bucket.get(bucket) or (torch.zeros(bucket, dtype=torch.int64, device=device), None)
+        if held != values:
+            host = torch.tensor(values, dtype=torch.int64)
+            tensor.copy_(host.pin_memory() if tensor.is_cuda else host, non_blocking=True)
+        self._by_bucket[bucket] = (tensor, values)
+        return tensor
 
 
 def _remaining(seq: Sequence) -> int:

@@ -179,10 +179,13 @@ def test_mtp_graphs_bitwise_equal_ar_invariant():
 
 def test_mtp_head_behind_the_verify_proposes_the_committed_paths_drafts():
     """Where a verify's samples fly (device-sampled requests), the MTP head's catch-up and draft
-    chain run before the commit, the chain moved by the accept count computed on the device
-    (``MTPStrategy.launch_behind``): its proposals equal, bitwise, those of the head run after the
-    commit, the output is AR's bitwise, and the path ran. Negative control: a chain that ignores
-    the accept count proposes other drafts. The forced drafts' cut follows the output length
+    chain run before the commit, the chain moved by the accept count computed on the device, all
+    in one head program (``MTPStrategy.launch_behind``; one CUDA graph per verify bucket): its
+    proposals equal, bitwise, those of the head run after the commit (graph by graph, packed on
+    the host), the output is AR's bitwise, and the path ran. The programs are captured at start
+    (``warmup.capture_graphs``) for every verify bucket and none is captured while requests run;
+    the negative control's engine captures them at first use. Negative control: a chain that
+    ignores the accept count proposes other drafts. The forced drafts' cut follows the output length
     alone, so the sequences (prefilled in one step) decode in lockstep and end in the same step:
     the head after the commit skips sequences that just ended, the head behind runs them, and
     with random cuts those batches differed in size; the head's drafts then differed in the
@@ -196,8 +199,17 @@ def test_mtp_head_behind_the_verify_proposes_the_committed_paths_drafts():
     truth = {i: o.token_ids for i, o in enumerate(ar)}
 
     def run(path: str):
+        from bi_core.policies.apply import applied
+        from bi_core.runtime.warmup import capture_graphs
+
         eng = build_engine(mtp_config("cuda_hopper_invariant", True, True))
         eng.overlap.behind = path != "after"
+        programs = {}
+        if path == "behind":
+            with torch.inference_mode(), applied(eng.policy):
+                capture_graphs(eng)
+            programs = dict(eng.runner.mtp_graphs.programs)
+            assert {k[1] for k in programs} == {k for k in eng.runner.main_graphs.graphs if k[0] == 4}
         if path == "ignoring":
             import bi_core.strategies.mtp as mtp
             real = mtp.accepted_on_device
@@ -216,7 +228,11 @@ def test_mtp_head_behind_the_verify_proposes_the_committed_paths_drafts():
             if path == "ignoring":
                 mtp.accepted_on_device = real
         result = seen, eng.overlap.num_behind, [(o.token_ids, o.token_logprobs) for o in out]
-        assert eng.runner.mtp_graphs.num_replays[1] > 0
+        if path == "behind":
+            assert eng.runner.mtp_graphs.programs == programs, "a head program was captured while requests ran"
+        else:
+            assert eng.runner.mtp_graphs.num_replays[1] > 0
+            assert bool(eng.runner.mtp_graphs.programs) == (path == "ignoring")
         del eng
         gc.collect()
         torch.cuda.empty_cache()

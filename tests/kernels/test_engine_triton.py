@@ -90,7 +90,10 @@ def test_triton_engine_with_padded_graph_steps(device, preset):
     mtp_eng.strategy.draft_hook = lambda seq, d: [
         t if cuts.random() < 0.6 else (t + 1) % 250 for t in truth[seq.request_id][len(seq.output_ids):][:len(d)]]
     mtp = mtp_eng.generate(ps, params)
-    assert mtp_eng.runner.main_graphs.num_replays[3] > 0 and mtp_eng.runner.mtp_graphs.num_replays[3] > 0
+    # catch-ups replay the head's graph after the commit, or run inside the head program behind the verify
+    # (overlapped decode: on a GPU)
+    head = mtp_eng.runner.mtp_graphs
+    assert mtp_eng.runner.main_graphs.num_replays[3] > 0 and head.num_replays[3] + head.num_program_runs > 0
     assert mtp_eng.runner.mtp_graphs.num_replays[1] > 0
     for a, m in zip(ar, mtp):
         assert m.token_ids == a.token_ids

@@ -186,9 +186,8 @@ def drafts_on_device(eng, truth: dict[int, list[int]], rng: random.Random, vocab
     them from the device, as real drafts go (no hook, no wait for the host)."""
     real = eng.strategy._mtp
 
-    def mtp(rows, hidden, ids_from=None, shift=None):
-        out = real(rows, hidden, ids_from, shift)
-        assert shift is None, "eager steps: no chain moved on the device"
+    def mtp(rows, hidden, ids_from=None):
+        out = real(rows, hidden, ids_from)
         want = []
         for r in rows:  # logits row x of a head row at position p proposes the token at p + x + 2
             for x in r.logits_rows:
@@ -241,3 +240,28 @@ def test_forced_drafts_overwrite_the_proposed_rows():
     ids = proposed.clone()
     strat._force(seqs, ids)
     assert torch.equal(ids, proposed)
+
+
+def test_drafts_a_head_program_wrote_over_come_from_their_host_copy():
+    """Drafts behind a verify are rows of a head program's static output, which the program's
+    next replay writes over (``_Lease``). A sequence that did not verify in between would stage
+    another sequence's drafts: its plan takes their host copy instead (landed long since). While
+    the lease holds, the verify stages them as indices into the device ids (the normal path)."""
+    from bi_core.runtime.runner import Landing
+    from bi_core.runtime.step import Scheduled
+    from bi_core.strategies.mtp import _Lease, _OnDevice
+
+    eng = build_engine(config("tiny-dense", "mtp"))
+    seq = eng.add_request(prompts()[0], SamplingParams(max_new_tokens=14, ignore_eos=True))
+    while not seq.is_decoding:
+        eng.step()
+    device = torch.tensor([[91, 92, 93]])  # what the program's next replay left there
+    landing = Landing(device, torch.tensor([[11, 12, 13]]), None)  # the drafts, on the host
+    lease = _Lease()
+    eng.strategy.drafts[seq.request_id] = _OnDevice(landing, 0, lease)
+    staged = eng.strategy.plan([Scheduled(seq, 1 + N_SPEC)]).forward
+    assert staged.rows[0].tokens[1:] == [-1, -2, -3] and staged.ids_from.tolist() == [91, 92, 93]
+    lease.valid = False
+    plan = eng.strategy.plan([Scheduled(seq, 1 + N_SPEC)])
+    assert plan.forward.rows[0].tokens[1:] == [11, 12, 13] and plan.forward.ids_from is None
+    assert plan.drafts == [[11, 12, 13]] and plan.on_device == [None]

@@ -129,13 +129,19 @@ class StaticBatch:
         self.seq_ids = torch.arange(bucket, dtype=torch.int64, device=device)
         self.shape = GraphShape(q, bucket, chunk)
         self.op_plans: dict = {}  # shared by every step of this graph (ops keep the plans made at capture)
-        self.extra: torch.Tensor | None = None  # static per-token input, allocated at capture
+        self.extra: torch.Tensor | None = None  # static per-token input, allocated at capture (``extra_like``)
         self.current: HostBatch | None = None  # the real batch last loaded
         pinned = device.type == "cuda"
         self._stage_region = _staging(self.region, pinned)
         self._stage_table = _staging(self.block_tables, pinned)
         self._table_rows: list[list[int] | None] = [None] * seqs  # the pages each staged row holds
         self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the staging buffers
+
+    def extra_like(self, like: torch.Tensor) -> torch.Tensor:
+        """The static per-token input (allocated at first use, shaped like ``like``'s rows)."""
+        if self.extra is None:
+            self.extra = torch.zeros((self.num_tokens, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        return self.extra
 
     def padded(self, hb: HostBatch | None) -> HostBatch:
         """``hb`` plus padding sequences up to the bucket (all padding when ``hb`` is None): q
@@ -292,10 +298,24 @@ class _Rerun:
 
     def __init__(self, fn: Callable[[ForwardContext], tuple[torch.Tensor, ...]]) -> None:
         self.fn = fn
+        self.outs: tuple[torch.Tensor, ...] = ()  # the last rerun's outputs (a graph's: its static ones)
 
     def replay(self, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
         check_mirrors(ctx)
-        return self.fn(ctx)
+        self.outs = self.fn(ctx)
+        return self.outs
+
+
+class _Program:
+    """A captured program (``CudaGraphRunnerImpl.program``): its graph, its static outputs, and
+    the input tensors its graph reads."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outs: tuple[torch.Tensor, ...],
+                 inputs: tuple[torch.Tensor, ...]) -> None:
+        self.graph, self.outs, self.inputs = graph, outs, inputs
+
+    def reads(self, inputs: tuple[torch.Tensor, ...]) -> bool:
+        return len(inputs) == len(self.inputs) and all(a is b for a, b in zip(inputs, self.inputs))
 
 
 def check_mirrors(ctx: ForwardContext) -> None:
@@ -336,6 +356,8 @@ class CudaGraphRunnerImpl:
         self.lone_sizes = lone_sizes(spec.prompt_chunk)  # bucket 0's
         self.statics: dict[tuple[int, ...], StaticBatch] = {}
         self.graphs: dict[tuple[int, ...], _Captured | _Rerun] = {}
+        self.programs: dict[tuple, _Program] = {}  # (name, the keys of the graphs whose buffers it uses)
+        self.num_program_runs = 0  # programs replayed (or rerun) so far
         self.pool = None
         self.num_replays: dict[int, int] = {q: 0 for q in spec.query_lens}  # per query length (uniform steps)
         self.mixed_replays = 0  # mixed steps (decode rows + a prompt chunk) replayed
@@ -466,6 +488,99 @@ class CudaGraphRunnerImpl:
             host = [c + d for c, d in zip(ctx.context_lens_host, by.tolist())] + ctx.context_lens_host[n:]
         return attrs.evolve(ctx, context_lens_host=host, step_tensors={})
 
+    def whole(self, shape: GraphShape) -> tuple[torch.Tensor, ...] | None:
+        """(input ids, *outputs) of the uniform graph of ``shape`` as its last replay left them,
+        every row (padding included), at addresses a program can read; None if not captured."""
+        assert not shape.chunk, "whole: a uniform graph"
+        graph = self.graphs.get(shape.key)
+        return None if graph is None else (self.statics[shape.key].input_ids, *graph.outs)
+
+    def static_inputs(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The token ids and the per-token input (None if the graph takes none) of the graph
+        whose static context ``ctx`` is, every row: a program's body writes them."""
+        static = self.statics[ctx.graph.key]
+        return static.input_ids, static.extra
+
+    def program(self, name: str, ctxs: list[ForwardContext], body: Callable[..., tuple[torch.Tensor, ...]],
+                inputs: tuple[torch.Tensor, ...], prepare=None, extra: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        """Device work over the static buffers of uniform graphs and over ``inputs``, as one CUDA
+        graph: ``body(ctxs, *inputs)``, ``ctxs`` being those graphs' static contexts as
+        ``make_context`` packed this step's batches into them. The body writes their inputs
+        (``static_inputs``), runs their steps (``direct``) and may move their positions on the
+        device (``shift``, ``advance``). Captured at first use (``capture_program``) and replayed
+        while ``inputs`` are the tensors it was captured with; the rerun stand-in calls ``body``
+        on this step's contexts. So the host launches one graph where it launched several and
+        the eager kernels between them. ``extra``: as ``capture_all``'s (the graphs' per-token
+        inputs are allocated like it)."""
+        keys = [c.graph.key for c in ctxs]
+        if extra is not None:
+            for key in keys:
+                self.statics[key].extra_like(extra)
+        self.num_program_runs += 1
+        if not self.capture:
+            return body(ctxs, *inputs)
+        prog = self.programs.get((name, *keys))
+        if prog is None or not prog.reads(inputs):
+            self.capture_program(name, keys, body, inputs, ctxs[0].block_size, prepare, extra)
+            for key in keys:  # the capture ran on padding: put this step's rows back
+                self.statics[key].load(self.statics[key].current)
+            prog = self.programs[(name, *keys)]
+        if prepare is not None:
+            for ctx in ctxs:
+                prepare(ctx)
+        prog.graph.replay()
+        return prog.outs
+
+    def capture_program(self, name: str, keys: list[tuple[int, ...]], body: Callable[..., tuple[torch.Tensor, ...]],
+                        inputs: tuple[torch.Tensor, ...], block_size: int, prepare=None,
+                        extra: torch.Tensor | None = None) -> bool:
+        """Capture ``program``'s graph on padding rows (its warm-up runs move no real sequence:
+        the buffers are loaded with padding again before each run, as the body may move
+        positions in place); False in the rerun stand-in, which captures nothing."""
+        if not self.capture:
+            return False
+        statics = [self._static(key, block_size, self.spec.device) for key in keys]
+        if extra is not None:
+            for static in statics:
+                static.extra_like(extra)
+
+        def padded() -> list[ForwardContext]:
+            return [s.context(s.load(None)) for s in statics]
+
+        if prepare is not None:
+            for ctx in padded():
+                prepare(ctx)
+        stream = torch.cuda.Stream()
+        for _ in range(2):  # compile and autotune outside the capture
+            ctxs = padded()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                body(ctxs, *inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+        ctxs = padded()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outs = body(ctxs, *inputs)
+        self.pool = graph.pool()
+        self.programs[(name, *keys)] = _Program(graph, tuple(outs), inputs)
+        return True
+
+    def direct(self, step, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+        """``step`` over the static buffers of the graph whose context ``ctx`` is (its per-token
+        input too, if it has one), inside a program's body: every row's outputs. Its kernels let
+        their successors start early as that graph's own do; the rerun stand-in checks the
+        mirrors first, as its replay does."""
+        static = self.statics[ctx.graph.key]
+        args = (static.input_ids, ctx) if static.extra is None else (static.input_ids, ctx, static.extra)
+        if not self.capture:
+            check_mirrors(ctx)
+            return step(*args)
+        from bi_core.kernels.common import PDL_MAX_TOKENS, early_launch  # triton: a CUDA extra
+
+        with early_launch(static.num_tokens <= PDL_MAX_TOKENS):
+            return step(*args)
+
     def _mark_inputs(self) -> None:
         """Record that everything the host staged for this step is queued (``wait_inputs``)."""
         if self._inputs is not None:
@@ -477,6 +592,7 @@ class CudaGraphRunnerImpl:
 
     def release(self) -> None:
         self.graphs.clear()
+        self.programs.clear()
         self.statics.clear()
         self.pool = None
         self.capture_s.clear()
@@ -486,8 +602,8 @@ class CudaGraphRunnerImpl:
         real rows: a warm-up on them would advance real sequences' GDN states)."""
         static = self.statics[key]
         pad_ctx = static.context(static.load(None))
-        if extra is not None and static.extra is None:
-            static.extra = torch.zeros((static.num_tokens, *extra.shape[1:]), dtype=extra.dtype, device=extra.device)
+        if extra is not None:
+            static.extra_like(extra)
 
         def call(c: ForwardContext):
             return step(static.input_ids, c) if extra is None else step(static.input_ids, c, static.extra)
