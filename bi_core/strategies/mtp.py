@@ -57,40 +57,14 @@ from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
 from bi_core.ops.context import GraphShape
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Forward, HeadSteps, Landing, SeqRows, StepOutput, rows_of
+from bi_core.runtime.runner import Forward, HeadSteps, SeqRows, StepOutput, rows_of
 from bi_core.runtime.sequence import Sequence, Status
 from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
 from bi_core.strategies.base import Strategy
+from bi_core.strategies.drafts import DraftLimits, ForcedDrafts, Lease, OnDevice
 
 DraftHook = Callable[[Sequence, list[int]], list[int]]
 DraftOverride = Callable[[Sequence, int], "list[int] | None"]  # (sequence, N) -> forced drafts, or None
-
-
-@attrs.define
-class _Lease:
-    """Whether a head program's static drafts still hold what one replay wrote: the next replay
-    of the same program writes over them."""
-
-    valid: bool = True
-
-
-@attrs.frozen
-class _OnDevice:
-    """A sequence's drafts still on the device: row ``row`` of a draft chain's [S, N] ids, whose
-    host copy is ``landing``; ``lease``: where the ids are a head program's static output."""
-
-    landing: Landing
-    row: int
-    lease: _Lease | None = None
-
-    @property
-    def on_device(self) -> bool:
-        """The device ids are still these drafts (a sequence that skipped a step may find its
-        head program's output rewritten: its host copy, landed long since, stands in)."""
-        return self.lease is None or self.lease.valid
-
-    def host(self) -> list[int]:
-        return self.landing.wait()[self.row].tolist()
 
 
 def num_speculative(config: EngineConfig) -> int:
@@ -135,12 +109,12 @@ class MTPPlan(StepPlan):
     head: list[_Head] = attrs.field(factory=list)  # filled by commit, run by after_update
     # per row: the drafts it verifies when they were still on the device at plan time (``drafts``
     # holds [] for that row until commit reads them from host memory), and how many
-    on_device: list[tuple[_OnDevice, int] | None] = attrs.field(factory=list)
+    on_device: list[tuple[OnDevice, int] | None] = attrs.field(factory=list)
     num_drafts: list[int] = attrs.field(factory=list)  # per row: drafts it verifies (fewer than N near the end)
     # the draft chain launched behind the verify (launch_behind): its [S, N] ids, row i sequence i,
     # and the lease of the head program's output they are
     chain: torch.Tensor | None = None
-    lease: _Lease | None = None
+    lease: Lease | None = None
 
 
 class MTPStrategy(Strategy):
@@ -187,13 +161,12 @@ class MTPStrategy(Strategy):
     def __init__(self, config: EngineConfig, runner) -> None:
         super().__init__(config, runner)
         self.num_spec = num_speculative(config)
-        self.drafts: dict[int, list[int] | _OnDevice] = {}
+        self.drafts: dict[int, list[int] | OnDevice] = {}
         self.draft_hook: DraftHook | None = None  # tests force drafts through this (it waits for them)
         self.draft_override: DraftOverride | None = None  # benchmarks and audits force drafts without reading them
-        self._staging: torch.Tensor | None = None  # forced drafts' page-locked host rows (_force)
-        self._staged = None  # the event of its last copy to the device
-        self._limits = _Limits()  # head programs' per-row draft counts (launch_behind)
-        self._leases: dict[int, _Lease] = {}  # per verify bucket: its head program's output, as last written
+        self._forced = ForcedDrafts(self.num_spec, runner.spec.max_batch_size)  # draft_override's, on the device
+        self._limits = DraftLimits()  # head programs' per-row draft counts (launch_behind)
+        self._leases: dict[int, Lease] = {}  # per verify bucket: its head program's output, as last written
 
     def forget(self, seq) -> None:
         self.drafts.pop(seq.request_id, None)
@@ -207,9 +180,9 @@ class MTPStrategy(Strategy):
             if seq.is_decoding:  # verify: the pending token and its drafts, padded to 1+N
                 n = max(0, min(self.num_spec, _remaining(seq) - 1))
                 d = self.drafts.get(seq.request_id, [])
-                if isinstance(d, _OnDevice) and not d.on_device:
+                if isinstance(d, OnDevice) and not d.on_device:
                     d = d.host()
-                if isinstance(d, _OnDevice):  # staged as -1 - (index into the chains' ids laid end to end)
+                if isinstance(d, OnDevice):  # staged as -1 - (index into the chains' ids laid end to end)
                     if id(d.landing) not in chains:
                         chains[id(d.landing)] = (d.landing, sum(c.device.numel() for c, _ in chains.values()))
                     base = chains[id(d.landing)][1]
@@ -311,7 +284,7 @@ class MTPStrategy(Strategy):
         written = self._leases.get(out.graph.bucket)  # what the program's last replay wrote: gone now
         if written is not None:
             written.valid = False
-        plan.chain, plan.lease = drafts[: len(rows)], _Lease()
+        plan.chain, plan.lease = drafts[: len(rows)], Lease()
         self._leases[out.graph.bucket] = plan.lease
         return True
 
@@ -440,7 +413,7 @@ class MTPStrategy(Strategy):
             ids[:, j] = out.logits
         return ids
 
-    def _keep(self, seqs: list[Sequence], ids: torch.Tensor, lease: _Lease | None = None) -> None:
+    def _keep(self, seqs: list[Sequence], ids: torch.Tensor, lease: Lease | None = None) -> None:
         """Keep the drafts ``ids`` [S, N] of ``seqs`` for their next verify: on the device, on their
         way to host memory (a hook's: waited for; an override's: written over them first).
         ``lease``: where ``ids`` is a head program's output."""
@@ -451,39 +424,11 @@ class MTPStrategy(Strategy):
             if self.draft_hook is not None:
                 self.drafts[seq.request_id] = self.draft_hook(seq, landing.wait()[i].tolist())
             else:
-                self.drafts[seq.request_id] = _OnDevice(landing, i, lease)
+                self.drafts[seq.request_id] = OnDevice(landing, i, lease)
 
     def _force(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
-        """Write ``draft_override``'s drafts over ``ids`` [S, N] on the device. Every row forced
-        (benchmarks, audits): one copy from a page-locked staging buffer straight into ``ids``
-        (the buffer is reused once its last copy is done), so the bench measures the engine, not
-        its own hook (two uploads and an index copy cost the host more: docs/benchmarks.md
-        sections 29 and 30). Some rows forced: the rows with a flag column, one upload and a select."""
-        n = self.num_spec
-        forced = [self.draft_override(seq, n) for seq in seqs]
-        if all(d is None for d in forced):
-            return
-        if all(d is not None for d in forced):
-            stage = self._stage(len(seqs), ids)
-            stage.numpy()[:] = [(d + [0] * n)[:n] for d in forced]
-            ids.copy_(stage, non_blocking=True)
-            if self._staged is not None:
-                self._staged.record()
-            return
-        rows = [[0] * (n + 1) if d is None else [1, *(d + [0] * n)[:n]] for d in forced]
-        staged = to_device([t for r in rows for t in r], ids.device).view(len(rows), n + 1)
-        torch.where(staged[:, :1].bool(), staged[:, 1:], ids, out=ids)
-
-    def _stage(self, s: int, ids: torch.Tensor) -> torch.Tensor:
-        """The first ``s`` rows of the forced drafts' host staging buffer, free to write."""
-        if self._staging is None or self._staging.shape[0] < s:
-            pinned = ids.is_cuda
-            self._staging = torch.empty((max(s, self.runner.spec.max_batch_size), self.num_spec),
-                                        dtype=torch.int64, pin_memory=pinned)
-            self._staged = torch.cuda.Event() if pinned else None
-        elif self._staged is not None:
-            self._staged.synchronize()  # its last copy has left (long since: a step ago)
-        return self._staging[:s]
+        """Write ``draft_override``'s drafts over ``ids`` [S, N] on the device (``ForcedDrafts``)."""
+        self._forced.write([self.draft_override(seq, self.num_spec) for seq in seqs], ids)
 
     def _mtp(self, rows: list[SeqRows], hidden: torch.Tensor, ids_from: torch.Tensor | None = None) -> StepOutput:
         """The MTP head over ``rows`` (its own KV cache, same pages), the main model's ``hidden``
@@ -493,23 +438,6 @@ class MTPStrategy(Strategy):
         uniform step of recurrent rows replays a uniform graph, a prompt piece alone a head
         prompt graph (``runtime.runner.mtp_graph_spec``)."""
         return self.runner.execute(Forward(rows, head="mtp", hidden=hidden, ids_from=ids_from))
-
-
-class _Limits:
-    """Per verify bucket: each sequence's draft count on the device, 0 for padding rows. A head
-    program's input (the same tensor every step), uploaded only when the counts change."""
-
-    def __init__(self) -> None:
-        self._by_bucket: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
-
-    def of(self, counts: list[int], bucket: int, device: torch.device) -> torch.Tensor:
-        values = counts + [0] * (bucket - len(counts))
-        tensor, held = self._by_bucket.get(bucket) or (torch.zeros(bucket, dtype=torch.int64, device=device), None)
-        if held != values:
-            host = torch.tensor(values, dtype=torch.int64)
-            tensor.copy_(host.pin_memory() if tensor.is_cuda else host, non_blocking=True)
-        self._by_bucket[bucket] = (tensor, values)
-        return tensor
 
 
 def _remaining(seq: Sequence) -> int:

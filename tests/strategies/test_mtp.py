@@ -244,12 +244,12 @@ def test_forced_drafts_overwrite_the_proposed_rows():
 
 def test_drafts_a_head_program_wrote_over_come_from_their_host_copy():
     """Drafts behind a verify are rows of a head program's static output, which the program's
-    next replay writes over (``_Lease``). A sequence that did not verify in between would stage
+    next replay writes over (``Lease``). A sequence that did not verify in between would stage
     another sequence's drafts: its plan takes their host copy instead (landed long since). While
     the lease holds, the verify stages them as indices into the device ids (the normal path)."""
     from bi_core.runtime.runner import Landing
     from bi_core.runtime.step import Scheduled
-    from bi_core.strategies.mtp import _Lease, _OnDevice
+    from bi_core.strategies.drafts import Lease, OnDevice
 
     eng = build_engine(config("tiny-dense", "mtp"))
     seq = eng.add_request(prompts()[0], SamplingParams(max_new_tokens=14, ignore_eos=True))
@@ -257,8 +257,8 @@ def test_drafts_a_head_program_wrote_over_come_from_their_host_copy():
         eng.step()
     device = torch.tensor([[91, 92, 93]])  # what the program's next replay left there
     landing = Landing(device, torch.tensor([[11, 12, 13]]), None)  # the drafts, on the host
-    lease = _Lease()
-    eng.strategy.drafts[seq.request_id] = _OnDevice(landing, 0, lease)
+    lease = Lease()
+    eng.strategy.drafts[seq.request_id] = OnDevice(landing, 0, lease)
     staged = eng.strategy.plan([Scheduled(seq, 1 + N_SPEC)]).forward
     assert staged.rows[0].tokens[1:] == [-1, -2, -3] and staged.ids_from.tolist() == [91, 92, 93]
     lease.valid = False
