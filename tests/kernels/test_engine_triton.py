@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 
-import attrs
 import pytest
 import torch
 from helpers import tiny_config
@@ -115,13 +114,14 @@ def test_needle_alone_and_in_a_batch_bitwise(device):
     alone, and at a random place among greedy prompts of 9, 41 and 4 tokens (the needle's prefill
     shares a step with another prompt's second chunk and two decode rows; its decode steps run
     beside 2 and 1 other rows, padded to graph buckets): the same tokens and the same logprobs
-    (float equality, top-1 logprobs too).
+    (float equality, top-1 logprobs too), and the same logits of its last prompt row (all of
+    them: the quantity the negative control compares).
 
     Negative control: the needle prefilled in 16-token chunks instead of one 20-token piece, the
     arrangement it would get if its chunks followed the batch (a chunk shrunk to a step's leftover
     token budget; the scheduling row of the invariance guide): GDN's chunked form then carries the
-    state across a chunk boundary, and the logits of the needle's last prompt row must differ (its
-    first logprob alone came out the same bits on an AVX-512 CPU). A perturbed run
+    state across a chunk boundary, and the logits of the needle's last prompt row must differ
+    (its first logprob alone came out the same bits on an AVX-512 CPU). A perturbed run
     rather than another backend: on the CPU the only non-invariant backend is the reference, whose
     differences come from torch's CPU GEMMs blocking by M (measured here on a run like this one:
     2 of 4 logprobs moved by an ulp), the library's choice, not something a test can count on.
@@ -142,12 +142,17 @@ def test_needle_alone_and_in_a_batch_bitwise(device):
     assert batch[at].token_ids == alone.token_ids, at
     assert batch[at].token_logprobs == alone.token_logprobs and batch[at].logprobs == alone.logprobs, at
 
-    def first_logits(chunk: int) -> torch.Tensor:  # the needle's last prompt row, all its logits
+
+    def first_logits(prompts: list[list[int]], params: list[SamplingParams], chunk: int = 32) -> torch.Tensor:
+        """The needle's last prompt row, all its logits (the quantity both checks below compare)."""
         eng, seen = build_engine(needle_config(device, chunk), registry), []
-        eng.runner.on_logits = lambda seqs, logits: seen.append(logits[0].clone())
-        eng.generate([needle], [attrs.evolve(hot, max_new_tokens=1)])
+        eng.runner.on_logits = lambda seqs, logits: seen.extend(
+            logits[i].clone() for i, q in enumerate(seqs) if q.prompt_ids == needle and not q.output_ids)
+        eng.generate(prompts, params)
         return seen[0]
-    assert not torch.equal(first_logits(16), first_logits(32))
+    alone_row = first_logits([needle], [hot])
+    assert torch.equal(first_logits(others[:at] + [needle] + others[at:], greedy[:at] + [hot] + greedy[at:]), alone_row)
+    assert not torch.equal(first_logits([needle], [hot], chunk=16), alone_row)
 
 
 @pytest.mark.usefixtures("ordered_dot")  # numpy's dot would round a row by its place in a tile
