@@ -10,10 +10,16 @@ launches) and bf16 per pair (2 launches), each against its weight bytes' floor.
   python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)
   python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
+  python3 benchmarks/fp8_kernel_bench.py --swap [M ...]   (default M = 1 2 4 8 16)
 
 ``--sweep``: the GEMM alone (activations quantized once, outside the timing) at each decode tile
 (BLOCK_N, warps, stages; the same K order, so the same bits: checked against the tree's config)
-and at other split counts (another K order: other bits, listed for the record), fastest first."""
+and at other split counts (another K order: other bits, listed for the record), fastest first.
+
+``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
+(``SWAP``: the weight rows as the wgmma's M side, 16-row activation tiles) against the tree's
+config, at every dense shape, and the routed experts per pair swapped against unswapped; each
+swapped output compared bitwise with the tree's (the hardware's side of the swap)."""
 
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ def sweep(ms: list[int]) -> None:
             base = fp8_config(m, n, k)
             ref = fp8_gemm(xq, xs, wq, ws, config=base)
             rows = []
-            for bn in (16, 32, 64, 128):
+            for bn in (64, 128) if base["SWAP"] else (16, 32, 64, 128):  # a swapped tile: >= 64 weight rows
                 for warps in (4,):
                     for stages in (2, 3, 4):
                         for sp in sorted({split, split * 2}):
@@ -86,6 +92,80 @@ def sweep(ms: list[int]) -> None:
             for t, cfg, note in rows[:4]:
                 print(f"      {t:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} stages "
                       f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
+
+
+SWAP_TILES = [(bn, warps, stages) for bn in (64, 128) for warps in (4,) for stages in (2, 3, 4)]
+
+
+def swap_probe(ms: list[int]) -> None:
+    from bi_core.kernels.fp8 import fp8_gemm
+    from bi_core.kernels.fp8_moe import PAIR_DOWN, PAIR_UP, _fp8_moe_per_pair
+
+    dev = torch.device("cuda")
+    bw = measure_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; us per call; swapped dot vs the tree's")
+    differ = 0
+    for n, k in SHAPES:
+        wq, ws = quantize_blocks(torch.randn(n, k, device=dev) * 0.02, (128, 128))
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * torch.exp2(
+                torch.randint(-4, 4, (m, 1), device=dev).float()).to(torch.bfloat16)
+            xq, xs = quantize_act(x)
+            base = fp8_config(m, n, k)
+            ref = fp8_gemm(xq, xs, wq, ws, torch.float32, config=base)
+            ref_lin = fp8_linear(x, wq, ws, config=base)
+            t_base = timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base))
+            t_lin = timed_us(partial(fp8_linear, x, wq, ws, config=base))
+            rows = []
+            for bn, warps, stages in SWAP_TILES:
+                cfg = {**base, "SWAP": True, "BLOCK_M": 16, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+                       "INLINE": False}
+                try:
+                    same = torch.equal(fp8_gemm(xq, xs, wq, ws, torch.float32, config=cfg), ref) and \
+                        torch.equal(fp8_linear(x, wq, ws, config=cfg), ref_lin)
+                    t = timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))
+                    t_l = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
+                except Exception as e:  # reported, the probe goes on
+                    rows.append((float("inf"), float("inf"), cfg, type(e).__name__))
+                    continue
+                differ += not same
+                rows.append((t, t_l, cfg, "same bits" if same else "DIFFERENT BITS"))
+            rows.sort(key=lambda r: r[0])
+            print(f"{n:>6} x {k:<5} M={m:<3} tree GEMM {t_base:6.1f}us, linear {t_lin:6.1f}us (BLOCK_N {base['BLOCK_N']}, "
+                  f"split {base['SPLIT_K']}, fused quant {base['FUSE_QUANT']}); floor {n * k / bw * 1e6:.1f}us; swapped:")
+            for t, t_l, cfg, note in rows[:3]:
+                print(f"      GEMM {t:6.1f}us linear {t_l:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} "
+                      f"stages {cfg['num_stages']}  ({note})")
+            if any(r[3] != "same bits" for r in rows):
+                print("      not same bits:", sorted({r[3] for r in rows if r[3] != "same bits"}))
+    e, top, h, i = 256, 8, 2048, 512
+    w13 = torch.randn(e + 1, 2 * i, h, device=dev) * 0.02
+    w2 = torch.randn(e + 1, h, i, device=dev) * 0.02
+    q13 = [quantize_blocks(w13[j], (128, 128)) for j in range(e + 1)]
+    q2 = [quantize_blocks(w2[j], (128, 128)) for j in range(e + 1)]
+    w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
+    w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
+    for t in (1, 2):
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
+        wts = torch.rand(t, top, device=dev).softmax(-1)
+        shared = torch.randn(t, device=dev, dtype=torch.bfloat16)
+        args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
+        ref = _fp8_moe_per_pair(*args)
+        t_ref = timed_us(partial(_fp8_moe_per_pair, *args))
+        rows = []
+        for bn_up, bn_down in ((64, 64), (64, 128), (128, 128)):
+            for stages in (2, 3, 4):
+                up = {**PAIR_UP, "BLOCK_N": bn_up, "num_stages": stages, "SWAP": True}
+                down = {**PAIR_DOWN, "BLOCK_N": bn_down, "num_stages": stages, "SWAP": True}
+                run = partial(_fp8_moe_per_pair, *args, up, down)
+                same = torch.equal(run(), ref)
+                differ += not same
+                rows.append((timed_us(run), bn_up, bn_down, stages, "same bits" if same else "DIFFERENT BITS"))
+        rows.sort()
+        print(f"experts per pair, {t} token(s): tree {t_ref:.1f}us ({PAIR_UP['BLOCK_N']}/{PAIR_DOWN['BLOCK_N']}); "
+              f"swapped best: " + "; ".join(f"{r[0]:.1f}us at up {r[1]} down {r[2]} stages {r[3]} ({r[4]})" for r in rows[:3]))
+    print(f"swapped outputs with other bits than the tree's: {differ}")
 
 
 def moe(ts: list[int]) -> None:
@@ -114,10 +194,10 @@ def moe(ts: list[int]) -> None:
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
         tiles = []
-        for bn_up, bn_down in ((32, 32), (32, 64), (64, 64)):
+        for bn_up, bn_down in ((64, 64), (64, 128), (128, 128)):  # swapped dots: >= 64 weight rows a tile
             for stages in (3, 4):
-                up = {"BLOCK_N": bn_up, "num_warps": 4, "num_stages": stages}
-                down = {"BLOCK_N": bn_down, "num_warps": 4, "num_stages": stages}
+                up = {"BLOCK_N": bn_up, "num_warps": 4, "num_stages": stages, "SWAP": True}
+                down = {"BLOCK_N": bn_down, "num_warps": 4, "num_stages": stages, "SWAP": True}
                 run = partial(_fp8_moe_per_pair, *args[:7], args[7], up, down)
                 if not torch.equal(run(), fp8_fused_moe(*args, per_pair=False)):
                     raise SystemExit(f"per-pair tiles {up} {down}: bits differ from the sorted path")
@@ -135,6 +215,9 @@ def moe(ts: list[int]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--sweep"]:
         sweep([int(a) for a in sys.argv[2:]] or [1, 8, 64])
+        return
+    if sys.argv[1:2] == ["--swap"]:
+        swap_probe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8, 16])
         return
     if sys.argv[1:2] == ["--moe"]:
         moe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8])

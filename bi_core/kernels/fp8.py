@@ -35,10 +35,14 @@ Invariance: quantization reads one row's group only. The GEMM's K order (BLOCK_K
 split count and ranges) is fixed by (N, K) alone (``split_k_for``), never by M. The M bucket of
 ``fp8_config`` picks only BLOCK_M, BLOCK_N, warps, stages, INLINE and whether ``fp8_linear``
 quantizes inside the GEMM launch: none of these changes a row's operations or their order (the
-fused quantization is the same ``_quant_group`` code on the same (row, group) values). BLOCK_M
-is 64 or 128, never less, so every batch size runs its in-block dots on the same instruction,
-Hopper's fp8 wgmma (compiled for sm_90 with Triton 3.9, BLOCK_M 16 or 32 upcasts the tiles to
-fp16 and sums them with mma.sync m16n8k16: a different in-block sum). tests/kernels/test_fp8.py
+fused quantization is the same ``_quant_group`` code on the same (row, group) values). Every
+batch size runs its in-block dots on the same instruction, Hopper's fp8 wgmma: BLOCK_M is 64 or
+128, or (up to SWAP_M_MAX rows) the dot is swapped, ``w @ a^T`` with 64 weight rows as the wgmma's
+M side and 16 activation rows as its N side (compiled for sm_90 with Triton 3.9, an unswapped
+BLOCK_M of 16 or 32 upcasts the tiles to fp16 and sums them with mma.sync m16n8k16: a different
+in-block sum). A swapped dot multiplies the same pairs and sums them alike: on an H200 every
+swapped output of ``fp8_kernel_bench.py --swap`` had the unswapped bits (benchmarks section 32),
+and the GPU tests compare rows alone (swapped) with rows in 1024-row batches. tests/kernels/test_fp8.py
 checks all of this bitwise under Triton's interpreter with a dot that sums each element in K
 order (``ordered_dot``): that proves the kernel's own arithmetic. Whether the GPU's fp8 wgmma
 gives an element the same bits at every position in a tile and for every tile width (BLOCK_N
@@ -84,12 +88,20 @@ MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a w
 # fp8_linear quantizes inside the GEMM launch (one row at a time, ``_quant_rows``: 128 divisions
 # a row and block) at up to FUSE_QUANT_MAX_M rows and FUSE_QUANT_MAX_N columns: every column tile
 # quantizes its rows again, in the K loop's latency chain. On an H200 (fp8_kernel_bench.py, CUDA
-# graphs) fusing wins at M = 1 up to N = 2048 and loses at wider N and at M = 2..16 (figures in
-# docs/benchmarks.md section 20). FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
+# graphs) fusing won at M = 1 up to N = 2048 against 64-row quantize tiles (section 20). Since
+# quantize_act runs one-row tiles at M = 1 (1.1 us) and the dots are swapped, the kernel bench
+# has it losing everywhere (M = 1: 6.8 vs 6.0 us at 2048 x 4096, 4.0 vs 3.3 at 2048 x 512; section
+# 32); turning it off (0) is not yet measured in the engine (docs/notes.md, "Twenty-third
+# session"). FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
 FUSE_QUANT_MAX_M = 1
 FUSE_QUANT_MAX_N = 2048
 FUSED_ROWS_MAX = 32
 SMALL_M_MAX = 64  # rows up to which the decode tiles are used
+# up to SWAP_M_MAX rows each block's dot is swapped (``_k_blocks``' SWAP): 16-row activation tiles,
+# 64 weight rows as the wgmma's M side. On an H200 (fp8_kernel_bench.py --swap, benchmarks section
+# 32) the GEMM alone at M = 1..16 is 1.2-1.7x faster than 64 x 32 tiles, with the same bits.
+SWAP_M_MAX = 16
+SWAP_BLOCK_M = 16
 QUANT_BLOCK_M = 64  # rows per quantize_act program (a [64, 128] group tile; any value gives the same bits)
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
 _BK = tl.constexpr(BLOCK)  # the kernels' copies (a jitted function reads only constexpr globals)
@@ -194,7 +206,7 @@ def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn):
 @triton.jit
 def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
               stride_bsn, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr,
-              TWO: tl.constexpr, DOT: tl.constexpr):
+              TWO: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr):
     """K blocks [kb_lo, kb_hi) of a tile (B rows ``cols``: int64 indices) in ascending order, from
     zero: per block a 128-deep dot from zero, times the row scales, fma'd with the column scales
     into the fp32 accumulator. The one copy of the GEMM arithmetic: the dense, grouped and per-pair
@@ -208,12 +220,34 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
     - TWO: a second accumulator over B rows ``cols + UP`` (an expert's up projection beside its
       gate), sharing each block's A tile: (acc, acc_up), each the same sums as its own call.
 
+    - SWAP: each block's dot with the operands' roles swapped, ``w @ a^T`` ([BLOCK_N, BLOCK_M],
+      the weight rows as the tensor core's M side), the accumulators transposed back at the end:
+      the same products and the same scale arithmetic per element, so a small-M tile can be 16
+      rows while the dot stays a wgmma (its M side is BLOCK_N >= 64). Whether Hopper's fp8 wgmma
+      sums an element alike with its operands swapped is the hardware's side, checked bitwise on
+      the GPU (tests/kernels/test_fp8.py, GPU only).
+
     Tried and measured slower on an H200 (benchmarks section 20): two blocks' dots issued before
     either is scaled (same bits, 10-40% slower per GEMV)."""
+    dt = B.dtype.element_ty
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        zero_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, dt, BLOCK_M, QROWS)
+            a_t = tl.trans(a)
+            b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
+            part = mma(tl.trans(b), a_t, zero_t, DOT)
+            acc_t = tl.fma(part * a_s[None, :], b_s[:, None], acc_t)
+            if TWO:
+                b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
+                part_up = mma(tl.trans(b_up), a_t, zero_t, DOT)
+                up_t = tl.fma(part_up * a_s[None, :], s_up[:, None], up_t)
+        return tl.trans(acc_t), tl.trans(up_t)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    dt = B.dtype.element_ty
     for kb in range(kb_lo, kb_hi):
         a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, dt, BLOCK_M, QROWS)
         b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
@@ -230,7 +264,7 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
 def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_am, stride_asm, stride_bn,
                      stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                      INLINE: tl.constexpr, QROWS: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
-                     PDL: tl.constexpr, pdl_early):
+                     SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
     pdl_start(PDL, pdl_early)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -261,13 +295,13 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
             lo = s * KB_PER_SPLIT
             acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo,
                                tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am, stride_asm, stride_bn, stride_bsn,
-                               0, BLOCK_M, BLOCK_N, QROWS, False, DOT)
+                               0, BLOCK_M, BLOCK_N, QROWS, False, DOT, SWAP)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is (a -0.0 stays -0.0, as in the fix-up)
         tl.store(c_ptr, total.to(dt), mask=c_mask)
     else:  # a constexpr branch: without splits the workspace code is never compiled (WS, LOCKS may be C)
         lo = split * KB_PER_SPLIT
         acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
-                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, QROWS, False, DOT)
+                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, QROWS, False, DOT, SWAP)
         if SPLIT_K == 1:
             tl.store(c_ptr, acc.to(dt), mask=c_mask)
         else:
@@ -294,13 +328,17 @@ def split_k_for(n: int, k: int) -> int:
 
 
 def fp8_config(m: int, n: int, k: int) -> dict:
-    """SPLIT_K (with BLOCK_K = 128) is the K order, from (N, K) alone. The M bucket (<= 64, <= 256,
-    more rows) picks only what cannot change a row's arithmetic: BLOCK_M 64 or 128 (never less:
-    the in-block dots stay on wgmma at every M), BLOCK_N, warps, stages, INLINE (the same range
-    sums in the same order, in one program) and FUSE_QUANT (the same quantization, in the GEMM's
-    launch). Untuned: the shapes follow gemm.py's reasoning, not a measurement."""
+    """SPLIT_K (with BLOCK_K = 128) is the K order, from (N, K) alone. The M bucket (<= 16, <= 64,
+    <= 256, more rows) picks only what cannot change a row's arithmetic: SWAP with 16-row tiles
+    and BLOCK_N 64, else BLOCK_M 64 or 128 (the in-block dots stay on wgmma at every M: a swapped
+    dot's M side is BLOCK_N), BLOCK_N, warps, stages, INLINE (the same range sums in the same
+    order, in one program) and FUSE_QUANT (the same quantization, in the GEMM's launch). The
+    decode tiles come from sweeps on an H200; the others follow gemm.py's reasoning."""
     split = split_k_for(n, k)
-    if m <= SMALL_M_MAX:  # decode: one row tile, narrow columns, split programs for bandwidth
+    swap = m <= SWAP_M_MAX
+    if swap:  # decode: 16 activation rows against 64 weight rows a tile, the dot swapped (_k_blocks)
+        bm, bn, warps, stages = SWAP_BLOCK_M, 64, 4, 3
+    elif m <= SMALL_M_MAX:  # one row tile, narrow columns, split programs for bandwidth
         bm, bn, warps, stages = 64, DECODE_BLOCK_N, 4, 4
     elif m <= MID_M_MAX:
         bm, bn, warps, stages = 64, 128, 4, 3
@@ -312,18 +350,20 @@ def fp8_config(m: int, n: int, k: int) -> dict:
         per_tile = 1 if inline else split
         while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * per_tile < TARGET_PROGRAMS:
             bn //= 2
-    bn = min(bn, max(16, triton.next_power_of_2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline,
+    bn = min(bn, max(64 if swap else 16, triton.next_power_of_2(n)))  # a swapped tile's weight rows: >= 64
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "SWAP": swap,
             "FUSE_QUANT": m <= FUSE_QUANT_MAX_M and n <= FUSE_QUANT_MAX_N,
             "num_warps": warps, "num_stages": stages}
 
 
-def quantize_act(x: torch.Tensor, block_m: int = QUANT_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-group FP8 quantization: ``x [M, K]`` -> ``(xq float8_e4m3fn [M, K], xs float32
     [M, ceil(K/128)])`` with ``x ≈ xq * xs`` per group of 128 columns; a row's output depends on
     that row alone (``block_m`` rows per program: any value gives the same bits)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "quantize_act: a 2-D activation with unit column stride"
     m, k = x.shape
+    if block_m is None:  # a 64-row tile at M = 1 divided 64 x 128 values (rows past M as ones) for one row's
+        block_m = 1 if m == 1 else 16 if m <= 16 else QUANT_BLOCK_M  # 128: 3.9 -> 1.1 us (section 32)
     kb = triton.cdiv(k, BLOCK)
     xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     xs = torch.empty((m, kb), dtype=torch.float32, device=x.device)
@@ -343,9 +383,18 @@ def _check_weight(wq: torch.Tensor, ws: torch.Tensor, k: int) -> int:
     return n
 
 
+def check_wgmma_tile(block_m: int, block_n: int, swap: bool) -> None:
+    """The in-block dot stays on the fp8 wgmma: its M side (BLOCK_M, or BLOCK_N when swapped) is a
+    multiple of 64. Anything else compiles to mma.sync over fp16 upcasts, another in-block sum:
+    on an H200 a swapped per-pair tile of 32 weight rows gave other bits (benchmarks section 32)."""
+    side = block_n if swap else block_m
+    assert side % 64 == 0, f"fp8 tile {block_m} x {block_n} (SWAP={swap}): the wgmma's M side must be a multiple of 64"
+
+
 def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
     """``quant_rows`` 0: a, a_scale are quantize_act's output; > 0 (a power of two >= m): a is the
     unquantized activation, quantized row by row inside the GEMM (a_scale unused)."""
+    check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SWAP", False))
     split = cfg["SPLIT_K"]
     kb_per_split = triton.cdiv(triton.cdiv(k, BLOCK), split)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
@@ -358,7 +407,8 @@ def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
     _fp8_gemm_kernel[(tiles, grid_split)](
         a, a_scale, wq, ws, out, ws_buf, locks, m, n, k, kb_per_split, a.stride(0), a_scale.stride(0), wq.stride(0),
         ws.stride(0), out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, INLINE=inline,
-        QROWS=quant_rows, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), num_warps=cfg["num_warps"],
+        QROWS=quant_rows, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg.get("SWAP", False),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl())
 
 

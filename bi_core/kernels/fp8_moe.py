@@ -17,10 +17,11 @@ projection the same GEMM arithmetic, rounded to x's dtype; the token's k rows co
 Invariance: routing is moe.py's (``align``: the pairs sorted by expert, each expert's run padded
 to the routing block of 16..128 rows, chosen from the pair count); a pair's row is its own dot
 products in the same K order wherever it lands, whatever the routing block, the tile or the
-expert's row count. Tiles are max(64, routing block) rows, so every batch size runs the in-block
-dots on fp8 wgmma (fp8.py says why below 64 rows would not). Tested bitwise under the interpreter
-with a K-ordered dot (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert shapes;
-only the per-pair tiles were swept (benchmarks section 20).
+expert's row count. Tiles are max(64, routing block) rows, or (per pair) 16 rows with the dots
+swapped, 64 or 128 weight rows as the wgmma's M side, so every batch size runs the in-block dots
+on fp8 wgmma (fp8.py says why an unswapped tile below 64 rows would not). Tested bitwise under the
+interpreter with a K-ordered dot (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert
+shapes; only the per-pair tiles were swept (benchmarks sections 20 and 32).
 
 API: ``fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits=None)``
 -> ``[T, H]`` in x's dtype (moe.fused_moe's arguments, plus the scales); ``fp8_grouped_gemm`` for
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, pdl, pdl_start
-from bi_core.kernels.fp8 import BLOCK, _k_blocks, quantize_act
+from bi_core.kernels.fp8 import BLOCK, _k_blocks, check_wgmma_tile, quantize_act
 from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
 from bi_core.kernels.moe import Routing, _combine, _expert_of, align, moe_combine
 
@@ -73,29 +74,34 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     ws_e = WS + e * stride_wse
     kb = tl.cdiv(K, 128)
     acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                       stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT)
+                       stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, False)
     up = acc
     if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
         up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                          stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT)
+                          stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, False)
     out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
     c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
 
 
-# up to this many tokens the experts run per pair: faster than sorted at 1 and 2 tokens, not at 4
-# or 8 (fp8_kernel_bench.py --moe on an H200; figures in docs/benchmarks.md section 20)
+# up to this many tokens the experts run per pair: faster than sorted at 1 and 2 tokens with
+# 64-row tiles (section 20). With swapped dots the kernel bench has per pair faster up to 8 tokens
+# (fp8_kernel_bench.py --moe on an H200: 14.9 vs 25.3 us at 1, 62.8 vs 82.3 at 8; section 32);
+# raising this to 8 is not yet measured in the engine (docs/notes.md, "Twenty-third session").
 PAIR_TOKENS = 2
 PAIR_BLOCK_M = 64  # the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
-PAIR_UP = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-PAIR_DOWN = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+SWAP_BLOCK_M = 16  # with SWAP (fp8._k_blocks) the pair's tile is 16 rows: the weight rows are the wgmma's M side
+# swapped dots (fp8._k_blocks' SWAP): on an H200 (fp8_kernel_bench.py --swap, benchmarks section 32)
+# 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits
+PAIR_UP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP": True}
+PAIR_DOWN = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SWAP": True}
 
 
 @triton.jit
 def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, stride_x, stride_xs, stride_we, stride_wn,
                         stride_wse, stride_wsn, stride_h, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                         E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                        PDL: tl.constexpr, pdl_early):
+                        SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (pair p, column tile): token p // SLOTS's quantized row in row 0 of the tile, its
     expert's gate and up rows in one K loop (two accumulators, one A tile), moe.py's epilogue:
     h[p] = silu(gate) * up."""
@@ -107,7 +113,7 @@ def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, str
     row0 = tl.arange(0, BLOCK_M) == 0
     rows = tl.where(row0, p // SLOTS, 0).to(tl.int64)
     acc, up = _k_blocks(XQ, XS, W + e * stride_we, WS + e * stride_wse, rows, row0, rn.to(tl.int64), n_ok, K, 0,
-                        tl.cdiv(K, 128), stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT)
+                        tl.cdiv(K, 128), stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, SWAP)
     out = _epilogue(acc, up, H.dtype.element_ty, True)
     h_ptr = H + p.to(tl.int64) * stride_h + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
     tl.store(h_ptr, out, mask=row0[:, None] & n_ok[None, :])
@@ -117,7 +123,7 @@ def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, str
 def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h,
                           stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_sl, TOP_K: tl.constexpr,
                           SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
+                          DOT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (pair p, column tile): h[p]'s quantized row in row 0 of the tile, the down projection,
     stored rounded to Y; the last of a token's SLOTS programs to arrive (a per-(token, tile)
     counter, left at zero) combines the token's rows in slot order (moe.py's ``_combine``). The
@@ -133,7 +139,7 @@ def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, 
     row0 = tl.arange(0, BLOCK_M) == 0
     acc, _ = _k_blocks(HQ, HS, W + e * stride_we, WS + e * stride_wse, tl.where(row0, p, 0), row0, rn.to(tl.int64),
                        n_ok, K, 0, tl.cdiv(K, 128), stride_h, stride_hs, stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0,
-                       False, DOT)
+                       False, DOT, SWAP)
     y_ptr = Y + p * N + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
     tl.store(y_ptr, acc.to(dt), mask=row0[:, None] & n_ok[None, :])
     tl.debug_barrier()  # every thread's row is written before the arrival is counted
@@ -142,6 +148,10 @@ def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, 
         total = _combine(Y, WTS, SHARED_LOGIT, t, rn, n_ok, N, stride_sl, dt, TOP_K, SLOTS, ".cg")  # from L2
         tl.store(OUT + t * N + rn, total.to(dt), mask=n_ok)
         tl.atomic_xchg(lock, 0)  # left at zero for the next call (and graph replays)
+
+
+def _pair_block_m(cfg: dict) -> int:
+    return SWAP_BLOCK_M if cfg.get("SWAP") else PAIR_BLOCK_M
 
 
 def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -160,12 +170,14 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     e_block = triton.next_power_of_2(num_experts + 1)
     dot = dot_mode(torch.float8_e4m3fn)
+    for cfg in (up, down):
+        check_wgmma_tile(_pair_block_m(cfg), cfg["BLOCK_N"], cfg.get("SWAP", False))
     xq, xs = quantize_act(x)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _fp8_pair_up_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
         xq, xs, w13, w13_scale, h, ids, num_pairs, inter, hidden, num_experts, xq.stride(0), xs.stride(0),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0), TOP_K=top_k, SLOTS=slots,
-        E_BLOCK=e_block, BLOCK_M=PAIR_BLOCK_M, DOT=dot, **up, **pdl())
+        E_BLOCK=e_block, BLOCK_M=_pair_block_m(up), DOT=dot, **{"SWAP": False, **up}, **pdl())
     hq, hs = quantize_act(h)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
@@ -174,7 +186,8 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     _fp8_pair_down_kernel[(num_pairs, triton.cdiv(hidden, down["BLOCK_N"]))](
         hq, hs, w2, w2_scale, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter,
         num_experts, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, BLOCK_M=PAIR_BLOCK_M, DOT=dot, **down, **pdl())
+        logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, BLOCK_M=_pair_block_m(down), DOT=dot,
+        **{"SWAP": False, **down}, **pdl())
     return out
 
 

@@ -289,8 +289,9 @@ VARIANT_ROWS = 24  # the other buckets' launch shapes run on the first rows
 
 def test_config_k_order_fixed_by_n_k():
     """SPLIT_K (the K order: BLOCK_K is always 128) is the same at every M for the model's shapes
-    and the tests'; BLOCK_M is never below 64 (the in-block dots stay on one instruction); the
-    buckets give the invariance test several launch shapes."""
+    and the tests'; the in-block dots stay on one instruction (the fp8 wgmma): BLOCK_M is never
+    below 64, or the dot is swapped with at least 64 weight rows as its M side; the buckets give
+    the invariance test several launch shapes, swapped and not."""
     from bi_core.kernels.fp8 import fp8_config, split_k_for
 
     ms = list(range(1, 1100)) + [4096, 16384, 65536, 1 << 20]
@@ -298,11 +299,12 @@ def test_config_k_order_fixed_by_n_k():
                  (248320, 2048), (INV_N, INV_K), (136, 1024), (200, 320)]:
         cfgs = [fp8_config(m, n, k) for m in ms]
         assert {c["SPLIT_K"] for c in cfgs} == {split_k_for(n, k)}
-        assert min(c["BLOCK_M"] for c in cfgs) >= 64
+        assert all(c["BLOCK_N"] >= 64 if c["SWAP"] else c["BLOCK_M"] >= 64 for c in cfgs)
+        assert {c["SWAP"] for c in cfgs} == {True, False}
     assert split_k_for(2048, 2048) == 4 and split_k_for(136, 1024) == 2
-    shapes = {tuple(fp8_config(m, INV_N, INV_K)[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps"))
+    shapes = {tuple(fp8_config(m, INV_N, INV_K)[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "SWAP"))
               for m in INV_SIZES + (INV_ROWS,)}
-    assert len(shapes) >= 2, shapes  # the invariance tests add FUSE_QUANT and INLINE variants of their own
+    assert len(shapes) >= 3, shapes  # the invariance tests add FUSE_QUANT and INLINE variants of their own
 
 
 def invariance_mismatches(fn, num_rows: int, sizes, device, variants=()) -> list[str]:
@@ -339,7 +341,8 @@ def _inv_config(m: int, **over) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_rows_invariant(device, dtype):
     """Each row of fp8_linear (and its quantize_act) is bitwise the same alone, in the first 3..257
-    rows, in all 264, permuted, and under the other buckets' launch shapes: 64 x 32 tiles with
+    rows, in all 264, permuted, and under the other buckets' launch shapes: swapped dots on 16-row
+    tiles (alone: quantization fused at 1 row), 64 x 32 tiles with
     quantization fused, 64-row and 128-row tiles with 4 and 8 warps, split programs with a fix-up
     vs INLINE, fused vs separate quantization (the K order, 2 ranges, fixed throughout). fp32
     outputs are the ones with teeth (bf16 hides most order changes); bf16 checks the bf16 input
@@ -355,7 +358,8 @@ def test_fp8_rows_invariant(device, dtype):
 
     if dtype == torch.float32:
         rows, sizes = INV_ROWS, INV_SIZES
-        variants = [_inv_config(1, FUSE_QUANT=False), _inv_config(1, INLINE=True), _inv_config(100),
+        variants = [_inv_config(1, FUSE_QUANT=False),  # swapped dots, 16-row tiles (two of them)
+                    _inv_config(1, SWAP=False, BLOCK_M=64, BLOCK_N=32, INLINE=True), _inv_config(100),
                     _inv_config(INV_ROWS, FUSE_QUANT=True), _inv_config(INV_ROWS, BLOCK_N=128, INLINE=True)]
     else:  # 65 rows: the small bucket's edge
         rows, sizes, variants = 65, (1, 64), [_inv_config(INV_ROWS)]
@@ -488,10 +492,14 @@ def test_fp8_moe_rows_invariant(device):
     assert torch.equal(bits(per_pair(perm[:8], True)), ref[perm[:8]])
     from bi_core.kernels.fp8_moe import PAIR_DOWN, PAIR_UP, _fp8_moe_per_pair
 
-    rows = perm[:5]  # the per-pair path under other tiles
-    other = _fp8_moe_per_pair(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
-                              {**PAIR_UP, "BLOCK_N": 64}, {**PAIR_DOWN, "BLOCK_N": 32})
-    assert torch.equal(bits(other), ref[rows])
+    rows = perm[:5]  # the per-pair path under other tiles: swapped (64 or 128 weight rows) and not
+    for up, down in (({"BLOCK_N": 128}, {"BLOCK_N": 64}), ({"BLOCK_N": 32, "SWAP": False}, {"BLOCK_N": 64, "SWAP": False})):
+        other = _fp8_moe_per_pair(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
+                                  {**PAIR_UP, **up}, {**PAIR_DOWN, **down})
+        assert torch.equal(bits(other), ref[rows]), (up, down)
+    with pytest.raises(AssertionError, match="SWAP"):  # a swapped dot on 32 weight rows is no wgmma
+        _fp8_moe_per_pair(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows], PAIR_UP,
+                          {**PAIR_DOWN, "BLOCK_N": 32})
 
     def per_tensor(a):
         s = over_fp8_max(a.abs().amax().clamp(min=1e-10))
@@ -517,7 +525,8 @@ GPU_SIZES = (1, 2, 3, 7, 8, 16, 63, 64, 65, 255, 256, 257, 1024)
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_rows_invariant_model_shapes(n, k):
     """On the GPU, at the model's shapes: each row of fp8_linear (fp32 in and out, where order
-    changes show) is bitwise the same at M = 1..1024, permuted, and under every bucket's launch
+    changes show) is bitwise the same at M = 1..1024 (swapped dots up to 16 rows, not beyond),
+    permuted, and under every bucket's launch
     shape forced on the whole batch (wgmma with 64 x 32 .. 128 x 128 tiles, 4 or 8 warps, split
     programs or INLINE, fused quantization or not); bf16 at a few sizes. Negative control: the
     same rows with another split count differ."""
@@ -537,8 +546,8 @@ def test_gpu_rows_invariant_model_shapes(n, k):
     bad += [v for v in variants if not torch.equal(bits(fp8_linear(x, wq, ws, config=v)), bits(ref))]
     fused = [{**fp8_config(m, n, k), "FUSE_QUANT": True, "INLINE": inline} for m in (1, 2, 3, 8, 32)
              for inline in (False, True)]  # the activation quantized inside the GEMM, row by row
-    bad += [(c, m) for c in fused for m in (1, 2, 3, 8, 32)
-            if not torch.equal(bits(fp8_linear(x[:m], wq, ws, config=c)), bits(ref[:m]))]
+    bad += [(c, m) for c in fused for m in (1, 2, 3, 8, 32)  # up to a tile's rows (16 swapped, 32 not)
+            if m <= c["BLOCK_M"] and not torch.equal(bits(fp8_linear(x[:m], wq, ws, config=c)), bits(ref[:m]))]
     assert bad == []
     xb = x.to(torch.bfloat16)
     ref_b = fp8_linear(xb, wq, ws)
