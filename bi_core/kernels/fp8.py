@@ -362,8 +362,8 @@ def quantize_act(x: torch.Tensor, block_m: int | None = None) -> tuple[torch.Ten
     that row alone (``block_m`` rows per program: any value gives the same bits)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "quantize_act: a 2-D activation with unit column stride"
     m, k = x.shape
-    if block_m is None:  # a 64-row tile at M = 1 divided 64 x 128 values (rows past M as ones) for one row's
-        block_m = 1 if m == 1 else 16 if m <= 16 else QUANT_BLOCK_M  # 128: 3.9 -> 1.1 us (section 32)
+    if block_m is None:  # as few padding rows as decode needs: each is divided too (at M = 1, 64-row tiles
+        block_m = 1 if m == 1 else 16 if m <= 16 else QUANT_BLOCK_M  # took 3.9 us, 1-row tiles 1.1: section 32)
     kb = triton.cdiv(k, BLOCK)
     xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     xs = torch.empty((m, kb), dtype=torch.float32, device=x.device)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, pdl, pdl_start
-from bi_core.kernels.fp8 import BLOCK, _k_blocks, check_wgmma_tile, quantize_act
+from bi_core.kernels.fp8 import BLOCK, SWAP_BLOCK_M, _k_blocks, check_wgmma_tile, quantize_act
 from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
 from bi_core.kernels.moe import Routing, _combine, _expert_of, align, moe_combine
 
@@ -89,8 +89,7 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
 # (fp8_kernel_bench.py --moe on an H200: 14.9 vs 25.3 us at 1, 62.8 vs 82.3 at 8; section 32);
 # raising this to 8 is not yet measured in the engine (docs/notes.md, "Twenty-third session").
 PAIR_TOKENS = 2
-PAIR_BLOCK_M = 64  # the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
-SWAP_BLOCK_M = 16  # with SWAP (fp8._k_blocks) the pair's tile is 16 rows: the weight rows are the wgmma's M side
+PAIR_BLOCK_M = 64  # unswapped, the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
 # swapped dots (fp8._k_blocks' SWAP): on an H200 (fp8_kernel_bench.py --swap, benchmarks section 32)
 # 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits
 PAIR_UP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP": True}
@@ -150,8 +149,13 @@ def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, 
         tl.atomic_xchg(lock, 0)  # left at zero for the next call (and graph replays)
 
 
-def _pair_block_m(cfg: dict) -> int:
-    return SWAP_BLOCK_M if cfg.get("SWAP") else PAIR_BLOCK_M
+def _pair_tile(cfg: dict) -> dict:
+    """A per-pair kernel's launch shape with its row count: 16 rows swapped, 64 not (a tile given
+    without SWAP is unswapped); refused off the fp8 wgmma (``fp8.check_wgmma_tile``)."""
+    tile = {"SWAP": False, **cfg}
+    tile["BLOCK_M"] = SWAP_BLOCK_M if tile["SWAP"] else PAIR_BLOCK_M
+    check_wgmma_tile(tile["BLOCK_M"], tile["BLOCK_N"], tile["SWAP"])
+    return tile
 
 
 def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -170,14 +174,13 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     e_block = triton.next_power_of_2(num_experts + 1)
     dot = dot_mode(torch.float8_e4m3fn)
-    for cfg in (up, down):
-        check_wgmma_tile(_pair_block_m(cfg), cfg["BLOCK_N"], cfg.get("SWAP", False))
+    up, down = _pair_tile(up), _pair_tile(down)
     xq, xs = quantize_act(x)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _fp8_pair_up_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
         xq, xs, w13, w13_scale, h, ids, num_pairs, inter, hidden, num_experts, xq.stride(0), xs.stride(0),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0), TOP_K=top_k, SLOTS=slots,
-        E_BLOCK=e_block, BLOCK_M=_pair_block_m(up), DOT=dot, **{"SWAP": False, **up}, **pdl())
+        E_BLOCK=e_block, DOT=dot, **up, **pdl())
     hq, hs = quantize_act(h)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
@@ -186,8 +189,7 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     _fp8_pair_down_kernel[(num_pairs, triton.cdiv(hidden, down["BLOCK_N"]))](
         hq, hs, w2, w2_scale, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter,
         num_experts, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, BLOCK_M=_pair_block_m(down), DOT=dot,
-        **{"SWAP": False, **down}, **pdl())
+        logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, DOT=dot, **down, **pdl())
     return out
 
 
