@@ -5,7 +5,8 @@ quantize_act alone, and the bf16 Triton GEMM for comparison; microseconds per ca
 20 calls: launch gaps inside a graph do count, as in the engine's graphs), and each one's weight
 bytes over the copy bandwidth (the floor). Then the routed experts (35B-A3B: 256 experts, top 8,
 H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles, FP8 sorted (6
-launches) and bf16 per pair (2 launches), each against its weight bytes' floor.
+launches; as configured, swapped up to 16-row routing blocks, and with 64-row tiles, "sorted 64":
+the same bits, checked) and bf16 per pair (2 launches), each against its weight bytes' floor.
 
   python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)
   python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
@@ -183,7 +184,7 @@ def moe(ts: list[int]) -> None:
     w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
     w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call")
-    print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'bf16 per pair':>13} "
+    print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'sorted 64':>11} {'bf16 per pair':>13} "
           f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (N up, N down, stages)")
     for t in ts:
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
@@ -204,10 +205,14 @@ def moe(ts: list[int]) -> None:
                 tiles.append((timed_us(run), bn_up, bn_down, stages))
         best = min(tiles)
         t_sorted = timed_us(partial(fp8_fused_moe, *args, per_pair=False))
+        unswapped = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SWAP": False}
+        if not torch.equal(fp8_fused_moe(*args, config=unswapped), fp8_fused_moe(*args, per_pair=False)):
+            raise SystemExit("sorted path: swapped bits differ from 64-row tiles")
+        t_sorted64 = timed_us(partial(fp8_fused_moe, *args, config=unswapped))
         t_bf16 = timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared))
         n_exp = int(torch.unique(ids).numel()) + 1
         fp8_bytes = n_exp * 3 * i * h
-        print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_bf16:>11.1f}us "
+        print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
               f"{fp8_bytes / bw * 1e6:>7.1f}us {2 * fp8_bytes / bw * 1e6:>8.1f}us  {same}; "
               f"{best[0]:.1f}us at {best[1:]}")
 

@@ -91,9 +91,10 @@ MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a w
 # graphs) fusing won at M = 1 up to N = 2048 against 64-row quantize tiles (section 20). Since
 # quantize_act runs one-row tiles at M = 1 (1.1 us) and the dots are swapped, the kernel bench
 # has it losing everywhere (M = 1: 6.8 vs 6.0 us at 2048 x 4096, 4.0 vs 3.3 at 2048 x 512; section
-# 32); turning it off (0) is not yet measured in the engine (docs/notes.md, "Twenty-third
-# session"). FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
-FUSE_QUANT_MAX_M = 1
+# 32), and off (0) the engine's B=1 decode went from 2.920 to 2.872 ms (35B-A3B FP8, section 33).
+# The fused path stays a config key (FUSE_QUANT; tests keep its bits equal to the two launches').
+# FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
+FUSE_QUANT_MAX_M = 0
 FUSE_QUANT_MAX_N = 2048
 FUSED_ROWS_MAX = 32
 SMALL_M_MAX = 64  # rows up to which the decode tiles are used

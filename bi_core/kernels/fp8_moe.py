@@ -54,10 +54,10 @@ def _epilogue(acc, up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
 def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_asm,
                         stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
                         SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
+                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (routing block b, column tile): the block's ROUTE_M pairs in the first rows of a
-    BLOCK_M-row tile (BLOCK_M >= ROUTE_M, >= 64), A rows ``pair // A_ROW_DIV``, expert
-    BLOCK_EXPERT[b]; out row = pair id."""
+    BLOCK_M-row tile (BLOCK_M >= ROUTE_M; >= 64, or 16 with the dots swapped), A rows
+    ``pair // A_ROW_DIV``, expert BLOCK_EXPERT[b]; out row = pair id."""
     pdl_start(PDL, pdl_early)
     b = tl.program_id(0)
     e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
@@ -73,22 +73,26 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     w_e = W + e * stride_we
     ws_e = WS + e * stride_wse
     kb = tl.cdiv(K, 128)
-    acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                       stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, False)
-    up = acc
-    if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
-        up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                          stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, False)
+    if SWAP and SILU_MUL:  # gate and up in one K loop, one A tile (two [BLOCK_N, 16] accumulators)
+        acc, up = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
+                            stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, True)
+    else:
+        acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
+                           stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
+        up = acc
+        if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
+            up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm,
+                              stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
     out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
     c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
 
 
-# up to this many tokens the experts run per pair: faster than sorted at 1 and 2 tokens with
-# 64-row tiles (section 20). With swapped dots the kernel bench has per pair faster up to 8 tokens
-# (fp8_kernel_bench.py --moe on an H200: 14.9 vs 25.3 us at 1, 62.8 vs 82.3 at 8; section 32);
-# raising this to 8 is not yet measured in the engine (docs/notes.md, "Twenty-third session").
-PAIR_TOKENS = 2
+# up to this many tokens the experts run per pair. Both paths swapped, on an H200
+# (fp8_kernel_bench.py --moe, benchmarks section 33): per pair 14.8 vs sorted 18.5 us at 1 token,
+# 62.7 vs 68.9 at 8, 98.9 vs 101.0 at 16, 167 vs 152 at 32; in the engine (35B-A3B FP8) 8 instead
+# of 2 took decode B=8 from 5.33 to 5.13 ms.
+PAIR_TOKENS = 8
 PAIR_BLOCK_M = 64  # unswapped, the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
 # swapped dots (fp8._k_blocks' SWAP): on an H200 (fp8_kernel_bench.py --swap, benchmarks section 32)
 # 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits
@@ -193,11 +197,22 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     return out
 
 
-def grouped_config(route_m: int) -> dict:
+# the sorted path swaps its dots up to routing blocks of SWAP_BLOCK_M rows (decode: 16), as per
+# pair: an expert's 16 rows against 64 (gate/up) or 128 (down) weight rows a tile, gate and up in
+# one K loop, instead of 64-row tiles that are three quarters padding. On an H200 (section 33):
+# 101 vs 121 us at 16 tokens, 189 vs 224 at 64, the same bits; 35B-A3B FP8 decode B=64 15.14 ->
+# 13.77 ms, B=8 5.93 -> 5.33 (before PAIR_TOKENS = 8).
+GROUPED_UP_SWAP = {**PAIR_UP, "BLOCK_M": SWAP_BLOCK_M}
+GROUPED_DOWN_SWAP = {**PAIR_DOWN, "BLOCK_M": SWAP_BLOCK_M}
+
+
+def grouped_config(route_m: int, silu_mul: bool = True) -> dict:
     """Launch shape from the routing block (speed only: the K order is fixed by K)."""
+    if route_m <= SWAP_BLOCK_M:
+        return dict(GROUPED_UP_SWAP if silu_mul else GROUPED_DOWN_SWAP)
     block_m = max(64, route_m)
     return {"BLOCK_M": block_m, "BLOCK_N": 64 if route_m <= 32 else 128, "num_warps": 8 if block_m == 128 else 4,
-            "num_stages": 3}
+            "num_stages": 3, "SWAP": False}
 
 
 def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, routing: Routing,
@@ -216,14 +231,15 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     out = torch.empty((routing.num_pairs, n), dtype=out_dtype, device=xq.device)
     if routing.num_pairs == 0:
         return out
-    cfg = {**grouped_config(routing.block_m), **(config or {})}
-    assert cfg["BLOCK_M"] >= max(64, routing.block_m)
+    cfg = {"SWAP": False, **grouped_config(routing.block_m, silu_mul), **(config or {})}
+    assert cfg["BLOCK_M"] >= routing.block_m, f"BLOCK_M {cfg['BLOCK_M']} < the routing block {routing.block_m}"
+    check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SWAP"])
     grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
     _fp8_grouped_kernel[grid](xq, xs, w, w_scale, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs,
                               n, k, num_experts, xq.stride(0), xs.stride(0), w.stride(0), w.stride(1),
                               w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
                               SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
-                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn),
+                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg["SWAP"],
                               num_warps=cfg["num_warps"],
                               num_stages=cfg["num_stages"], **pdl())
     return out

@@ -464,9 +464,9 @@ def test_fp8_moe_numerics(device):
 @pytest.mark.usefixtures("ordered_dot")
 def test_fp8_moe_rows_invariant(device):
     """fp8_fused_moe (with a shared expert, fp32): a token's output is bitwise the same alone and in
-    8 tokens (up to 2 per pair: no routing sort), in all 22 (66 pairs,
-    sorted: 32-row blocks), permuted, with 128-row tiles on 8 warps, and either path forced on the
-    same tokens. Negative control: the same pipeline written out, which equals
+    8 tokens (per pair: no routing sort), in all 22 (66 pairs,
+    sorted: 32-row blocks), permuted, with 128-row tiles on 8 warps, sorted with swapped
+    dots (16-row routing blocks), and either path forced on the same tokens. Negative control: the same pipeline written out, which equals
     fp8_fused_moe with quantize_act, gives a token different bits alone and among 8 when the
     activation scale spans the batch (per-tensor)."""
     from bi_core.kernels.fp8 import quantize_act
@@ -484,7 +484,11 @@ def test_fp8_moe_rows_invariant(device):
     assert torch.equal(bits(run(every[:1])), ref[:1])
     perm = torch.randperm(MOE_TOKENS, device=device)
     assert torch.equal(bits(run(perm)), ref[perm])
-    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[:12])
+    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "SWAP": False})), ref[:12])
+    assert align(ids[:12], MOE_E + 1, shared=True).block_m == 16  # sorted, swapped (16 rows against 128 weight rows)
+    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP": True})), ref[:12])
+    with pytest.raises(AssertionError, match="SWAP"):  # the sorted path refuses a tile off the wgmma too
+        run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 32, "SWAP": True})
     per_pair = lambda rows, forced: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
                                                   per_pair=forced)
     assert torch.equal(bits(per_pair(every[:3], True)), ref[:3])  # the per-pair path (the default up to 8)
