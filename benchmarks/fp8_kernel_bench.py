@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from itertools import product
 
 import torch
 
@@ -185,7 +186,7 @@ def moe(ts: list[int]) -> None:
     w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call")
     print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'sorted 64':>11} {'bf16 per pair':>13} "
-          f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (N up, N down, stages)")
+          f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (columns / warps, stages)")
     for t in ts:
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
@@ -195,14 +196,16 @@ def moe(ts: list[int]) -> None:
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
         tiles = []
-        for bn_up, bn_down in ((64, 64), (64, 128), (128, 128)):  # swapped dots: >= 64 weight rows a tile
+        # swapped dots: >= 64 weight rows a tile; (columns, warps) of the gate/up and the down kernels
+        for (bn_up, w_up), (bn_down, w_down) in product(((64, 4), (128, 4), (128, 8)), ((64, 4), (128, 4), (256, 4),
+                                                                                      (256, 8))):
             for stages in (3, 4):
-                up = {"BLOCK_N": bn_up, "num_warps": 4, "num_stages": stages, "SWAP": True}
-                down = {"BLOCK_N": bn_down, "num_warps": 4, "num_stages": stages, "SWAP": True}
+                up = {"BLOCK_N": bn_up, "num_warps": w_up, "num_stages": stages, "SWAP": True}
+                down = {"BLOCK_N": bn_down, "num_warps": w_down, "num_stages": stages, "SWAP": True}
                 run = partial(_fp8_moe_per_pair, *args[:7], args[7], up, down)
                 if not torch.equal(run(), fp8_fused_moe(*args, per_pair=False)):
                     raise SystemExit(f"per-pair tiles {up} {down}: bits differ from the sorted path")
-                tiles.append((timed_us(run), bn_up, bn_down, stages))
+                tiles.append((timed_us(run), f"up {bn_up}/{w_up}w", f"down {bn_down}/{w_down}w", f"{stages} stages"))
         best = min(tiles)
         t_sorted = timed_us(partial(fp8_fused_moe, *args, per_pair=False))
         unswapped = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SWAP": False}
