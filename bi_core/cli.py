@@ -16,7 +16,7 @@ SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench", "serve", "draft-v
 INVARIANT_HELP = (
     "override policy.batch_invariant. Invariant mode makes every request's tokens and logprobs bitwise "
     "independent of the batch; it runs only on SM90 (Hopper) GPUs with the cuda_hopper_invariant backend, "
-    "and refuses expert parallelism > 1, EPLB, quantized KV caches and the reference backend (its PyTorch "
+    "and refuses expert parallelism > 1, EPLB and the reference backend (its PyTorch "
     "kernels pick reduction orders by shape)."
 )
 

@@ -282,7 +282,9 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int = _field(_int(1, 1024), 16)
     num_blocks: int | str = _field(_auto_or(_int(1)), "auto")
-    kv_cache_dtype: str = _field(_choice("auto", "fp8"), "auto", doc="auto = model dtype")
+    kv_cache_dtype: str = _field(_choice("auto", "fp8", "fp8_e4m3"), "auto",
+                                 doc="auto = model dtype; fp8 (= fp8_e4m3): keys and values stored as "
+                                     "float8_e4m3fn at a fixed scale of 1 (invariant too)")
     ssm_state_dtype: str = _field(_choice("float32", "bfloat16"), "float32", doc="GDN recurrent state dtype")
     gpu_memory_utilization: float = _field(_float(0.05, 0.99), 0.9)
     prefix_caching: bool | str = _field(_auto_or(_bool), "auto",

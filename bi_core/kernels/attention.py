@@ -28,7 +28,10 @@ token runs as a prompt row or a decode/verify row is fixed by its request alone 
 prompt chunks, generated tokens in decode form, exact scoring and preemption rebuilds included),
 and the GDN layers' chunked and recurrent forms already differ. It buys the prompt rows' speed:
 the decode kernel's fold over 32-key blocks, which prompt tiles used to run, took 1.5-4.8x
-FlashInfer's time at long contexts; this kernel takes 0.95-1.11x (benchmarks section 17)."""
+FlashInfer's time at long contexts; this kernel takes 0.95-1.11x (benchmarks section 17).
+
+An FP8 cache (ops/attention.py's ``KV_CACHE_DTYPES``: e4m3 at scale 1) is read as its exact
+values in q's dtype; the arithmetic after the loads is the same as for a cache in q's dtype."""
 
 from __future__ import annotations
 
@@ -76,8 +79,9 @@ def _attend_chunk(q, KC, VC, bt_row, kvh, pos, lo, hi, scale_log2, stride_kb, st
         in_kv = idx < hi
         page = tl.load(bt_row + idx // PAGE, mask=in_kv, other=0).to(tl.int64)
         off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
-        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
-        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
+        # an FP8 cache's values convert exactly (a no-op for a cache in q's dtype)
+        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0).to(q.dtype)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0).to(q.dtype)
         scores = mma(q, tl.trans(k), tl.zeros((M_ROWS, BLOCK_N), tl.float32), DOT) * scale_log2
         visible = (idx[None, :] <= pos[:, None]) & in_kv[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -126,13 +130,13 @@ def _fa_block(q, KC, VC, bt_row, kvh, pos, n0, kv_end, m_i, l_i, acc, scale_log2
         in_kv = idx < kv_end
         page = tl.load(bt_row + idx // PAGE, mask=in_kv, other=0).to(tl.int64)
         off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
-        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
-        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0)
+        k = tl.load(KC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0).to(q.dtype)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=in_kv[:, None], other=0.0).to(q.dtype)
     else:
         page = tl.load(bt_row + idx // PAGE).to(tl.int64)
         off = page * stride_kb + (idx % PAGE) * stride_ko + kvh * stride_kh
-        k = tl.load(KC + off[:, None] + d[None, :])
-        v = tl.load(VC + off[:, None] + d[None, :])
+        k = tl.load(KC + off[:, None] + d[None, :]).to(q.dtype)  # FP8 caches: exact (see _attend_chunk)
+        v = tl.load(VC + off[:, None] + d[None, :]).to(q.dtype)
     qk = mma(q, tl.trans(k), tl.zeros((M_ROWS, BLOCK_N), tl.float32), DOT)
     if MASK:  # a visible key's value passes unchanged: masked and unmasked blocks run the same operations
         qk = tl.where((idx[None, :] <= pos[:, None]) & in_kv[None, :], qk, float("-inf"))

@@ -13,7 +13,7 @@ Arithmetic (every operation below is in float32 and rounds to nearest even):
   ``div.full.f32`` on the GPU, which no CPU reference reproduces; vLLM's per-token-group
   quantizer uses ``/``, so its xq/xs can differ from ours in the last place). The rounding to e4m3
   (ties to even, sign kept, subnormals down to 2**-9) is done in float32 arithmetic
-  (``_round_e4m3``), so the cast to float8 that follows is exact: Triton's CPU interpreter casts
+  (``e4m3.round_e4m3``), so the cast to float8 that follows is exact: Triton's CPU interpreter casts
   float32 to float8 wrongly (no ties-to-even, no carry into the exponent: -124 becomes -64);
   with the rounding done first the interpreter runs the GPU's code and gets the GPU's bits.
 - GEMM, element (m, n): for each K block kb of 128 in ascending order,
@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
+from bi_core.kernels.e4m3 import round_e4m3
 from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -117,20 +118,6 @@ _FP8_EPS = tl.constexpr(FP8_EPS)
 
 
 @triton.jit
-def _round_e4m3(v):
-    """``v`` (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, sign
-    kept (-0.0 stays -0.0), as a float32 holding that value exactly. Adding and subtracting
-    1.5 * 2**(e + 20) (e: v's binade, floored at e4m3's smallest normal 2**-6) leaves a float32
-    whose last place is e4m3's step 2**(e - 3) there, so float32's own rounding is e4m3's."""
-    bits = v.to(tl.uint32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    e = tl.maximum((mag >> 23).to(tl.int32) - 127, -6)
-    magic = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2**(e + 20)
-    r = (mag.to(tl.float32, bitcast=True) + magic) - magic
-    return (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _quant_group(x):
     """One group of 128 columns per row: ``x [R, 128]`` float32 (columns past K are 0) ->
     (values: float32 holding e4m3 values, scale [R]). The one copy of this arithmetic: the
@@ -138,7 +125,7 @@ def _quant_group(x):
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, _FP8_EPS), _FP8_MAX)
     q = tl.math.div_rn(x, scale[:, None])
-    q = _round_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
+    q = round_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
     return q, scale
 
 

@@ -17,11 +17,12 @@ projection the same GEMM arithmetic, rounded to x's dtype; the token's k rows co
 Invariance: routing is moe.py's (``align``: the pairs sorted by expert, each expert's run padded
 to the routing block of 16..128 rows, chosen from the pair count); a pair's row is its own dot
 products in the same K order wherever it lands, whatever the routing block, the tile or the
-expert's row count. Tiles are max(64, routing block) rows, or (per pair) 16 rows with the dots
-swapped, 64 or 128 weight rows as the wgmma's M side, so every batch size runs the in-block dots
-on fp8 wgmma (fp8.py says why an unswapped tile below 64 rows would not). Tested bitwise under the
-interpreter with a K-ordered dot (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert
-shapes; only the per-pair tiles were swept (benchmarks sections 20 and 32).
+expert's row count. Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per
+pair, and sorted with routing blocks of 16), 64 or 128 weight rows as the wgmma's M side, so
+every batch size runs the in-block dots on fp8 wgmma (fp8.py says why an unswapped tile below 64
+rows would not). Tested bitwise under the interpreter with a K-ordered dot
+(tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert shapes; the per-pair tiles were
+swept (benchmarks sections 20, 32 and 33).
 
 API: ``fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits=None)``
 -> ``[T, H]`` in x's dtype (moe.fused_moe's arguments, plus the scales); ``fp8_grouped_gemm`` for

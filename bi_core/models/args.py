@@ -40,6 +40,7 @@ class ModelArgs:
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     quantization: Fp8Scheme | None = None  # FP8 projections (bi_core.quant.scheme); None: all in the model dtype
+    kv_cache_dtype: str = "auto"  # the attention layers' KV cache: auto (the model dtype) | fp8_e4m3 (cache.kv_cache_dtype)
 
     @property
     def is_moe(self) -> bool:

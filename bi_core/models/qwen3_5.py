@@ -145,7 +145,8 @@ class Attention(nn.Module):
         self.k_norm = _param(d, dtype=dtype, device=device)
         hq, hkv = hq // tp.world, max(1, hkv // tp.world)  # this rank's heads (KV heads replicated past Hkv ranks)
         spec = AttentionSpec(**factory.base, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
-                             rotary_dim=args.rotary_dim, rope_theta=args.rope_theta, norm_eps=args.rms_norm_eps)
+                             rotary_dim=args.rotary_dim, rope_theta=args.rope_theta, norm_eps=args.rms_norm_eps,
+                             kv_cache_dtype=args.kv_cache_dtype)
         self.attn = factory.build("attention", spec)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:

@@ -12,6 +12,23 @@ import torch
 from bi_core.ops.base import OpBuilder, OpSpec
 from bi_core.ops.context import ForwardContext
 
+# cache.kv_cache_dtype -> the KV cache's element type (None: the model dtype). FP8 (e4m3): each key
+# and value element stored as float8_e4m3fn at a fixed scale of 1: clamped to +-448, rounded to the
+# nearest e4m3 value (ties to even), read back exactly (e4m3 values are bf16 values). A fixed scale
+# depends on no batch, so an FP8 cache keeps every guarantee of invariant mode; it is vLLM's
+# scale when a checkpoint brings no calibrated k/v scales (none of the official Qwen3.5 ones does).
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+KV_FP8_MAX = 448.0
+
+
+def kv_cache_dtype_name(value: str) -> str:
+    """The config's value in its one spelling (``fp8`` is ``fp8_e4m3``, as in vLLM)."""
+    return "fp8_e4m3" if value == "fp8" else value
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return KV_CACHE_DTYPES[name] or model_dtype
+
 
 @attrs.frozen(kw_only=True)
 class AttentionSpec(OpSpec):
@@ -22,6 +39,7 @@ class AttentionSpec(OpSpec):
     rotary_dim: int  # NeoX RoPE on the first rotary_dim dims of q and k
     rope_theta: float
     norm_eps: float  # q_norm / k_norm
+    kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES: the caches the impl reads and writes
 
 
 class AttentionImpl(Protocol):
@@ -38,7 +56,7 @@ class AttentionImpl(Protocol):
         qkv: torch.Tensor,  # [T, 2*Hq*D + 2*Hkv*D]: per head [query | gate], then keys, then values
         q_norm: torch.Tensor,  # [D] zero-centred RMSNorm weights (scale - 1)
         k_norm: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], kv_cache_torch_dtype(spec's, dtype)
         v_cache: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, Hq*D]: attention output times sigmoid(gate)

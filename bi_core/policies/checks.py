@@ -66,12 +66,9 @@ def check_config(config: EngineConfig, policy: Policy, registry: Registry, devic
             raise ConfigError(f"strategy.{key}", f"only for speculative strategies, not {strategy.name!r}")
     if strategy.draft_vocab is not None and strategy.draft_vocab_size is None:
         raise ConfigError("strategy.draft_vocab", "set strategy.draft_vocab_size too (how many of its ids to use)")
-    if config.cache.kv_cache_dtype != "auto":
-        if policy.batch_invariant:
-            raise PolicyError("cache.kv_cache_dtype: a quantized KV cache is refused in batch-invariant mode "
-                              "(scales computed over a batch would couple requests)")
-        raise ConfigError("cache.kv_cache_dtype", "fp8 KV cache is not implemented yet; use auto")
-    # like the fp8 KV cache: refused for good in invariant mode, not implemented (so refused, never ignored) in default
+    # cache.kv_cache_dtype fp8: the attention builders say whether they serve it (AttentionSpec's
+    # kv_cache_dtype); its scale is fixed (1), never computed from a batch, so invariant mode takes it
+    # refused for good in invariant mode, not implemented (so refused, never ignored) in default
     if config.policy.expert_parallel_size > 1:
         if policy.batch_invariant:
             raise PolicyError("policy.expert_parallel_size: batch-invariant mode needs 1 (expert parallelism "

@@ -14,6 +14,7 @@ from bi_core.models.loader import CheckpointIndex, load_weights, read_config
 from bi_core.models.presets import preset_args
 from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_args
 from bi_core.models.random_init import init_random_weights
+from bi_core.ops.attention import kv_cache_dtype_name
 from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.parallel.lockstep import rank_device
 from bi_core.parallel.shard import TPInfo
@@ -31,10 +32,11 @@ from bi_core.selector import OpFactory
 
 def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | None]:
     quantization = config.model.quantization
+    kv = {"kv_cache_dtype": kv_cache_dtype_name(config.cache.kv_cache_dtype)}
     if config.model.random is not None:
         r = config.model.random
-        return preset_args(r.preset, r.num_hidden_layers, quantization), None
-    return (ModelArgs.from_hf_config(read_config(config.model.path), quantization),
+        return attrs.evolve(preset_args(r.preset, r.num_hidden_layers, quantization), **kv), None
+    return (attrs.evolve(ModelArgs.from_hf_config(read_config(config.model.path), quantization), **kv),
             CheckpointIndex(config.model.path))
 
 

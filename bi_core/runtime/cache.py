@@ -9,6 +9,7 @@ import torch
 from bi_core.config import CacheConfig
 from bi_core.errors import ConfigError
 from bi_core.models.args import ModelArgs
+from bi_core.ops.attention import kv_cache_dtype_name, kv_cache_torch_dtype
 from bi_core.ops.context import ModelCaches
 from bi_core.runtime import gc_heap
 
@@ -86,7 +87,8 @@ class CacheManager:
         self.block_size = config.block_size
         self.device = device
         num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
-        page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * dtype.itemsize * num_attn
+        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype_name(config.kv_cache_dtype), dtype)
+        page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * kv_dtype.itemsize * num_attn
         state_dtype = getattr(torch, config.ssm_state_dtype)
         num_gdn = len(args.gdn_layers)
         per_slot = num_gdn * (args.conv_dim * (args.linear_conv_kernel_dim - 1) * dtype.itemsize +
@@ -110,7 +112,7 @@ class CacheManager:
         kv_shape = (self.num_blocks + 1, self.block_size, args.num_key_value_heads, args.head_dim)
         # zeroed: reads past a sequence's written keys (a padded prompt piece's padding rows, masked
         # key blocks) see finite values, never NaN garbage (0 * NaN would reach a real row)
-        kv = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(2 * num_attn)]
+        kv = [torch.zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(2 * num_attn)]
         conv = [torch.zeros(num_states, args.conv_dim, args.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 for _ in range(num_gdn)]
         # the state is stored transposed, [Hv, Dv, Dk] (Dk contiguous): the recurrent kernel's
@@ -180,6 +182,7 @@ class CacheManager:
         s, d = self._index(src), self._index(dst)
         for caches in filter(None, (self.main, self.mtp)):
             for t in (*caches.k, *caches.v):
+                t = t.view(torch.uint8) if t.element_size() == 1 else t  # FP8 pages: the same bytes
                 t[d] = t[s]
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:

@@ -87,6 +87,22 @@ def test_invariant_engine_bitwise_and_default_is_not(graphs):
                for n in (17, 63))
 
 
+def test_fp8_kv_cache_invariant_engine_bitwise():
+    """``cache.kv_cache_dtype: fp8`` (e4m3 at scale 1) on the invariant engine, 35B-A3B shape,
+    graphs on: a 1,500-token needle gives the same tokens and logprobs alone and in batches of
+    3..63; the cache is FP8 and its rounding shows (the bf16 cache's logprobs differ)."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=3, ignore_eos=True, logprobs=0)
+    needle = torch.randint(0, 248320, (1500,), generator=torch.Generator().manual_seed(9)).tolist()
+    cfg = gpu_config("cuda_hopper_invariant", "qwen3.5-35b-a3b", layers=4, graphs=True, invariant=True)
+    fp8 = build_engine(cfg.replace(cache={"kv_cache_dtype": "fp8"}))
+    assert fp8.runner.cache.main.k[0].dtype == torch.float8_e4m3fn
+    alone = invariance_run(fp8, needle, [], params)
+    for n in (3, 17, 63):
+        assert invariance_run(cfg.replace(cache={"kv_cache_dtype": "fp8"}), needle, prompts(n, seed=n, vocab=248320),
+                              params) == alone
+    assert invariance_run(cfg, needle, [], params)[1] != alone[1]
+
+
 def test_graph_replay_equals_eager_invariant():
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     ps = prompts(13, seed=4, vocab=248320)

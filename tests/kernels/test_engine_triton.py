@@ -64,12 +64,13 @@ class TritonAnywhere:
             DecodeKernelGdnBuilder(), RerunGraphRunnerBuilder())))
 
 
-def config(device, backend, strategy="ar", preset="tiny-moe"):
+def config(device, backend, strategy="ar", preset="tiny-moe", kv="auto"):
     strat = {"name": "mtp", "num_speculative_tokens": 2} if strategy == "mtp" else {"name": "ar"}
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": preset, "seed": 3}, "device": device.type, "max_model_len": 128},
         backend=backend, graph={"enabled": backend != "reference"}, strategy=strat,
-        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32}))
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32},
+        cache={"kv_cache_dtype": kv}))
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
@@ -99,17 +100,19 @@ def test_triton_engine_with_padded_graph_steps(device, preset):
         torch.testing.assert_close(torch.tensor(m.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-5, rtol=1e-5)
 
 
-def needle_config(device, chunk: int):
+def needle_config(device, chunk: int, kv: str = "auto"):
     """tiny-moe cut to 2 layers (a GDN layer and an attention layer, MoE in both), float32."""
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": "tiny-moe", "seed": 5, "num_hidden_layers": 2}, "device": device.type,
                "max_model_len": 128},
         backend="triton_anywhere", graph={"enabled": True}, strategy={"name": "ar"},
-        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": chunk}))
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": chunk},
+        cache={"kv_cache_dtype": kv}))
 
 
 @pytest.mark.usefixtures("ordered_dot")
-def test_needle_alone_and_in_a_batch_bitwise(device):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_needle_alone_and_in_a_batch_bitwise(device, kv):
     """G1 on the Triton backend: a needle prompt (20 tokens, seeded sampling at temperature 0.8)
     alone, and at a random place among greedy prompts of 9, 41 and 4 tokens (the needle's prefill
     shares a step with another prompt's second chunk and two decode rows; its decode steps run
@@ -127,16 +130,17 @@ def test_needle_alone_and_in_a_batch_bitwise(device):
     2 of 4 logprobs moved by an ulp), the library's choice, not something a test can count on.
     The model runs in float32 (a bf16 model's logprobs would hide most differences) with
     ``ordered_dot`` (conftest.py), without which numpy's dot makes a row's bits follow its place
-    in a tile (this test then fails at the first logprob)."""
+    in a tile (this test then fails at the first logprob). With an FP8 KV cache (``kv`` fp8, e4m3
+    at scale 1) too."""
     gen = torch.Generator().manual_seed(11)
     needle, *others = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (20, 9, 41, 4)]
     at = random.Random(11).randrange(len(others) + 1)
     hot = SamplingParams(max_new_tokens=3, temperature=0.8, seed=1234, ignore_eos=True, logprobs=1)
     greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=1) for n in (2, 4, 3)]
     registry = load_registry(extra_plugins=(TritonAnywhere(),))
-    alone_eng = build_engine(needle_config(device, 32), registry)
+    alone_eng = build_engine(needle_config(device, 32, kv), registry)
     (alone,) = alone_eng.generate([needle], [hot])
-    batch_eng = build_engine(needle_config(device, 32), registry)
+    batch_eng = build_engine(needle_config(device, 32, kv), registry)
     batch = batch_eng.generate(others[:at] + [needle] + others[at:], greedy[:at] + [hot] + greedy[at:])
     assert alone_eng.runner.main_graphs.num_replays[1] > 0 and batch_eng.runner.main_graphs.num_replays[1] > 0  # graph steps ran
     assert batch[at].token_ids == alone.token_ids, at
@@ -145,7 +149,7 @@ def test_needle_alone_and_in_a_batch_bitwise(device):
 
     def first_logits(prompts: list[list[int]], params: list[SamplingParams], chunk: int = 32) -> torch.Tensor:
         """The needle's last prompt row, all its logits (the quantity both checks below compare)."""
-        eng, seen = build_engine(needle_config(device, chunk), registry), []
+        eng, seen = build_engine(needle_config(device, chunk, kv), registry), []
         eng.runner.on_logits = lambda seqs, logits: seen.extend(
             logits[i].clone() for i, q in enumerate(seqs) if q.prompt_ids == needle and not q.output_ids)
         eng.generate(prompts, params)
@@ -153,6 +157,24 @@ def test_needle_alone_and_in_a_batch_bitwise(device):
     alone_row = first_logits([needle], [hot])
     assert torch.equal(first_logits(others[:at] + [needle] + others[at:], greedy[:at] + [hot] + greedy[at:]), alone_row)
     assert not torch.equal(first_logits([needle], [hot], chunk=16), alone_row)
+
+
+def test_fp8_kv_cache_engine_matches_the_reference(device):
+    """The Triton kernels over an FP8 KV cache (prompt chunks, decode steps in padded graph
+    buckets) against the reference backend over one: the same tokens, logprobs within 1e-4 (both
+    read the cache's exact e4m3 values); and not the float32 cache's logprobs."""
+    registry = load_registry(extra_plugins=(TritonAnywhere(),))
+    ps = [[(7 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 33, 4))]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
+    ref = build_engine(config(device, "reference", kv="fp8")).generate(ps, params)
+    eng = build_engine(config(device, "triton_anywhere", kv="fp8"), registry)
+    assert eng.runner.cache.main.k[0].dtype == torch.float8_e4m3fn
+    got = eng.generate(ps, params)
+    full = build_engine(config(device, "reference")).generate(ps, params)
+    for r, a, f in zip(ref, got, full):
+        assert a.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(r.token_logprobs), atol=1e-4, rtol=0)
+        assert a.token_logprobs != f.token_logprobs
 
 
 @pytest.mark.usefixtures("ordered_dot")  # numpy's dot would round a row by its place in a tile

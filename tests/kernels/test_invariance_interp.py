@@ -251,12 +251,12 @@ ATT_HQ, ATT_HKV, ATT_D, PAGE = 4, 2, 32, 16
 ATT_WIDTH = 2 * ATT_HQ * ATT_D + 2 * ATT_HKV * ATT_D  # [q | gate] per query head, then k, v
 
 
-def _attention_impl(device, dtype):
+def _attention_impl(device, dtype, kv="auto"):
     from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
     from bi_core.ops.attention import AttentionSpec
 
     spec = AttentionSpec(dtype=dtype, device=device, num_heads=ATT_HQ, num_kv_heads=ATT_HKV, head_dim=ATT_D,
-                         scale=ATT_D**-0.5, rotary_dim=8, rope_theta=1e4, norm_eps=1e-6)
+                         scale=ATT_D**-0.5, rotary_dim=8, rope_theta=1e4, norm_eps=1e-6, kv_cache_dtype=kv)
     norms = [(0.1 * torch.randn(ATT_D, device=device)).to(dtype) for _ in range(2)]
     return TritonPagedAttentionImpl(spec), norms
 
@@ -274,9 +274,12 @@ def _attend(impl, norms, seqs, splits=None):
     the plan derives from the batch and which must change no bit."""
     import attrs
 
+    from bi_core.backends.reference.attention import to_cache
+    from bi_core.ops.attention import kv_cache_torch_dtype
     from bi_core.runtime.batch import build_context
 
     device, dtype = norms[0].device, norms[0].dtype
+    kv_dtype = kv_cache_torch_dtype(impl.spec.kv_cache_dtype, dtype)
     blocks, nxt = [], 0
     for q, p, *_ in seqs:
         n = -(-(q + p) // PAGE)
@@ -284,11 +287,13 @@ def _attend(impl, norms, seqs, splits=None):
         nxt += n + 1
     _, ctx = build_context([[0] * s[0] for s in seqs], [s[1] for s in seqs], blocks, list(range(len(seqs))),
                            [s[2] for s in seqs], block_size=PAGE, device=device)
-    kc = torch.full((nxt, PAGE, ATT_HKV, ATT_D), float("nan"), device=device, dtype=dtype)
+    kc = torch.full((nxt, PAGE, ATT_HKV, ATT_D), float("nan"), device=device).to(kv_dtype)
     vc = kc.clone()
+    as_bytes = (lambda t: t.view(torch.uint8)) if kv_dtype.itemsize == 1 else (lambda t: t)  # FP8: index its bytes
     for (_, past, _, k, v, _), blk in zip(seqs, blocks):
         slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(past)], device=device, dtype=torch.long)
-        kc.view(-1, ATT_HKV, ATT_D)[slots], vc.view(-1, ATT_HKV, ATT_D)[slots] = k, v
+        for cache, x in ((kc, k), (vc, v)):
+            as_bytes(cache).view(-1, ATT_HKV, ATT_D)[slots] = as_bytes(to_cache(x, cache))
     if splits is not None:
         plan, key = impl.prepare(ctx), ("attn_plan", impl.tile_tokens)
         assert ctx.op_plans[key] is plan
@@ -297,19 +302,22 @@ def _attend(impl, norms, seqs, splits=None):
     return list(out.split([s[0] for s in seqs])), kc, vc, blocks
 
 
-def _needle_and_others(device, dtype):
+def _needle_and_others(device, dtype, kv="auto"):
     """A needle token at position 520 (three 256-key chunks) computed three ways on the same keys,
     and other sequences to batch it with: decode rows, a 3-token verify row, prefill chunks."""
-    impl, norms = _attention_impl(device, dtype)
+    impl, norms = _attention_impl(device, dtype, kv)
     verify = _att_seq(5, 516, True, device, dtype)
     return impl, norms, verify, [_att_seq(1, 40, True, device, dtype), _att_seq(3, 270, True, device, dtype),
                                  _att_seq(12, 0, False, device, dtype), _att_seq(5, 18, False, device, dtype)]
 
 
 def _written_kv(kc, vc, blk, n):
-    """The first ``n`` positions' keys and values of the sequence on pages ``blk``."""
+    """The first ``n`` positions' keys and values of the sequence on pages ``blk`` (an FP8 cache's
+    as float32: exact)."""
     slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(n)], device=kc.device)
-    return kc.view(-1, ATT_HKV, ATT_D)[slots], vc.view(-1, ATT_HKV, ATT_D)[slots]
+    read = (lambda t: t.view(torch.uint8).view(-1, ATT_HKV, ATT_D)[slots].view(t.dtype).float()) \
+        if kc.element_size() == 1 else (lambda t: t.view(-1, ATT_HKV, ATT_D)[slots])
+    return read(kc), read(vc)
 
 
 def _needle_alone(impl, norms, verify):
@@ -334,19 +342,20 @@ def _check_batched_and_permuted(impl, norms, seq, alone, others, seed, splits):
     assert all(torch.equal(permuted[j], rows[i]) for j, i in enumerate(order))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_rows_invariant_across_batches_and_forms(device, dtype, seed):
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3")])
+def test_attention_rows_invariant_across_batches_and_forms(device, dtype, kv, seed):
     """The gated paged attention (q/k norm, RoPE, KV write, fixed 256-key KV chunks, output gate):
     a decode row at position 520 gives the same bits alone (the plan's programs per KV head), as
     the last row of a 5-token verify row (decode form, 8 query tokens a program), and at a random
     place in a batch with decode rows at other lengths, a verify row and prompt chunks (3
     programs per KV head, a chunk each); the batch permuted gives every sequence its bits with 2
     programs per KV head (one folds two chunks in series). The plan derives its program count
-    from the batch; overriding it keeps the interpreter quick, and any count must give the same bits."""
+    from the batch; overriding it keeps the interpreter quick, and any count must give the same bits.
+    With an FP8 cache (e4m3 at scale 1) too."""
 
     from bi_core.kernels.attention import KV_SPLIT
 
-    impl, norms, verify, others = _needle_and_others(device, dtype)
+    impl, norms, verify, others = _needle_and_others(device, dtype, kv)
     needle, rows_v = _needle_alone(impl, norms, verify)
     (alone,), *_ = _attend(impl, norms, [needle])
     assert -(-521 // KV_SPLIT) == 3
@@ -366,6 +375,37 @@ def test_attention_negative_control(device, monkeypatch):
     monkeypatch.setattr(attention, "KV_SPLIT", 128)
     rows, *_ = _attend(impl, norms, [needle] + others, splits=2)
     assert not torch.equal(rows[0], alone)
+
+
+def test_fp8_kv_cache_written_and_read_as_the_reference(device):
+    """An FP8 KV cache (``cache.kv_cache_dtype: fp8``, e4m3 at scale 1): the fused kernel writes
+    each key and value as the reference rounds it (clamped to +-448, nearest e4m3, ties to even;
+    some values here are past 448), bitwise; decode, verify and prompt rows over it match the
+    reference attention on the same cache (the reference reads the cache's exact values); and
+    the cache's format shows in the output (the same step over a float32 cache differs), so the
+    invariance tests' FP8 cases do run the FP8 path."""
+    from bi_core.backends.reference.attention import ReferenceAttentionImpl, to_cache
+    from bi_core.runtime.batch import build_context
+
+    dtype = torch.float32
+    impl, norms = _attention_impl(device, dtype, "fp8_e4m3")
+    plain, _ = _attention_impl(device, dtype)
+    seqs = [_att_seq(1, 300, True, device, dtype), _att_seq(3, 40, True, device, dtype),
+            _att_seq(20, 0, False, device, dtype)]
+    seqs[2][5][:, -ATT_HKV * ATT_D:] *= 300  # values past e4m3's 448 (clamped when written)
+    rows, kc, vc, blocks = _attend(impl, norms, seqs)
+    plain_rows, pkc, pvc, _ = _attend(plain, norms, seqs)
+    assert kc.dtype == torch.float8_e4m3fn and pkc.dtype == torch.float32
+    assert float(pvc.nan_to_num().abs().max()) > 448 and float(vc.float().nan_to_num().abs().max()) == 448
+    for (q, past, *_), blk in zip(seqs, blocks):
+        for got, want in zip(_written_kv(kc, vc, blk, q + past), _written_kv(pkc, pvc, blk, q + past)):
+            assert torch.equal(to_cache(got, kc).view(torch.uint8), to_cache(want, kc).view(torch.uint8))
+    _, ctx = build_context([[0] * s[0] for s in seqs], [s[1] for s in seqs], blocks, list(range(len(seqs))),
+                           [s[2] for s in seqs], block_size=PAGE, device=device)
+    want = ReferenceAttentionImpl(impl.spec).forward(torch.cat([s[5] for s in seqs]), *norms, kc.clone(), vc.clone(),
+                                                     ctx)
+    assert float((torch.cat(rows) - want).abs().max()) < 1e-4 * float(want.abs().max())
+    assert not any(torch.equal(a, b) for a, b in zip(rows, plain_rows))
 
 
 @pytest.mark.parametrize("run", [2, 8])
@@ -407,10 +447,10 @@ def test_long_rows_merge_in_runs_invariantly(device, monkeypatch, run):
     assert torch.equal(serial, alone) == (run == 8)
 
 
-def _prompt_case(device, dtype):
+def _prompt_case(device, dtype, kv="auto"):
     """A 150-token prompt written by one chunk from position 0, the keys it wrote, and other
     sequences to batch its later chunk with (decode rows, a verify row, another prompt chunk)."""
-    impl, norms = _attention_impl(device, dtype)
+    impl, norms = _attention_impl(device, dtype, kv)
     whole = _att_seq(150, 0, False, device, dtype)
     (rows,), kc, vc, (blk,) = _attend(impl, norms, [whole])
     others = [_att_seq(1, 300, True, device, dtype), _att_seq(3, 40, True, device, dtype),
@@ -418,15 +458,15 @@ def _prompt_case(device, dtype):
     return impl, norms, whole, rows, _written_kv(kc, vc, blk, 150), others
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prompt_rows_invariant_across_batches_and_chunkings(device, dtype, seed):
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3")])
+def test_prompt_rows_invariant_across_batches_and_chunkings(device, dtype, kv, seed):
     """Prompt rows (``_prefill_fa_kernel``: one online softmax over 64-key blocks from position 0,
     tiles of ``prefill_tile_tokens``): positions 83..149 of a prompt give the same bits computed
     in the one 150-token chunk (tiles from token 0), as a later chunk after 83 tokens (tiles from
     83: other tile mates, another unmasked/masked split), alone, and at a random place in a batch
-    with decode rows, a verify row and another prompt chunk, permuted too."""
+    with decode rows, a verify row and another prompt chunk, permuted too. With an FP8 cache too."""
 
-    impl, norms, whole, rows, (pk, pv), others = _prompt_case(device, dtype)
+    impl, norms, whole, rows, (pk, pv), others = _prompt_case(device, dtype, kv)
     later = (67, 83, False, pk[:83], pv[:83], whole[5][83:])
     (alone,), *_ = _attend(impl, norms, [later])
     assert torch.equal(alone, rows[83:])

@@ -80,12 +80,12 @@ def test_explain_counts_gpus_in_bf16_and_fp8():
     assert "H100 80GB: 4 GPUs" in bf16 and "H200 141GB: 2 GPUs" in bf16
     # strategy ar loads no MTP head: one H200 holds the FP8 weights and the GDN state of 64 sequences
     assert "H100 80GB: 2 GPUs" in fp8 and "H200 141GB: 1 GPU (115.2 GiB" in fp8
-    assert "KV cache 24.0 KiB per token" in text
+    assert "KV cache (bfloat16) 24.0 KiB per token" in text
     mtp = explain(EngineConfig.from_dict({"model": {"random": {"preset": "qwen3.5-122b-a10b"}, "device": "cuda"},
                                           "backend": "cuda_default", "strategy": {"name": "mtp"}}))
     fp8 = next(line for line in mtp.splitlines() if line.startswith("  fp8 (block 128x128):"))
     assert "H200 141GB: 1 GPU holds the weights (117.6 of 125.8 GiB usable) but not" in fp8  # the head's 2.4 GiB
-    assert "KV cache 26.0 KiB per token" in mtp  # and its attention layer's KV
+    assert "KV cache (bfloat16) 26.0 KiB per token" in mtp  # and its attention layer's KV
     # 95 % of an H200 and 16 sequences: one H200 holds the FP8 model with KV room
     roomy = explain(EngineConfig.from_dict({
         "model": {"random": {"preset": "qwen3.5-122b-a10b"}, "device": "cuda"}, "backend": "cuda_default",

@@ -65,13 +65,6 @@ def test_default_mode_refuses_ep_and_eplb_until_they_exist(policy, message):
         explain(EngineConfig.from_dict(tiny_config(policy=policy)))
 
 
-def test_invariance_refuses_quantized_kv():
-    with pytest.raises(PolicyError, match="cache.kv_cache_dtype: a quantized KV cache is refused"):
-        build(policy={"batch_invariant": True}, cache={"kv_cache_dtype": "fp8"})
-    with pytest.raises(ConfigError, match="cache.kv_cache_dtype: fp8 KV cache is not implemented yet"):
-        build(cache={"kv_cache_dtype": "fp8"})
-
-
 class _InvariantNorm(OpBuilder):
     op = "norm"
     is_batch_invariant = True

@@ -33,6 +33,9 @@ class DefaultAttentionBuilder(AttentionBuilder):
         reasons = cuda_reasons(spec, modules=("flashinfer",))
         if spec.head_dim not in (64, 128, 256):
             reasons.append(f"FlashInfer supports head_dim 64/128/256, not {spec.head_dim}")
+        if spec.kv_cache_dtype != "auto":
+            reasons.append(f"KV cache {spec.kv_cache_dtype}: FlashInfer's FP8 KV path is not wired here yet "
+                           "(policy.ops: {attention: cuda_hopper_invariant} serves it in default mode)")
         return reasons + rope_reasons(spec)
 
     def build(self, spec):

@@ -4,22 +4,37 @@ import torch
 
 from bi_core.backends.reference.common import check_dtype
 from bi_core.backends.reference.norm import rms_norm_1p
-from bi_core.ops.attention import AttentionBuilder, AttentionSpec
+from bi_core.ops.attention import KV_FP8_MAX, AttentionBuilder, AttentionSpec
 from bi_core.ops.context import ForwardContext
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as its bytes (indexing ops take those on every device), others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Keys or values as the cache stores them: FP8 at scale 1 is clamped to +-448 and rounded to
+    the nearest e4m3 value (torch's cast rounds to nearest even; ops/attention.py's format)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return x
+    return x.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Scatter this step's keys/values into their cache slots (page * block_size + offset)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        _bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(to_cache(x, cache)))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached rows of one sequence, ``[length, Hkv, D]``."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``length`` cached rows of one sequence, ``[length, Hkv, D]``, in ``dtype`` (FP8
+    values convert exactly)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    rows = _bytes(cache)[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    return rows.view(cache.dtype).to(dtype)
 
 
 class Rope:
@@ -75,8 +90,8 @@ class ReferenceAttentionImpl:
         for i in range(ctx.num_seqs):
             start, end = ctx.token_range(i)
             length, past = ctx.context_lens_host[i], ctx.past_len(i)
-            keys = gather_kv(k_cache, ctx.block_tables[i], length).repeat_interleave(self.group, dim=1)
-            values = gather_kv(v_cache, ctx.block_tables[i], length).repeat_interleave(self.group, dim=1)
+            keys = gather_kv(k_cache, ctx.block_tables[i], length, q.dtype).repeat_interleave(self.group, dim=1)
+            values = gather_kv(v_cache, ctx.block_tables[i], length, q.dtype).repeat_interleave(self.group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * s.scale
             q_pos = torch.arange(past, length, device=q.device)[:, None]
             k_pos = torch.arange(length, device=q.device)[None, :]
