@@ -44,9 +44,11 @@ def _kv_value(x, KV_FP8: tl.constexpr):
     """A key or value as its cache stores it: as is, or (FP8 cache, scale 1) clamped to +-448 and
     rounded to the nearest e4m3 value in float32 arithmetic (``e4m3.round_e4m3``: the cast that
     follows is exact, on the GPU and under the interpreter alike)."""
-    if KV_FP8:
-        return round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -_KV_FP8_MAX), _KV_FP8_MAX))
-    return x
+    if KV_FP8:  # a constexpr branch each way, one return: the two values' types differ (bf16 models)
+        y = round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -_KV_FP8_MAX), _KV_FP8_MAX))
+    else:
+        y = x
+    return y
 
 
 @triton.jit
