@@ -15,8 +15,8 @@ from bi_core.ops.context import ForwardContext
 # cache.kv_cache_dtype -> the KV cache's element type (None: the model dtype). FP8 (e4m3): each key
 # and value element stored as float8_e4m3fn at a fixed scale of 1: clamped to +-448, rounded to the
 # nearest e4m3 value (ties to even), read back exactly (e4m3 values are bf16 values). A fixed scale
-# depends on no batch, so an FP8 cache keeps every guarantee of invariant mode; it is vLLM's
-# scale when a checkpoint brings no calibrated k/v scales (none of the official Qwen3.5 ones does).
+# depends on no batch, so an FP8 cache stays batch-invariant; 1 is vLLM's scale when a checkpoint
+# brings no k/v scales (a checkpoint's own scales are not read yet: docs/notes.md).
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 KV_FP8_MAX = 448.0
 

@@ -68,7 +68,8 @@ def check_config(config: EngineConfig, policy: Policy, registry: Registry, devic
         raise ConfigError("strategy.draft_vocab", "set strategy.draft_vocab_size too (how many of its ids to use)")
     # cache.kv_cache_dtype fp8: the attention builders say whether they serve it (AttentionSpec's
     # kv_cache_dtype); its scale is fixed (1), never computed from a batch, so invariant mode takes it
-    # refused for good in invariant mode, not implemented (so refused, never ignored) in default
+
+    # expert parallelism: refused for good in invariant mode, not implemented (so refused, never ignored) in default
     if config.policy.expert_parallel_size > 1:
         if policy.batch_invariant:
             raise PolicyError("policy.expert_parallel_size: batch-invariant mode needs 1 (expert parallelism "
