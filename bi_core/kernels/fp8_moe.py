@@ -202,15 +202,11 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
 # pair: an expert's 16 rows against 64 (gate/up) or 128 (down) weight rows a tile, gate and up in
 # one K loop, instead of 64-row tiles that are three quarters padding. On an H200 (section 33):
 # 101 vs 121 us at 16 tokens, 189 vs 224 at 64, the same bits; 35B-A3B FP8 decode B=64 15.14 ->
-# 13.77 ms, B=8 5.93 -> 5.33 (before PAIR_TOKENS = 8).
-GROUPED_UP_SWAP = {**PAIR_UP, "BLOCK_M": SWAP_BLOCK_M}
-GROUPED_DOWN_SWAP = {**PAIR_DOWN, "BLOCK_M": SWAP_BLOCK_M}
-
-
+# 13.77 ms, B=8 5.93 -> 5.33 (before PAIR_TOKENS = 8): the per-pair kernels' tiles (PAIR_UP, PAIR_DOWN).
 def grouped_config(route_m: int, silu_mul: bool = True) -> dict:
     """Launch shape from the routing block (speed only: the K order is fixed by K)."""
     if route_m <= SWAP_BLOCK_M:
-        return dict(GROUPED_UP_SWAP if silu_mul else GROUPED_DOWN_SWAP)
+        return _pair_tile(PAIR_UP if silu_mul else PAIR_DOWN)
     block_m = max(64, route_m)
     return {"BLOCK_M": block_m, "BLOCK_N": 64 if route_m <= 32 else 128, "num_warps": 8 if block_m == 128 else 4,
             "num_stages": 3, "SWAP": False}
@@ -232,7 +228,7 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     out = torch.empty((routing.num_pairs, n), dtype=out_dtype, device=xq.device)
     if routing.num_pairs == 0:
         return out
-    cfg = {"SWAP": False, **grouped_config(routing.block_m, silu_mul), **(config or {})}
+    cfg = {**grouped_config(routing.block_m, silu_mul), **(config or {})}
     assert cfg["BLOCK_M"] >= routing.block_m, f"BLOCK_M {cfg['BLOCK_M']} < the routing block {routing.block_m}"
     check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SWAP"])
     grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))

@@ -12,7 +12,7 @@ import torch
 
 from bi_core.errors import BiEngineError
 from bi_core.models.args import ModelArgs
-from bi_core.ops.attention import kv_cache_dtype_name, kv_cache_torch_dtype
+from bi_core.ops.attention import kv_cache_torch_dtype
 from bi_core.parallel.shard import TPInfo
 from bi_core.quant.scheme import Fp8Scheme
 
@@ -43,7 +43,7 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, world: int, with_mtp: bool
 
 def state_bytes(args: ModelArgs, config, dtype: torch.dtype, world: int, with_mtp: bool) -> tuple[int, int]:
     """(KV-cache bytes per token, GDN state bytes per sequence) on one of ``world`` ranks."""
-    kv_item = kv_cache_torch_dtype(kv_cache_dtype_name(config.cache.kv_cache_dtype), dtype).itemsize
+    kv_item = kv_cache_torch_dtype(args.kv_cache_dtype, dtype).itemsize
     attn_layers = len(args.full_attention_layers) + (1 if with_mtp else 0)
     kv = attn_layers * 2 * max(1, args.num_key_value_heads // world) * args.head_dim * kv_item
     ssm_item = 4 if config.cache.ssm_state_dtype == "float32" else 2
@@ -99,7 +99,7 @@ def summary(config, args: ModelArgs, with_mtp: bool, ring: int = 1) -> str:
         fits = "; ".join(f"{name}: {_fit(a, config, dtype, with_mtp, memory * util, ring)}" for name, memory in _gpus())
         lines.append(f"  {label}: {total / GiB:.1f} GiB of weights; {fits}")
     kv, gdn = state_bytes(args, config, dtype, 1, with_mtp)
-    kv_name = kv_cache_torch_dtype(kv_cache_dtype_name(config.cache.kv_cache_dtype), dtype)
-    lines.append(f"  KV cache ({str(kv_name).removeprefix('torch.')}) {kv / 1024:.1f} KiB per token and GDN state {gdn / 2**20:.1f} MiB per sequence on one GPU "
+    kv_dtype = str(kv_cache_torch_dtype(args.kv_cache_dtype, dtype)).removeprefix("torch.")
+    lines.append(f"  KV cache ({kv_dtype}) {kv / 1024:.1f} KiB per token and GDN state {gdn / 2**20:.1f} MiB per sequence on one GPU "
                  "(fewer per GPU when split); activations and CUDA graphs need more")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import torch
 from bi_core.config import CacheConfig
 from bi_core.errors import ConfigError
 from bi_core.models.args import ModelArgs
-from bi_core.ops.attention import kv_cache_dtype_name, kv_cache_torch_dtype
+from bi_core.ops.attention import kv_cache_torch_dtype
 from bi_core.ops.context import ModelCaches
 from bi_core.runtime import gc_heap
 
@@ -87,7 +87,7 @@ class CacheManager:
         self.block_size = config.block_size
         self.device = device
         num_attn = len(args.full_attention_layers) + (1 if with_mtp else 0)
-        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype_name(config.kv_cache_dtype), dtype)
+        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)  # as the attention specs have it
         page_bytes = 2 * self.block_size * args.num_key_value_heads * args.head_dim * kv_dtype.itemsize * num_attn
         state_dtype = getattr(torch, config.ssm_state_dtype)
         num_gdn = len(args.gdn_layers)

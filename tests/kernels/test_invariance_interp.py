@@ -274,7 +274,7 @@ def _attend(impl, norms, seqs, splits=None):
     the plan derives from the batch and which must change no bit."""
     import attrs
 
-    from bi_core.backends.reference.attention import to_cache
+    from bi_core.backends.reference.attention import _bytes, to_cache
     from bi_core.ops.attention import kv_cache_torch_dtype
     from bi_core.runtime.batch import build_context
 
@@ -289,11 +289,10 @@ def _attend(impl, norms, seqs, splits=None):
                            [s[2] for s in seqs], block_size=PAGE, device=device)
     kc = torch.full((nxt, PAGE, ATT_HKV, ATT_D), float("nan"), device=device).to(kv_dtype)
     vc = kc.clone()
-    as_bytes = (lambda t: t.view(torch.uint8)) if kv_dtype.itemsize == 1 else (lambda t: t)  # FP8: index its bytes
     for (_, past, _, k, v, _), blk in zip(seqs, blocks):
         slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(past)], device=device, dtype=torch.long)
-        for cache, x in ((kc, k), (vc, v)):
-            as_bytes(cache).view(-1, ATT_HKV, ATT_D)[slots] = as_bytes(to_cache(x, cache))
+        for cache, x in ((kc, k), (vc, v)):  # an FP8 cache indexed as its bytes
+            _bytes(cache).view(-1, ATT_HKV, ATT_D)[slots] = _bytes(to_cache(x, cache))
     if splits is not None:
         plan, key = impl.prepare(ctx), ("attn_plan", impl.tile_tokens)
         assert ctx.op_plans[key] is plan
@@ -314,10 +313,11 @@ def _needle_and_others(device, dtype, kv="auto"):
 def _written_kv(kc, vc, blk, n):
     """The first ``n`` positions' keys and values of the sequence on pages ``blk`` (an FP8 cache's
     as float32: exact)."""
+    from bi_core.backends.reference.attention import _bytes
+
     slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(n)], device=kc.device)
-    read = (lambda t: t.view(torch.uint8).view(-1, ATT_HKV, ATT_D)[slots].view(t.dtype).float()) \
-        if kc.element_size() == 1 else (lambda t: t.view(-1, ATT_HKV, ATT_D)[slots])
-    return read(kc), read(vc)
+    read = lambda t: _bytes(t).view(-1, ATT_HKV, ATT_D)[slots].view(t.dtype)
+    return tuple(x.float() if x.element_size() == 1 else x for x in (read(kc), read(vc)))
 
 
 def _needle_alone(impl, norms, verify):

@@ -79,6 +79,6 @@ def test_sizing_counts_one_byte_per_element():
 
     configs = [EngineConfig.from_dict(tiny_config(cache={"kv_cache_dtype": kv}, model={"dtype": "bfloat16"}))
                for kv in ("auto", "fp8")]
-    args, _ = resolve_model(configs[0])
-    (kv_full, gdn_full), (kv_fp8, gdn_fp8) = (state_bytes(args, c, torch.bfloat16, 1, False) for c in configs)
+    (kv_full, gdn_full), (kv_fp8, gdn_fp8) = (state_bytes(resolve_model(c)[0], c, torch.bfloat16, 1, False)
+                                              for c in configs)
     assert kv_fp8 * 2 == kv_full and gdn_fp8 == gdn_full
