@@ -44,6 +44,19 @@ def kernel_times(fn, reps: int = 20) -> dict[str, float]:
     return out
 
 
+def timed_and_repeated(run, out: torch.Tensor) -> tuple[dict[str, float], int]:
+    """``run``'s kernel times, then REPEATS more calls, each call's ``out`` compared with the one
+    before: (times, elements differing; a race between the kernels would show there). Each repeat
+    gets a fresh workspace from the allocator, as the engine's steps do."""
+    times = kernel_times(run)
+    differing = 0
+    for _ in range(REPEATS):
+        last = out.clone()
+        run()
+        differing += int((out != last).sum())
+    return times, differing
+
+
 def shipped_splits(batch: int, context: int) -> int:
     """Split programs per (sequence, KV head) as the backend plans them (equal contexts)."""
     from bi_core.backends.cuda_common.attention import CHUNKS_PER_PROGRAM, PROGRAMS_WANTED
@@ -67,12 +80,7 @@ def sched_case(v: dict, batch, context, q, kc, vc, gate, bt, ctx, cu, dec, chunk
         def run():
             attn.decode_attention(q, kc, vc, gate, out, bt, ctx, cu, dec, D**-0.5, 1, splits, chunks)
 
-        times = kernel_times(run)
-        differing = 0
-        for _ in range(REPEATS):
-            last = out.clone()
-            run()
-            differing += int((out != last).sum())
+        times, differing = timed_and_repeated(run, out)
         return {"batch": batch, "context": context, "sched": v, "splits": splits,
                 "split_us": sum(t for k, t in times.items() if "split" in k),
                 "run_merge_us": sum(t for k, t in times.items() if "merge_runs" in k),
@@ -113,7 +121,8 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
         def run(out=out, splits=splits):
             attn.decode_attention(q, kc, vc, gate, out, bt, ctx, cu, dec, D**-0.5, 1, splits, chunks)
 
-        times = kernel_times(run)
+        # every call must give the first call's bits (a race would not show in one comparison)
+        times, differing = timed_and_repeated(run, out)
         split_us = sum(v for k, v in times.items() if "split" in k)
         merge_us = sum(v for k, v in times.items() if "merge" in k)
         same = None
@@ -121,13 +130,6 @@ def case(batch: int, context: int, variants, flashinfer) -> list[dict]:
             ref = out.clone()
         else:
             same = torch.equal(out, ref)
-        # every call must give the first call's bits (a race would not show in one comparison);
-        # each repeat gets a fresh workspace from the allocator, as the engine's steps do
-        differing = 0
-        for _ in range(REPEATS):
-            last = out.clone()
-            run()
-            differing += int((out != last).sum())
         rows.append({"batch": batch, "context": context, "splits": splits, "merge_stages": stages,
                      "split_warps": warps, "split_stages": split_stages, "merge_warps": attn.MERGE_WARPS,
                      "split_us": split_us, "merge_us": merge_us, "total_us": split_us + merge_us,

@@ -1,11 +1,12 @@
 """FP8 against bf16 on the same weights (issue 25's accuracy report): a random preset drawn once
-per engine from the same seed, the FP8 engine quantizing it block-wise on load
-(``model.quantization: fp8``). The bf16 engine writes greedy continuations; the FP8 engine
-scores them exactly (mean and max |logprob difference| per token), then writes its own greedy
-continuations (how many positions agree, and how long the common prefix runs).
+per engine from the same seed. The bf16 engine (bf16 weights, bf16 KV cache) writes greedy
+continuations; the FP8 engine scores them exactly (mean and max |logprob difference| per token),
+then writes its own greedy continuations (how many positions agree, and how long the common
+prefix runs). ``--fp8`` says what the FP8 engine quantizes: ``weights`` (block-wise on load,
+``model.quantization: fp8``), ``kv`` (the KV cache, ``cache.kv_cache_dtype: fp8``) or ``both``.
 
-  python3 benchmarks/fp8_accuracy.py CONFIG [--num-layers N] [--prompts 32] [--prompt-len 256]
-      [--new-tokens 128]
+  python3 benchmarks/fp8_accuracy.py CONFIG [--fp8 weights|kv|both] [--num-layers N] [--prompts 32]
+      [--prompt-len 256] [--new-tokens 128]
 
 CONFIG: a bf16 config (``model.quantization`` unset); one engine is built at a time."""
 
@@ -38,10 +39,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--fp8", choices=("weights", "kv", "both"), default="weights")
     args = ap.parse_args()
     cfg = EngineConfig.from_yaml(args.config)
-    if cfg.model.quantization not in (None, "none"):
-        raise SystemExit(f"{args.config}: model.quantization is {cfg.model.quantization!r}; give the bf16 config")
+    if cfg.model.quantization not in (None, "none") or cfg.cache.kv_cache_dtype != "auto":
+        raise SystemExit(f"{args.config}: model.quantization is {cfg.model.quantization!r}, cache.kv_cache_dtype "
+                         f"{cfg.cache.kv_cache_dtype!r}; give the bf16 config")
     if args.num_layers:
         cfg = cfg.replace(model={"random": attrs.evolve(cfg.model.random, num_hidden_layers=args.num_layers)})
     greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -52,7 +55,9 @@ def main() -> None:
     prompts = [[rng.randrange(bf16.args.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     ref = bf16.generate(prompts, greedy)
     free(bf16)
-    fp8 = build_engine(cfg.replace(model={"quantization": "fp8"}))
+    fp8 = build_engine(cfg.replace(
+        **({} if args.fp8 == "kv" else {"model": {"quantization": "fp8"}}),
+        **({} if args.fp8 == "weights" else {"cache": {"kv_cache_dtype": "fp8"}})))
     scored = fp8.score(prompts, [o.token_ids for o in ref])
     own = fp8.generate(prompts, greedy)
     free(fp8)
@@ -63,7 +68,8 @@ def main() -> None:
                 for o, r in zip(own, ref)]
     total = sum(len(r.token_ids) for r in ref)
     label = cfg.model.random.preset if cfg.model.random else cfg.model.path
-    print(f"{label}, {bf16_layers(cfg)} layers, backend {cfg.backend}; {args.prompts} prompts x {args.prompt_len} "
+    print(f"{label}, {bf16_layers(cfg)} layers, backend {cfg.backend}, FP8 {args.fp8}; {args.prompts} prompts x "
+          f"{args.prompt_len} "
           f"tokens -> {args.new_tokens} greedy tokens ({time.perf_counter() - t0:.0f} s)")
     print(f"  FP8 scoring bf16's tokens: |logprob difference| mean {statistics.fmean(diffs):.4f}, "
           f"median {statistics.median(diffs):.4f}, max {max(diffs):.4f} over {len(diffs)} tokens")

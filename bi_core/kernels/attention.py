@@ -31,7 +31,13 @@ the decode kernel's fold over 32-key blocks, which prompt tiles used to run, too
 FlashInfer's time at long contexts; this kernel takes 0.95-1.11x (benchmarks section 17).
 
 An FP8 cache (ops/attention.py's ``KV_CACHE_DTYPES``: e4m3 at scale 1) is read as its exact
-values in q's dtype; the arithmetic after the loads is the same as for a cache in q's dtype."""
+values in q's dtype; the arithmetic after the loads is the same as for a cache in q's dtype.
+Except in the decode kernel of a bf16 model (``FP8_KV_F16``): there q is converted to float16 once
+per program and the cache's values to float16 (one ``cvt.rn.f16x2.e4m3x2`` per two values; to
+bf16 it takes four instructions, which made FP8 decode slower than bf16 at 131k tokens, benchmarks
+section 34), so both dots run in float16. Exact for the cache; q keeps its bits for |q| in
+[2^-17, 65504] (after the q norm |q| <= sqrt(D) * max|1 + w|: 16 * max|1 + w| at D = 256), and
+p in float16 carries more mantissa than in bf16. Fixed per row like everything else."""
 
 from __future__ import annotations
 
@@ -48,6 +54,9 @@ PREFILL_M_ROWS, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 3
 BLOCK_N = 32
 KV_SPLIT = 256  # tokens per KV chunk: fixed, part of every row's arithmetic
 LOG2E = 1.4426950408889634
+# decode rows of a bf16 model over an FP8 cache: the dots in float16 (module docstring); part of
+# such a row's arithmetic
+FP8_KV_F16 = True
 DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MMA tile of 16
 DECODE_WARPS, DECODE_STAGES = 2, 2
 PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
@@ -223,7 +232,8 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
                          stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, num_heads,
                          PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, M_ROWS: tl.constexpr,
                          BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, DECODE_TOKENS: tl.constexpr,
-                         BLOCK_B: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
+                         BLOCK_B: tl.constexpr, DOT: tl.constexpr, Q_F16: tl.constexpr, PDL: tl.constexpr,
+                         pdl_early):
     """Chunk partials of decode sequence DEC_SEQS[program_id(2)] at KV head program_id(0): chunks p,
     p + P, p + 2P, ... for p = program_id(1) of P. The KV head is the fastest axis (scheduling only):
     a token's KV heads, the parts of one row of the cache, are streamed by neighbouring programs
@@ -246,6 +256,8 @@ def _decode_split_kernel(Q, KC, VC, WS_ACC, WS_M, WS_L, BT, CTX, CU, DEC_SEQS, s
     d = tl.arange(0, D)
     rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    if Q_F16:  # an FP8 cache under a bf16 model: the dots in float16 (FP8_KV_F16)
+        q = q.to(tl.float16)
     slot0 = _chunks_before(CTX, CU, DEC_SEQS, i, KV_SPLIT, DECODE_TOKENS, BLOCK_B) + \
         _slot_of(past, tok, KV_SPLIT, DECODE_TOKENS)
     for c in range(p, tl.cdiv(ctx, KV_SPLIT), num_p):
@@ -436,6 +448,7 @@ def decode_attention(q, k_cache, v_cache, gate, out, block_tables, context_lens,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), num_heads, PAGE=page, GROUP=group, D=head_dim, M_ROWS=rows, BLOCK_N=BLOCK_N,
         KV_SPLIT=KV_SPLIT, DECODE_TOKENS=decode_tokens, BLOCK_B=block_b, DOT=dot_mode(q.dtype),
+        Q_F16=FP8_KV_F16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **pdl())
     # loads in flight: up to 32 x 16 (sequence, head) programs they pay (most at long contexts and
     # small batch); more programs already hide the latency and lose occupancy (benchmarks sections 14, 15)

@@ -16,6 +16,7 @@ import torch
 
 from bi_core.errors import BiEngineError
 from bi_core.models.qwen3_5 import local_args
+from bi_core.ops.attention import kv_cache_torch_dtype
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
 
@@ -89,7 +90,8 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     if a.tie_word_embeddings:
         total += engine.model.embed_tokens.numel() * isz
     total += batch * a.hidden_size * isz  # embedding rows
-    kv = 2 * heads.num_key_value_heads * a.head_dim * isz * len(a.full_attention_layers)
+    kv_item = kv_cache_torch_dtype(a.kv_cache_dtype, engine.dtype).itemsize  # 1 for an FP8 cache
+    kv = 2 * heads.num_key_value_heads * a.head_dim * kv_item * len(a.full_attention_layers)
     total += batch * context_len * kv
     state_bytes = 2 if engine.config.cache.ssm_state_dtype == "bfloat16" else 4
     state = heads.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * state_bytes

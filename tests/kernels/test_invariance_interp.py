@@ -342,7 +342,8 @@ def _check_batched_and_permuted(impl, norms, seq, alone, others, seed, splits):
     assert all(torch.equal(permuted[j], rows[i]) for j, i in enumerate(order))
 
 
-@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3")])
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3"),
+                                      (torch.bfloat16, "fp8_e4m3")])
 def test_attention_rows_invariant_across_batches_and_forms(device, dtype, kv, seed):
     """The gated paged attention (q/k norm, RoPE, KV write, fixed 256-key KV chunks, output gate):
     a decode row at position 520 gives the same bits alone (the plan's programs per KV head), as
@@ -377,17 +378,20 @@ def test_attention_negative_control(device, monkeypatch):
     assert not torch.equal(rows[0], alone)
 
 
-def test_fp8_kv_cache_written_and_read_as_the_reference(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_cache_written_and_read_as_the_reference(device, dtype, monkeypatch):
     """An FP8 KV cache (``cache.kv_cache_dtype: fp8``, e4m3 at scale 1): the fused kernel writes
     each key and value as the reference rounds it (clamped to +-448, nearest e4m3, ties to even;
     some values here are past 448), bitwise; decode, verify and prompt rows over it match the
     reference attention on the same cache (the reference reads the cache's exact values); and
-    the cache's format shows in the output (the same step over a float32 cache differs), so the
-    invariance tests' FP8 cases do run the FP8 path."""
+    the cache's format shows in the output (the same step over a cache in the model's dtype
+    differs), so the invariance tests' FP8 cases do run the FP8 path. A bf16 model's decode rows
+    run their dots in float16 (``FP8_KV_F16``): also within the reference's reach, and not the
+    bf16 dots' bits (negative control: the switch is live)."""
     from bi_core.backends.reference.attention import ReferenceAttentionImpl, to_cache
+    from bi_core.kernels import attention
     from bi_core.runtime.batch import build_context
 
-    dtype = torch.float32
     impl, norms = _attention_impl(device, dtype, "fp8_e4m3")
     plain, _ = _attention_impl(device, dtype)
     seqs = [_att_seq(1, 300, True, device, dtype), _att_seq(3, 40, True, device, dtype),
@@ -395,7 +399,7 @@ def test_fp8_kv_cache_written_and_read_as_the_reference(device):
     seqs[2][5][:, -ATT_HKV * ATT_D:] *= 300  # values past e4m3's 448 (clamped when written)
     rows, kc, vc, blocks = _attend(impl, norms, seqs)
     plain_rows, pkc, pvc, _ = _attend(plain, norms, seqs)
-    assert kc.dtype == torch.float8_e4m3fn and pkc.dtype == torch.float32
+    assert kc.dtype == torch.float8_e4m3fn and pkc.dtype == dtype
     assert float(pvc.nan_to_num().abs().max()) > 448 and float(vc.float().nan_to_num().abs().max()) == 448
     for (q, past, *_), blk in zip(seqs, blocks):
         for got, want in zip(_written_kv(kc, vc, blk, q + past), _written_kv(pkc, pvc, blk, q + past)):
@@ -404,8 +408,20 @@ def test_fp8_kv_cache_written_and_read_as_the_reference(device):
                            [s[2] for s in seqs], block_size=PAGE, device=device)
     want = ReferenceAttentionImpl(impl.spec).forward(torch.cat([s[5] for s in seqs]), *norms, kc.clone(), vc.clone(),
                                                      ctx)
-    assert float((torch.cat(rows) - want).abs().max()) < 1e-4 * float(want.abs().max())
+    tol = 1e-4 if dtype == torch.float32 else 2.5e-2  # bf16: p and the output rounded to 8 bits
+    wants = want.float().split([s[0] for s in seqs])
+
+    def close(got_rows):  # each sequence's rows against its own scale (the third's values are past 448)
+        return all(float((g.float() - w).abs().max()) < tol * float(w.abs().max()) for g, w in zip(got_rows, wants))
+
+    assert close(rows)
     assert not any(torch.equal(a, b) for a, b in zip(rows, plain_rows))
+    if dtype == torch.bfloat16:
+        monkeypatch.setattr(attention, "FP8_KV_F16", False)
+        bf16_rows, *_ = _attend(impl, norms, seqs)
+        assert close(bf16_rows)
+        assert not torch.equal(rows[0], bf16_rows[0]) and not torch.equal(rows[1], bf16_rows[1])  # decode, verify
+        assert torch.equal(rows[2], bf16_rows[2])  # prompt rows: their own kernel, in q's dtype
 
 
 @pytest.mark.parametrize("run", [2, 8])
@@ -458,7 +474,8 @@ def _prompt_case(device, dtype, kv="auto"):
     return impl, norms, whole, rows, _written_kv(kc, vc, blk, 150), others
 
 
-@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3")])
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3"),
+                                      (torch.bfloat16, "fp8_e4m3")])
 def test_prompt_rows_invariant_across_batches_and_chunkings(device, dtype, kv, seed):
     """Prompt rows (``_prefill_fa_kernel``: one online softmax over 64-key blocks from position 0,
     tiles of ``prefill_tile_tokens``): positions 83..149 of a prompt give the same bits computed
