@@ -35,7 +35,7 @@ Invariance: quantization reads one row's group only. The GEMM's K order (BLOCK_K
 split count and ranges) is fixed by (N, K) alone (``split_k_for``), never by M. The M bucket of
 ``fp8_config`` picks only BLOCK_M, BLOCK_N, warps, stages, INLINE and whether ``fp8_linear``
 quantizes inside the GEMM launch: none of these changes a row's operations or their order (the
-fused quantization is the same ``_quant_group`` code on the same (row, group) values). Every
+fused quantization is the same ``quant_group`` code on the same (row, group) values). Every
 batch size runs its in-block dots on the same instruction, Hopper's fp8 wgmma: BLOCK_M is 64 or
 128, or (up to SWAP_M_MAX rows) the dot is swapped, ``w @ a^T`` with 64 weight rows as the wgmma's
 M side and 16 activation rows as its N side (compiled for sm_90 with Triton 3.9, an unswapped
@@ -77,12 +77,10 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
-from bi_core.kernels.e4m3 import round_e4m3
+from bi_core.kernels.e4m3 import GROUP, quant_group
 from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_EPS = 1e-10  # floor of a group's amax (vLLM's eps): an all-zero group gets a finite scale
-BLOCK = 128  # activation group width = weight block side = the GEMM's BLOCK_K (the checkpoints' [128, 128])
+BLOCK = GROUP  # activation group width = weight block side = the GEMM's BLOCK_K (kernels/e4m3.py)
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs), as in gemm.py
 DECODE_BLOCK_N = 32  # the tile width split counts are planned against (a decode GEMV's)
 MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a weight row, gemm.py's minimum)
@@ -113,20 +111,6 @@ QUANT_BLOCK_M = 64
 QUANT_ROW_PROGRAMS = 16
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
 _BK = tl.constexpr(BLOCK)  # the kernels' copies (a jitted function reads only constexpr globals)
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_FP8_EPS = tl.constexpr(FP8_EPS)
-
-
-@triton.jit
-def _quant_group(x):
-    """One group of 128 columns per row: ``x [R, 128]`` float32 (columns past K are 0) ->
-    (values: float32 holding e4m3 values, scale [R]). The one copy of this arithmetic: the
-    standalone quantizer and the fused GEMM must give the same bits."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, _FP8_EPS), _FP8_MAX)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = round_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX))
-    return q, scale
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -142,7 +126,7 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
     # rows past M (never stored) as ones, not zeros: an all-zero row divides 0 by a tiny scale,
     # which div_rn takes through its slow path (measured: several times slower at M = 1..8)
     x = tl.where(m_ok[:, None], x, 1.0)
-    q, scale = _quant_group(x)
+    q, scale = quant_group(x)
     tl.store(XQ + rows * stride_qm + rk[None, :], q.to(XQ.dtype.element_ty), mask=mask)
     tl.store(XS + rm.to(tl.int64) * stride_sm + g, scale, mask=m_ok)
 
@@ -151,7 +135,7 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
 def _quant_rows(A, row0, nrows, stride_am, k, K, BLOCK_M: tl.constexpr, QROWS: tl.constexpr):
     """A tile's activation block in the GEMM's launch: rows ``row0 .. row0 + nrows`` (nrows <=
     QROWS <= BLOCK_M, all in the tile's first rows), columns ``[k, k + 128)`` of the unquantized
-    A, each row quantized on its own (``_quant_group`` on a [1, 128] slice: 128 divisions per
+    A, each row quantized on its own (``quant_group`` on a [1, 128] slice: 128 divisions per
     row, not BLOCK_M * 128) -> (e4m3 values as float32 [BLOCK_M, 128], scales [BLOCK_M]); rows
     past nrows are zeros with scale 0, as the GEMM's masked rows are."""
     rk = tl.arange(0, _BK)
@@ -163,7 +147,7 @@ def _quant_rows(A, row0, nrows, stride_am, k, K, BLOCK_M: tl.constexpr, QROWS: t
         ok = tl.full((_BK,), m, tl.int32) < nrows  # the row is real (a vector: a mask's type everywhere)
         x = tl.load(A + (row0 + m).to(tl.int64) * stride_am + k + rk, mask=k_ok & ok, other=0.0).to(tl.float32)
         x = tl.where(ok, x, 1.0)  # a row past nrows as ones (never used): an all-zero row takes div_rn's slow path
-        q, s = _quant_group(x[None, :])
+        q, s = quant_group(x[None, :])
         mine = (r == m) & (m < nrows)
         a = tl.where(mine[:, None], q, a)
         a_s = tl.where(mine, s, a_s)

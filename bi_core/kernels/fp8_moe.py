@@ -24,8 +24,9 @@ rows would not). Tested bitwise under the interpreter with a K-ordered dot
 (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert shapes; the per-pair tiles were
 swept (benchmarks sections 20, 32 and 33).
 
-API: ``fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits=None)``
--> ``[T, H]`` in x's dtype (moe.fused_moe's arguments, plus the scales); ``fp8_grouped_gemm`` for
+API: ``fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits=None,
+x_fp8=None)`` -> ``[T, H]`` in x's dtype (moe.fused_moe's arguments, plus the scales and, when a norm
+wrote it, x's block-FP8 copy: ``quantize_act(x)``'s bits, its launch saved); ``fp8_grouped_gemm`` for
 one grouped GEMM on pre-quantized rows. Up to PAIR_TOKENS tokens the experts run per pair
 (``_fp8_moe_per_pair``: no routing sort, the same bits as the sorted path).
 """
@@ -165,7 +166,8 @@ def _pair_tile(cfg: dict) -> dict:
 
 def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                       w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                      shared_logits: torch.Tensor | None, up: dict = PAIR_UP, down: dict = PAIR_DOWN) -> torch.Tensor:
+                      shared_logits: torch.Tensor | None, up: dict = PAIR_UP, down: dict = PAIR_DOWN,
+                      x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Four launches for a few tokens, no routing sort: x quantized, the gate/up GEMM a program per
     (pair, column tile), h quantized, the down GEMM a program per (pair, column tile), the last of
     a token's pairs combining them. Every number is the sorted path's (the same quantized rows,
@@ -180,7 +182,7 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     e_block = triton.next_power_of_2(num_experts + 1)
     dot = dot_mode(torch.float8_e4m3fn)
     up, down = _pair_tile(up), _pair_tile(down)
-    xq, xs = quantize_act(x)
+    xq, xs = quantize_act(x) if x_fp8 is None else x_fp8
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _fp8_pair_up_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
         xq, xs, w13, w13_scale, h, ids, num_pairs, inter, hidden, num_experts, xq.stride(0), xs.stride(0),
@@ -245,19 +247,22 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
 def fp8_fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                   shared_logits: torch.Tensor | None = None, config: dict | None = None,
-                  per_pair: bool | None = None) -> torch.Tensor:
+                  per_pair: bool | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """Σ_j w_j · SwiGLU-expert_{id_j}(x) per token, combined in fp32 in slot order (moe.fused_moe's
     contract, block-FP8 weights); with ``shared_logits`` the last expert is the shared expert,
     gated by sigmoid(logit). Up to PAIR_TOKENS tokens per pair (4 launches), more sorted by expert
     (6 launches): the same bits either way. ``per_pair`` forces a path and ``config`` overrides
-    the sorted path's launch shapes (tests, benchmarks)."""
+    the sorted path's launch shapes (tests, benchmarks). ``x_fp8``: ``quantize_act(x)``, when a
+    norm already wrote it."""
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.empty_like(x)
     if per_pair if per_pair is not None else (num_tokens <= PAIR_TOKENS and config is None):
-        return _fp8_moe_per_pair(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits)
+        return _fp8_moe_per_pair(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits, x_fp8=x_fp8)
     routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None)
-    h = fp8_grouped_gemm(*quantize_act(x), w13, w13_scale, routing, routing.slots, silu_mul=True, out_dtype=x.dtype,
+    xq, xs = quantize_act(x) if x_fp8 is None else x_fp8
+    h = fp8_grouped_gemm(xq, xs, w13, w13_scale, routing, routing.slots, silu_mul=True, out_dtype=x.dtype,
                          config=config)
     y = fp8_grouped_gemm(*quantize_act(h), w2, w2_scale, routing, 1, out_dtype=x.dtype, config=config)
     return moe_combine(y, topk_weights, shared_logits)

@@ -22,6 +22,7 @@ from bi_core.ops import (
     SamplingSpec,
     TopKSpec,
 )
+from bi_core.ops.activation import Fp8Activation, dense
 from bi_core.ops.collective import CollectiveSpec
 from bi_core.ops.context import ModelCaches
 from bi_core.ops.gdn import GdnWeights
@@ -105,19 +106,34 @@ class Linear(nn.Module):
                           **_spec_format(fp8))
         self.impl = factory.build("linear", spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T``; with ``out`` (columns of a wider buffer) written there (LinearImpl's
+        ``writes_into``; the result copied for an impl that does not)."""
+        into = {"out": out} if out is not None and getattr(self.impl, "writes_into", False) else {}
         if self.weight_scale_inv is None:
-            return self.impl.forward(x, self.weight)
-        return self.impl.forward(x, self.weight, self.weight_scale_inv)
+            y = self.impl.forward(dense(x), self.weight, **into)
+        elif isinstance(x, Fp8Activation):  # the norm before quantized x already
+            y = self.impl.forward(x.x, self.weight, self.weight_scale_inv, x_fp8=x.fp8, **into)
+        else:
+            y = self.impl.forward(x, self.weight, self.weight_scale_inv, **into)
+        if out is None:
+            return y
+        if not into:
+            out.copy_(y)
+        return out
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm, ``forward(x)`` or ``forward(x, residual)`` (fused add)."""
+    """Zero-centred RMSNorm, ``forward(x)`` or ``forward(x, residual)`` (fused add). With ``feeds``
+    (the block-FP8 weights of the projections it feeds) its output comes as an Fp8Activation: the
+    norm writes the quantized copy those projections would otherwise make in a launch of their own."""
 
-    def __init__(self, factory: OpFactory, size: int, eps: float, dtype, device) -> None:
+    def __init__(self, factory: OpFactory, size: int, eps: float, dtype, device,
+                 feeds: Fp8Weights | None = None) -> None:
         super().__init__()
         self.weight = _param(size, dtype=dtype, device=device)
-        self.impl = factory.build("norm", NormSpec(**factory.base, hidden_size=size, eps=eps))
+        self.impl = factory.build("norm", NormSpec(**factory.base, hidden_size=size, eps=eps,
+                                                   fp8_group=None if feeds is None else feeds.block[1]))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -136,9 +152,9 @@ class Attention(nn.Module):
         tp = par.info
         self.cache_index, self.par = cache_index, par
         quant = args.quantization
+        self.fp8_input = fp8_weights(quant, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         self.qkv_proj = Linear(factory, args.hidden_size, 2 * hq * d + 2 * hkv * d, dtype, device, tp=tp,
-                               shard=split(0, (2 * hq * d, hq), (hkv * d, hkv), (hkv * d, hkv)),
-                               fp8=fp8_weights(quant, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+                               shard=split(0, (2 * hq * d, hq), (hkv * d, hkv), (hkv * d, hkv)), fp8=self.fp8_input)
         self.o_proj = Linear(factory, hq * d, args.hidden_size, dtype, device, tp=tp, shard=split(1, (hq * d, hq)),
                              fp8=fp8_weights(quant, "self_attn.o_proj"))
         self.q_norm = _param(d, dtype=dtype, device=device)
@@ -170,11 +186,12 @@ class GatedDeltaNet(nn.Module):
         fused = split(0, qk, qk, v, v, (hv, hv), (hv, hv))
         self.in_proj_ba = None
         if not splits_gdn_in_proj(quant):
-            self.in_proj = Linear(factory, h, rows + 2 * hv, dtype, device, tp=tp, shard=fused,
-                                  fp8=fp8_weights(quant, *GDN_HEAD, *GDN_TAIL))
+            self.fp8_input = fp8_weights(quant, *GDN_HEAD, *GDN_TAIL)
+            self.in_proj = Linear(factory, h, rows + 2 * hv, dtype, device, tp=tp, shard=fused, fp8=self.fp8_input)
         else:  # official FP8: qkv|z in FP8, b|a unquantized: two projections, their outputs side by side
+            self.fp8_input = fp8_weights(quant, *GDN_HEAD)
             self.in_proj = Linear(factory, h, rows, dtype, device, tp=tp, shard=split(0, qk, qk, v, v),
-                                  fp8=fp8_weights(quant, *GDN_HEAD))
+                                  fp8=self.fp8_input)
             self.in_proj_ba = Linear(factory, h, 2 * hv, dtype, device, tp=tp, shard=split(0, (hv, hv), (hv, hv)),
                                      fp8=fp8_weights(quant, *GDN_TAIL))
             _draw_together(self.in_proj.weight, self.in_proj_ba.weight, (rows + 2 * hv, h), fused, tp)
@@ -193,7 +210,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
         weights = GdnWeights(self.conv1d, self.A_log, self.dt_bias, self.norm_weight)
-        proj = self.in_proj(x) if self.in_proj_ba is None else torch.cat([self.in_proj(x), self.in_proj_ba(x)], -1)
+        if self.in_proj_ba is None:
+            proj = self.in_proj(x)
+        else:  # official FP8: the two projections write their columns of one buffer (no concatenation)
+            rows, xd = self.in_proj.weight.shape[0], dense(x)
+            proj = torch.empty((xd.shape[0], rows + self.in_proj_ba.weight.shape[0]), dtype=xd.dtype, device=xd.device)
+            self.in_proj(x, out=proj[:, :rows])
+            self.in_proj_ba(x, out=proj[:, rows:])
         o = self.gdn.forward(proj, weights, caches.conv[i], caches.recurrent[i], ctx)
         return self.par.reduce(self.out_proj(o))
 
@@ -203,13 +226,13 @@ class MLP(nn.Module):
                  device, quant=None) -> None:
         super().__init__()
         self.par = par
+        self.fp8_input = fp8_weights(quant, "mlp.gate_proj", "mlp.up_proj")
         self.gate_up_proj = Linear(factory, hidden, 2 * intermediate, dtype, device, silu_mul=True, tp=par.info,
-                                   shard=split(0, intermediate, intermediate),
-                                   fp8=fp8_weights(quant, "mlp.gate_proj", "mlp.up_proj"))
+                                   shard=split(0, intermediate, intermediate), fp8=self.fp8_input)
         self.down_proj = Linear(factory, intermediate, hidden, dtype, device, tp=par.info,
                                 shard=split(1, intermediate), fp8=fp8_weights(quant, "mlp.down_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return self.par.reduce(self.down_proj(self.gate_up_proj(x)))
 
 
@@ -230,7 +253,7 @@ class SparseMoE(nn.Module):
         experts = e + (1 if self.shared else 0)
         self.gate = Linear(factory, h, experts, dtype, device)
         tp = par.info  # experts split by intermediate size: gate|up rows column-parallel, down row-parallel
-        self.fp8 = fp8_weights(args.quantization, *(MOE if self.shared else MOE[:1]))
+        self.fp8 = self.fp8_input = fp8_weights(args.quantization, *(MOE if self.shared else MOE[:1]))
         if self.fp8 is None:
             self.w13 = _param(experts, 2 * i, h, dtype=dtype, device=device, tp=tp, shard=split(1, i, i))
             self.w2 = _param(experts, h, i, dtype=dtype, device=device, tp=tp, shard=split(2, i))
@@ -269,16 +292,18 @@ class SparseMoE(nn.Module):
             else:
                 t[sl, :, keep:].zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         logits = self.gate(x)
         weights, ids = self.topk.forward(logits[:, : self.num_experts])
         if self.route_log is not None:
             self.route_log[: ids.shape[0]].copy_(ids)
         shared = logits[:, self.num_experts] if self.shared else None
         if self.fp8 is None:
-            return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared))
-        return self.par.reduce(self.experts.forward(x, weights, ids, self.w13, self.w2, shared,
-                                                    w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv))
+            return self.par.reduce(self.experts.forward(dense(x), weights, ids, self.w13, self.w2, shared))
+        quantized = {"x_fp8": x.fp8} if isinstance(x, Fp8Activation) else {}  # the norm's copy
+        return self.par.reduce(self.experts.forward(dense(x), weights, ids, self.w13, self.w2, shared,
+                                                    w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,
+                                                    **quantized))
 
 
 class DecoderLayer(nn.Module):
@@ -286,16 +311,20 @@ class DecoderLayer(nn.Module):
                  dtype, device) -> None:
         super().__init__()
         self.layer_type = layer_type
-        self.input_layernorm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device)
         if layer_type == "full_attention":
-            self.mixer = Attention(args, factory, par, cache_index, dtype, device)
+            mixer = Attention(args, factory, par, cache_index, dtype, device)
         else:
-            self.mixer = GatedDeltaNet(args, factory, par, cache_index, dtype, device)
+            mixer = GatedDeltaNet(args, factory, par, cache_index, dtype, device)
         if args.is_moe:
-            self.mlp = SparseMoE(args, factory, par, dtype, device)
+            mlp = SparseMoE(args, factory, par, dtype, device)
         else:
-            self.mlp = MLP(factory, par, args.hidden_size, args.intermediate_size, dtype, device, args.quantization)
+            mlp = MLP(factory, par, args.hidden_size, args.intermediate_size, dtype, device, args.quantization)
+        # each norm feeds its block's first projections (their FP8 copy comes from it); registered
+        # first, as ever: parameter order is the random initialiser's draw order
+        self.input_layernorm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device, mixer.fp8_input)
+        self.post_attention_layernorm = RMSNorm(factory, args.hidden_size, args.rms_norm_eps, dtype, device,
+                                                mlp.fp8_input)
+        self.mixer, self.mlp = mixer, mlp
 
     def forward(self, x, residual, ctx, caches):
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)

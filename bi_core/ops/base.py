@@ -4,6 +4,7 @@ can serve that spec under a policy (with reasons when it cannot) and builds a st
 from __future__ import annotations
 
 import abc
+import functools
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import attrs
@@ -33,6 +34,26 @@ class OpBuilder(abc.ABC, Generic[SpecT]):
     op: ClassVar[str]
     is_batch_invariant: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        check = cls.check
+        if getattr(check, "contract_first", False):
+            return
+
+        @functools.wraps(check)
+        def guarded(self, spec, policy):
+            return self.contract_refusals(spec) or check(self, spec, policy)
+
+        guarded.contract_first = True
+        cls.check = guarded
+
+    def contract_refusals(self, spec: SpecT) -> list[str]:
+        """Reasons from the op family's contract, checked before every builder's own ``check``:
+        a spec asking for something a builder does not declare it serves (a weight format, an
+        output form added after the builder was written) is refused, so a builder never receives
+        a spec it would misread. Op families override it; builders declare, they do not override."""
+        return []
+
     def check(self, spec: SpecT, policy: Policy) -> list[str]:
         """Reasons this builder cannot serve ``spec`` under ``policy``; empty means it can."""
         return []
@@ -40,6 +61,13 @@ class OpBuilder(abc.ABC, Generic[SpecT]):
     @abc.abstractmethod
     def build(self, spec: SpecT) -> object:
         """Return the impl: a stateless object whose methods do the compute."""
+
+
+def backend_of(cls: type) -> str:
+    """The backend package a builder class lives in (``bi_core.backends.<name>...``), or its
+    top-level package (a third-party backend)."""
+    parts = cls.__module__.split(".")
+    return parts[parts.index("backends") + 1] if "backends" in parts[:-1] else parts[0]
 
 
 def require_hopper(spec: OpSpec) -> list[str]:

@@ -4,13 +4,12 @@ dtype (``dense``) or in block-wise FP8 (``fp8_block``, W8A8: ``bi_core/quant/fp8
 
 from __future__ import annotations
 
-import functools
 from typing import ClassVar, Protocol
 
 import attrs
 import torch
 
-from bi_core.ops.base import OpBuilder, OpSpec
+from bi_core.ops.base import OpBuilder, OpSpec, backend_of
 
 WEIGHT_FORMATS = {"dense": "dense", "fp8_block": "block-FP8"}  # spec value -> how messages name it
 
@@ -40,43 +39,35 @@ class LinearSpec(WeightedSpec):
 
 
 class LinearImpl(Protocol):
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x [T, in] @ weight[out, in].T -> [T, out]`` in the activation dtype; with ``silu_mul``,
         weight is ``[gate; up]`` and the result ``silu(x @ gate.T) * (x @ up.T)`` ``[T, out/2]``,
         each GEMM output rounded to the activation dtype, then silu, then the product
         (transformers' order). ``fp8_block``: ``weight`` float8_e4m3fn ``[out, in]``, ``weight_scale``
         float32 ``[ceil(out/bn), ceil(in/bk)]`` (``w = weight * scale`` per block); ``x`` quantized
         per row in groups of ``bk`` columns (scale = amax / 448), so a row's result depends on that
-        row alone. Dense impls are called with two arguments."""
+        row alone; ``x_fp8`` (when the norm before wrote it, ``ops/activation.py``) is that
+        quantization, bitwise, to be used in its place. Dense impls are called with two arguments.
 
-
-def _backend_of(cls: type) -> str:
-    parts = cls.__module__.split(".")
-    return parts[parts.index("backends") + 1] if "backends" in parts[:-1] else parts[0]
+        An impl that sets ``writes_into = True`` also takes ``out=``, a ``[T, out]`` tensor of unit
+        column stride and any row stride (columns of a wider buffer: projections whose outputs
+        sit side by side), and writes the result there with the same bits; the model copies the
+        result of any other impl."""
 
 
 class FormatGuard:
     """Base of the linear and MoE builders: a builder serves the weight formats it lists in
     ``weight_formats`` (dense only unless it says more); a spec of another format is refused before
-    the builder's own check runs, so a builder written before FP8 existed never receives FP8
-    weights it would misread."""
+    the builder's own check runs (``OpBuilder.contract_refusals``), so a builder written before FP8
+    existed never receives FP8 weights it would misread."""
 
     weight_formats: ClassVar[tuple[str, ...]] = ("dense",)
 
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        check = cls.check
-        if getattr(check, "format_guarded", False):
-            return
-
-        @functools.wraps(check)
-        def guarded(self, spec, policy):
-            if spec.weight_format not in self.weight_formats:
-                return [f"{WEIGHT_FORMATS[spec.weight_format]} {self.op}: no kernel in {_backend_of(type(self))} yet"]
-            return check(self, spec, policy)
-
-        guarded.format_guarded = True
-        cls.check = guarded
+    def contract_refusals(self, spec) -> list[str]:
+        if spec.weight_format not in self.weight_formats:
+            return [f"{WEIGHT_FORMATS[spec.weight_format]} {self.op}: no kernel in {backend_of(type(self))} yet"]
+        return []
 
 
 class LinearBuilder(FormatGuard, OpBuilder[LinearSpec]):

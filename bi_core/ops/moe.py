@@ -34,6 +34,7 @@ class MoEImpl(Protocol):
         *,
         w13_scale: torch.Tensor | None = None,  # fp8_block: float32 [E', 2I/bn, ceil(H/bk)]
         w2_scale: torch.Tensor | None = None,  # fp8_block: float32 [E', ceil(H/bn), I/bk]
+        x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp8_block: x quantized (a norm's copy)
     ) -> torch.Tensor:  # [T, H]
         """``Σ_j w_j · expert_{id_j}(x)`` in fp32 in slot order (weights in the model dtype), then
         ``+ sigmoid(shared_logit) · expert_E(x)``, each term rounded like transformers. ``fp8_block``:

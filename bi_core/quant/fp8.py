@@ -102,10 +102,12 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int) -> 
     return q.float() * scale.repeat_interleave(group, dim=-1)[..., :k]
 
 
-def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """W8A8 emulation in float32: ``dequant(quant(x)) @ dequant(q, scale).T``; activations in groups
-    of ``block[1]`` (the weight's K block). ``x [T, K]`` -> ``[T, N]`` float32."""
-    xq, xs = quantize_activations(x, block[1])
+    of ``block[1]`` (the weight's K block), or ``x_fp8``, their quantization already made (a norm's
+    copy, ``ops/activation.py``). ``x [T, K]`` -> ``[T, N]`` float32."""
+    xq, xs = quantize_activations(x, block[1]) if x_fp8 is None else x_fp8
     return F.linear(dequantize_activations(xq, xs, block[1]), dequantize_blocks(q, scale, block))
 
 

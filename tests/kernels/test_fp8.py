@@ -188,6 +188,64 @@ def test_quantize_act_bitwise(device, dtype, k):
     assert empty_q.shape == (0, k) and empty_s.shape == (0, cdiv(k, BLK))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [256, 320])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_fp8_copy_is_quantize_act_of_its_output(device, dtype, k, residual):
+    """The norm that feeds FP8 projections (kernels/norm.py ``rms_norm_fp8``, one launch) returns
+    rms_norm's output and residual sum bitwise, and its FP8 copy is ``quantize_act`` of that output
+    bit for bit (values and scales), rows of any scale, an all-zero row and a ragged last group (K
+    = 320) included: the projections that take the copy compute what they would have. Negative
+    control: the copy of an output quantized in a different grouping (per row) differs."""
+    from bi_core.kernels.fp8 import quantize_act
+    from bi_core.kernels.norm import rms_norm, rms_norm_fp8
+
+    rows = 19
+    x = (torch.randn(rows, k, device=device) * torch.exp2(torch.randint(-8, 8, (rows, 1), device=device).float())).to(dtype)
+    x[2] = 0.0
+    r = torch.randn(rows, k, device=device).to(dtype) if residual else None
+    if residual:
+        r[2] = 0.0
+    w = (0.5 * torch.randn(k, device=device)).to(dtype)
+    w[: k // 4] *= 40  # groups of very different size within a row
+    y, r_sum, yq, ys = rms_norm_fp8(x, w, 1e-6, residual=r)
+    if residual:
+        want_y, want_r = rms_norm(x, w, 1e-6, residual=r)
+        assert torch.equal(r_sum, want_r)
+    else:
+        want_y, want_r = rms_norm(x, w, 1e-6), None
+        assert r_sum is None
+    assert torch.equal(y, want_y)
+    q, s = quantize_act(y)
+    assert yq.dtype == E4M3 and ys.shape == (rows, cdiv(k, BLK))
+    assert torch.equal(bits(ys), bits(s)) and torch.equal(bits(yq), bits(q))
+    per_row = over_fp8_max(y.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-10))
+    assert not torch.equal(bits((y.float() / per_row).clamp(-448, 448).to(E4M3)), bits(yq))
+
+
+@pytest.mark.parametrize("m", [1, 8, 40])
+def test_linears_write_into_columns_of_a_wider_buffer(device, m):
+    """``out=`` (LinearImpl's ``writes_into``: the official FP8 GDN's two input projections write
+    side by side, no concatenation): the block-FP8 linear, the FP8 GEMM on a norm's copy and the
+    bf16 GEMM write their columns of a wider buffer with the bits they return alone, and touch
+    no other column (the NaNs around them stay)."""
+    from bi_core.kernels.fp8 import fp8_gemm, fp8_linear, quantize_act
+    from bi_core.kernels.gemm import linear
+    from bi_core.quant.fp8 import quantize_blocks
+
+    g = torch.Generator(device="cpu").manual_seed(m)
+    x = torch.randn(m, 256, generator=g).to(device=device, dtype=torch.bfloat16)
+    wq, ws = quantize_blocks(torch.randn(384, 256, generator=g).to(device) / 16, (128, 128))
+    wb = (torch.randn(64, 256, generator=g) / 16).to(device=device, dtype=torch.bfloat16)
+    buf = torch.full((m, 384 + 64 + 16), float("nan"), device=device, dtype=torch.bfloat16)
+    fp8_linear(x, wq, ws, out=buf[:, :384])
+    linear(x, wb, out=buf[:, 384:448])
+    assert torch.equal(buf[:, :384], fp8_linear(x, wq, ws)) and torch.equal(buf[:, 384:448], linear(x, wb))
+    assert bool(buf[:, 448:].isnan().all())
+    fp8_gemm(*quantize_act(x), wq, ws, torch.bfloat16, out=buf[:, 64:448])
+    assert torch.equal(buf[:, 64:448], fp8_linear(x, wq, ws))
+
+
 def test_quantize_negative_control(device):
     """The harness catches a quantizer whose scale spans the batch (per-tensor dynamic, what
     breaks invariance in the libraries), while quantize_act passes it."""

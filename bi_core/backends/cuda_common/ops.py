@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bi_core.ops.activation import Fp8Activation
+
 
 class CublasLinearImpl:
     """cuBLAS through torch: fastest, but its kernel choice depends on M (not batch-invariant)."""
@@ -24,30 +26,40 @@ class CublasLinearImpl:
 class TritonLinearImpl:
     """The fixed-K-order split-K GEMM (``kernels/gemm.py``), SiLU-and-mul in its epilogue."""
 
+    writes_into = True  # out= (LinearImpl)
+
     def __init__(self, device: torch.device, silu_mul: bool = False) -> None:
         from bi_core.kernels.gemm import tile_locks
 
         self.silu_mul = silu_mul
         tile_locks(device)  # allocated now, never inside a CUDA-graph capture
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         from bi_core.kernels.gemm import linear
 
-        return linear(x, weight, silu_mul=self.silu_mul)
+        return linear(x, weight, out=out, silu_mul=self.silu_mul)
 
 
 class Fp8LinearImpl:
-    """Block-FP8 W8A8 (``kernels/fp8.py``): activations quantized per token and 128-column group,
-    K blocks summed in a fixed order (batch-invariant). With ``silu_mul`` the GEMM output is
-    rounded to the activation dtype, then SiLU(gate) * up, as the reference does."""
+    """Block-FP8 W8A8 (``kernels/fp8.py``): activations quantized per token and 128-column group
+    (or given quantized: ``x_fp8``, a norm's copy), K blocks summed in a fixed order
+    (batch-invariant). With ``silu_mul`` the GEMM output is rounded to the activation dtype, then
+    SiLU(gate) * up, as the reference does."""
 
     def __init__(self, silu_mul: bool = False) -> None:
         self.silu_mul = silu_mul
+        self.writes_into = not silu_mul  # out= (LinearImpl); SiLU-and-mul runs after the GEMM
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-        from bi_core.kernels.fp8 import fp8_linear
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        from bi_core.kernels.fp8 import fp8_gemm, fp8_linear
 
-        y = fp8_linear(x, weight, weight_scale)
+        assert out is None or not self.silu_mul
+        if x_fp8 is None:
+            y = fp8_linear(x, weight, weight_scale, out=out)
+        else:
+            y = fp8_gemm(*x_fp8, weight, weight_scale, x.dtype, out=out)
         if not self.silu_mul:
             return y
         gate, up = y.chunk(2, dim=-1)
@@ -55,18 +67,26 @@ class Fp8LinearImpl:
 
 
 class TritonRMSNormImpl:
-    def __init__(self, eps: float) -> None:
-        self.eps = eps
+    """``kernels/norm.py``; with ``fp8_group`` (128) the output comes with its FP8 copy, one launch."""
+
+    def __init__(self, eps: float, fp8_group: int | None = None) -> None:
+        self.eps, self.fp8 = eps, fp8_group is not None
 
     def forward(self, x, weight):
-        from bi_core.kernels.norm import rms_norm
+        from bi_core.kernels.norm import rms_norm, rms_norm_fp8
 
-        return rms_norm(x, weight, self.eps)
+        if not self.fp8:
+            return rms_norm(x, weight, self.eps)
+        y, _, yq, ys = rms_norm_fp8(x, weight, self.eps)
+        return Fp8Activation(y, yq, ys)
 
     def forward_add(self, x, residual, weight):
-        from bi_core.kernels.norm import rms_norm
+        from bi_core.kernels.norm import rms_norm, rms_norm_fp8
 
-        return rms_norm(x, weight, self.eps, residual=residual)
+        if not self.fp8:
+            return rms_norm(x, weight, self.eps, residual=residual)
+        y, r, yq, ys = rms_norm_fp8(x, weight, self.eps, residual=residual)
+        return Fp8Activation(y, yq, ys), r
 
 
 class TritonTopKImpl:
@@ -80,11 +100,12 @@ class TritonTopKImpl:
 
 
 class TritonMoEImpl:
-    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, w13_scale=None, w2_scale=None):
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, w13_scale=None, w2_scale=None,
+                x_fp8=None):
         if w13_scale is not None:  # block-FP8 experts (kernels/fp8_moe.py)
             from bi_core.kernels.fp8_moe import fp8_fused_moe
 
-            return fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits)
+            return fp8_fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits, x_fp8=x_fp8)
         from bi_core.kernels.moe import fused_moe
 
         return fused_moe(x, topk_weights, topk_ids, w13, w2, shared_logits)

@@ -64,11 +64,16 @@ def fp8_reasons(spec) -> list[str]:
 
 
 class DefaultNormBuilder(NormBuilder):
+    fp8_output = True
+
     def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32)
+        reasons = cuda_reasons(spec, dtypes=BF16_FP32)
+        if spec.fp8_group not in (None, 128):
+            reasons.append(f"the norm's FP8 copy is written in groups of 128 columns, not {spec.fp8_group}")
+        return reasons
 
     def build(self, spec):
-        return ops.TritonRMSNormImpl(spec.eps)
+        return ops.TritonRMSNormImpl(spec.eps, spec.fp8_group)
 
 
 class DefaultTopKBuilder(TopKBuilder):

@@ -19,22 +19,24 @@ def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None
-           ) -> torch.Tensor:
-    """``x @ weight.T`` in the activation dtype: dense, or W8A8 in float32 with ``scale``'s blocks."""
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+           x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x @ weight.T`` in the activation dtype: dense, or W8A8 in float32 with ``scale``'s blocks
+    (``x_fp8``: x's quantization, when a norm made it)."""
     if block is None:
         return F.linear(x, weight)
     if scale is None:
         raise ValueError("a block-FP8 weight needs its block scales")
-    return w8a8_linear(x, weight, scale, block).to(x.dtype)
+    return w8a8_linear(x, weight, scale, block, x_fp8).to(x.dtype)
 
 
 class ReferenceLinearImpl:
     def __init__(self, silu_mul: bool = False, block: tuple[int, int] | None = None) -> None:
         self.silu_mul, self.block = silu_mul, block
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-        y = linear(x, weight, weight_scale, self.block)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        y = linear(x, weight, weight_scale, self.block, x_fp8)
         return silu_and_mul(y) if self.silu_mul else y
 
 

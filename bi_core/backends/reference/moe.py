@@ -8,8 +8,9 @@ from bi_core.ops.moe import MoEBuilder, MoESpec
 
 
 def expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None = None,
-           s2: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
-    return linear(silu_and_mul(linear(x, w13, s13, block)), w2, s2, block)
+           s2: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+           x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    return linear(silu_and_mul(linear(x, w13, s13, block, x_fp8)), w2, s2, block)
 
 
 class ReferenceMoEImpl:
@@ -22,7 +23,7 @@ class ReferenceMoEImpl:
         self.block = block
 
     def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, w13_scale=None,
-                w2_scale=None) -> torch.Tensor:
+                w2_scale=None, x_fp8=None) -> torch.Tensor:
         def scales(e):
             return (None, None) if self.block is None else (w13_scale[e], w2_scale[e])
 
@@ -31,14 +32,16 @@ class ReferenceMoEImpl:
         weights = topk_weights.to(x.dtype)
         for e in torch.unique(topk_ids).tolist():
             rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)
-            y = expert(x[rows], w13[e], w2[e], *scales(e), self.block)
+            y = expert(x[rows], w13[e], w2[e], *scales(e), self.block,
+                       None if x_fp8 is None else (x_fp8[0][rows], x_fp8[1][rows]))
             per_slot[rows, slots] = (y * weights[rows, slots, None]).float()
         out = per_slot[:, 0]
         for j in range(1, top_k):
             out = out + per_slot[:, j]
         out = out.to(x.dtype)
         if shared_logits is not None:
-            out = out + torch.sigmoid(shared_logits[:, None]) * expert(x, w13[-1], w2[-1], *scales(-1), self.block)
+            out = out + torch.sigmoid(shared_logits[:, None]) * expert(x, w13[-1], w2[-1], *scales(-1), self.block,
+                                                                       x_fp8)
         return out
 
 

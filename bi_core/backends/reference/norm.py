@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from bi_core.backends.reference.common import check_dtype
+from bi_core.ops.activation import Fp8Activation
 from bi_core.ops.norm import NormBuilder, NormSpec
+from bi_core.quant.fp8 import quantize_activations
 
 
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,11 +26,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 class ReferenceRMSNormImpl:
-    def __init__(self, eps: float) -> None:
-        self.eps = eps
+    """With ``fp8_group`` the output comes with its block-FP8 copy (``quant/fp8.py``'s quantizer)."""
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm_1p(x, weight, self.eps)
+    def __init__(self, eps: float, fp8_group: int | None = None) -> None:
+        self.eps, self.fp8_group = eps, fp8_group
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Fp8Activation:
+        y = rms_norm_1p(x, weight, self.eps)
+        return y if self.fp8_group is None else Fp8Activation(y, *quantize_activations(y, self.fp8_group))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
         r = x + residual
@@ -36,8 +41,10 @@ class ReferenceRMSNormImpl:
 
 
 class ReferenceNormBuilder(NormBuilder):
+    fp8_output = True
+
     def check(self, spec: NormSpec, policy) -> list[str]:
         return check_dtype(spec)
 
     def build(self, spec: NormSpec) -> ReferenceRMSNormImpl:
-        return ReferenceRMSNormImpl(spec.eps)
+        return ReferenceRMSNormImpl(spec.eps, spec.fp8_group)
