@@ -43,7 +43,9 @@ run_step() {  # one step; its status is its command's (pipefail: not the tail's)
       grep -h -i "error\|Traceback" "$OUT"/kernels_*.log | head -5
       python3 benchmarks/kernel_compare.py "$OUT/kernels.jsonl" | tee "$OUT/kernels_table.txt" ;;
     cmd:*) timeout ${STEP_TIMEOUT:-300} ${step#cmd:} 2>&1 | tee -a "$OUT/bench.log" | tail -30 ;;
-    old:*) (cd .baseline && PYTHONPATH=$PWD:/tmp/site timeout ${STEP_TIMEOUT:-300} ${step#old:}) 2>&1 | tee -a "$OUT/old.log" | tail -30 ;;
+    old:*) # a .baseline of bi_core alone (git archive OLD bi_core | tar -x -C .baseline) reads this tree's configs
+      for d in benchmarks configs; do [ -e ".baseline/$d" ] || ln -s "../$d" ".baseline/$d"; done
+      (cd .baseline && PYTHONPATH=$PWD:/tmp/site timeout ${STEP_TIMEOUT:-300} ${step#old:}) 2>&1 | tee -a "$OUT/old.log" | tail -30 ;;
     *.sh*) timeout ${STEP_TIMEOUT:-300} bash $step 2>&1 | tee -a "$OUT/verify.log" | tail -45 ;;
     *) timeout ${STEP_TIMEOUT:-240} python3 $step 2>&1 | tee -a "$OUT/bench.log" | tail -40 ;;
   esac

@@ -38,6 +38,26 @@ def test_example_plugin_selected_from_yaml(tmp_path):
     assert ours.token_ids == ref.token_ids
 
 
+def test_a_builder_never_gets_a_spec_form_it_did_not_declare():
+    """The example plugin's norm builder predates the norm's block-FP8 output copy (``NormSpec.fp8_group``)
+    and does not declare it (``NormBuilder.fp8_output``): on an FP8 model the norms feeding FP8
+    projections fall through to the next backend, with the contract's reason in ``explain``, and
+    the plain norms (the final one) stay with the plugin; the engine runs."""
+    from bi_core.runtime.build import explain
+
+    cfg = EngineConfig.from_dict(tiny_config(model={"random": {"preset": "tiny-moe-b128", "seed": 0}, "quantization": "fp8"},
+                                             policy={"ops": {"norm": ["example_norm", "reference"]}}))
+    text = explain(cfg)
+    assert "norm          -> example_norm, reference" in text
+    assert "refused example_norm: norm with a block-FP8 output copy (groups of 128): no kernel in bi_example_backend yet" \
+        in text
+    engine = build_engine(cfg)
+    norms = {type(m.impl).__name__ for m in engine.model.modules() if type(m).__name__ == "RMSNorm"}
+    assert len(norms) == 2 and "ReferenceRMSNormImpl" in norms
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
 class NarrowNorm:
     """A plugin whose norm builder refuses some specs: explain shows its reasons, and the selector
     falls through to the next backend in the policy's order for those specs only."""
