@@ -270,7 +270,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     n = weight.shape[0] // (2 if silu_mul else 1)
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     c = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
-    assert c.shape == (m, n) and c.stride(1) == 1 and c.dtype == x.dtype, "out: [M, N], unit column stride"
     if m == 0:
         return c.view(*shape[:-1], n)
     cfg = {"INLINE": False, **(config or gemm_config(m, n, k, x.dtype, silu_mul))}

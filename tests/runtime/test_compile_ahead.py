@@ -454,7 +454,7 @@ def test_kernel_sources_follow_the_kernel_imports():
     """A bi_core kernel's compile depends on its module's text and, transitively, on the
     ``bi_core.kernels`` modules it imports JIT functions from; other packages' kernels list none."""
     norm = compile_manifest.kernel_sources("bi_core.kernels.norm")
-    assert list(norm) == ["bi_core/kernels/common.py", "bi_core/kernels/norm.py"]
+    assert list(norm) == ["bi_core/kernels/common.py", "bi_core/kernels/e4m3.py", "bi_core/kernels/norm.py"]
     fp8_moe = compile_manifest.kernel_sources("bi_core.kernels.fp8_moe")
     assert {"bi_core/kernels/fp8.py", "bi_core/kernels/gemm.py", "bi_core/kernels/moe.py",
             "bi_core/kernels/common.py"} < set(fp8_moe)

@@ -37,6 +37,10 @@ class TritonLinearImpl:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         from bi_core.kernels.gemm import linear
 
+        if out is not None:  # (checked here: kernels/gemm.py's text keys its compile manifests' entries)
+            n = weight.shape[0] // (2 if self.silu_mul else 1)
+            assert out.shape == (*x.shape[:-1], n) and out.stride(1) == 1 and out.dtype == x.dtype, \
+                "out: [M, N], unit column stride"
         return linear(x, weight, out=out, silu_mul=self.silu_mul)
 
 
