@@ -16,7 +16,7 @@ import torch
 
 from bi_core.errors import BiEngineError
 from bi_core.models.qwen3_5 import local_args
-from bi_core.ops.attention import kv_cache_torch_dtype
+from bi_core.quant.sizing import state_bytes
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
 
@@ -85,18 +85,14 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     read and written, logits rows written. Tensor parallel: one rank's bytes (its shard of the
     weights, its heads' KV and states), which every rank moves at once."""
     a, isz = engine.args, engine.dtype.itemsize
-    heads = local_args(a, engine.tp.world)
     total = weight_bytes(engine, batch, lambda name: not name.startswith("mtp.") and name != "embed_tokens")
     if a.tie_word_embeddings:
         total += engine.model.embed_tokens.numel() * isz
     total += batch * a.hidden_size * isz  # embedding rows
-    kv_item = kv_cache_torch_dtype(a.kv_cache_dtype, engine.dtype).itemsize  # 1 for an FP8 cache
-    kv = 2 * heads.num_key_value_heads * a.head_dim * kv_item * len(a.full_attention_layers)
-    total += batch * context_len * kv
-    state_bytes = 2 if engine.config.cache.ssm_state_dtype == "bfloat16" else 4
-    state = heads.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * state_bytes
-    conv = heads.conv_dim * (a.linear_conv_kernel_dim - 1) * isz
-    total += batch * len(a.gdn_layers) * 2 * (state + conv)
+    # KV bytes per token (the cache's element size: 1 for FP8) and GDN state bytes per sequence,
+    # as the cache sizing counts them; the states are read and written
+    kv, gdn = state_bytes(a, engine.config, engine.dtype, engine.tp.world, with_mtp=False)
+    total += batch * context_len * kv + batch * 2 * gdn
     total += batch * a.vocab_size * 4
     return total
 
