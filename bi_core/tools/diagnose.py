@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from bi_core.models import qwen3_5 as m
+from bi_core.ops.activation import dense
 from bi_core.ops.sampling import SamplingBatch
 from bi_core.policies.apply import applied
 from bi_core.runtime.batch import build_context
@@ -29,7 +30,7 @@ def _op_class(module: torch.nn.Module) -> str | None:
 
 def _record(model: torch.nn.Module, rows: int, into: list) -> list:
     def hook(module, args, output, name):
-        out = output[0] if isinstance(output, tuple) else output
+        out = dense(output[0] if isinstance(output, tuple) else output)  # a norm's FP8 copy follows its rows
         into.append((name, _op_class(module), out[:rows].detach().clone()))
 
     return [mod.register_forward_hook(lambda mo, a, o, n=name: hook(mo, a, o, n))

@@ -99,3 +99,26 @@ def test_decode_probe_names_the_first_divergent_op():
     assert first_divergent_decode_op(engine, prompt, []) is None
     assert engine.cache.blocks.num_free == engine.cache.num_blocks
     assert len(engine.cache.slots.free) == engine.config.scheduler.max_num_seqs
+
+
+def test_probes_read_the_activation_of_norms_that_write_an_fp8_copy():
+    """On an FP8 model the norms feeding block-FP8 projections return an ``Fp8Activation`` (the
+    activation and its quantized copy); the probes compare the activation's rows (the copy is a
+    function of them). The H200's FP8 negative control stopped on this with a TypeError."""
+    from bi_core.ops.activation import Fp8Activation
+    from bi_core.tools.diagnose import first_divergent_decode_op, first_divergent_op
+
+    engine = build_engine(EngineConfig.from_dict(tiny_config(
+        model={"random": {"preset": "tiny-moe-b128", "seed": 0}, "quantization": "fp8"}, scheduler={"max_num_seqs": 16})))
+    seen = []
+    hooks = [m.register_forward_hook(lambda mo, a, o: seen.append(isinstance(o, Fp8Activation)))
+             for m in engine.model.modules() if type(m).__name__ == "RMSNorm"]
+    prompt, fillers = list(range(1, 41)), [list(range(5, 5 + n)) for n in (17, 90, 3, 64)]
+    assert first_divergent_op(engine, prompt, []) is None  # alone vs alone: same bits
+    for h in hooks:
+        h.remove()
+    assert any(seen)  # not vacuous: some norm wrote an FP8 copy
+    for probe in (first_divergent_op, first_divergent_decode_op):
+        where = probe(engine, prompt, fillers)
+        assert where is None or where.split(" at ")[0] in ("linear", "attention", "gdn", "norm", "linear (MLP)", "moe")
+    assert first_divergent_decode_op(engine, prompt, []) is None
