@@ -1,7 +1,10 @@
 """Where a step's time goes: torch profiler over eager steps, top kernels by CUDA time.
 
-python3 benchmarks/profile_step.py BACKEND LAYERS BATCH [PROMPTS] [--fp8]
+python3 benchmarks/profile_step.py BACKEND LAYERS BATCH [PROMPTS] [--fp8] [--graphs]
 
+``--graphs``: the steps replay CUDA graphs, as the engine runs decode (the profiler records the
+kernels inside them). Eager steps launch kernels early under PDL, so a kernel's time includes
+waiting for its predecessor; ``BI_PDL=0`` with ``--graphs`` gives each kernel's own time.
 BATCH sequences of 512-token prompts decode; with PROMPTS, the profiled step also prefills that
 many new 512-token prompts (a throughput run's mixed step; a first such step, unprofiled, warms
 the prefill kernels)."""
@@ -20,10 +23,10 @@ from bi_core import SamplingParams, build_engine
 
 
 def main() -> None:
-    argv = [a for a in sys.argv[1:] if a != "--fp8"]  # --fp8: model.quantization fp8 (block-FP8 on load)
+    argv = [a for a in sys.argv[1:] if a not in ("--fp8", "--graphs")]  # --fp8: model.quantization fp8 on load
     backend, layers, batch = argv[0], int(argv[1]), int(argv[2])
     prompts = int(argv[3]) if len(argv) > 3 else 0
-    eng = build_engine(config(backend, layers, graphs=False, max_seqs=max(64, batch + 2 * prompts),
+    eng = build_engine(config(backend, layers, graphs="--graphs" in sys.argv, max_seqs=max(64, batch + 2 * prompts),
                               quantization="fp8" if "--fp8" in sys.argv else None))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
@@ -48,7 +51,8 @@ def main() -> None:
             eng.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
-    print(f"== {backend} layers={layers} batch={batch} prompts={prompts}: per {steps} steps, wall {wall:.1f} ms "
+    print(f"== {backend} layers={layers} batch={batch} prompts={prompts} graphs={'--graphs' in sys.argv} "
+          f"PDL={__import__('os').environ.get('BI_PDL', '1')}: per {steps} steps, wall {wall:.1f} ms "
           f"(profiler on)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
