@@ -34,7 +34,11 @@ run_step() {  # one step; its status is its command's (pipefail: not the tail's)
     tests) ls .fi-jit/fi-jit.part-* >/dev/null 2>&1 || echo "WARNING: no .fi-jit carried: FlashInfer builds its JIT" \
              "modules inside the suite (2.5 min on a fresh machine) and the suite may not finish in this step's 560 s" \
              "(it did not on 2026-11-28): run fi-warm in an earlier call and carry .fi-jit"
-      timeout 560 python3 -m pytest -q -rf -x --timeout 300 --durations=15 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -45 ;;
+      # on a fresh machine (Triton compiles) the suite no longer fits: 120 of 196 tests in 560 s on
+      # 2026-11-28 (benchmarks section 35). Then run pytest:tests/gpu and pytest:tests/kernels in two calls.
+      timeout 560 python3 -m pytest -q -rf -x --timeout 300 --durations=15 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -45
+      st=${PIPESTATUS[0]}; [ "$st" = 124 ] && echo "the suite ran past 560 s: run pytest:tests/gpu and pytest:tests/kernels in separate calls"
+      return "$st" ;;
     pytest:*) timeout ${STEP_TIMEOUT:-330} python3 -m pytest -q -rf --timeout 300 -p no:cacheprovider ${step#pytest:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 ;;
     tests-all) timeout 330 python3 -m pytest -q -rf --timeout 300 tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     compare*) rm -f "$OUT/kernels.jsonl"
