@@ -164,21 +164,22 @@ def _plan(source, wmap, params: dict[str, torch.nn.Parameter], args: ModelArgs,
     scales (``*_scale_inv``) are checked with their tensor (``bi_core/quant/placement.py``)."""
     steps, unknown, problems = [], [], []
     block = args.quantization.block if args.quantization is not None else None
+    suffix = _scale_suffix(args)
     for name in source.names():
         pl = wmap.placement(name)
         if pl is None:
-            if not (fp8.is_companion(source, name) and wmap.placement(name[: -len(SCALE_SUFFIX)]) is not None):
+            if not (fp8.is_companion(source, name, suffix) and wmap.placement(name[: -len(suffix)]) is not None):
                 unknown.append(name)
             continue
         have = source.shape(name)
         transposed = pl.transposable and _is_transposed(source, pl.expert_prefix, args)
         want = (pl.shape[0], pl.shape[2], pl.shape[1]) if transposed else pl.shape
-        fp8_source = source.dtype(name) == FP8 or fp8.companion(source, name) is not None
+        fp8_source = source.dtype(name) == FP8 or fp8.companion(source, name, suffix) is not None
         if not _fits(have, want):
             problems.append(f"tensor {name}: checkpoint shape {have}, model expects {want}")
         elif fp8_source:
             problem = fp8.source_problem(source, name, pl.param, is_fp8(params[pl.param]), block,
-                                         in_memory=engine_dtype is not None, transposed=transposed)
+                                         in_memory=engine_dtype is not None, transposed=transposed, suffix=suffix)
             if problem is not None:
                 problems.append(problem)
         elif engine_dtype is not None and source.dtype(name) not in (engine_dtype, torch.float32):
@@ -222,7 +223,12 @@ def _place(param: torch.nn.Parameter, pieces, t: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step]) -> None:
+def _scale_suffix(args: ModelArgs) -> str:
+    """The checkpoint's name for a weight's FP8 scales: ``weight`` + this (``Fp8Scheme.scale_suffix``)."""
+    return args.quantization.scale_suffix if args.quantization is not None else SCALE_SUFFIX
+
+
+def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step], suffix: str) -> None:
     for step in steps:
         param, pl = params[step.placement.param], step.placement
         t = source.get(step.name)
@@ -230,7 +236,7 @@ def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step]) -> 
         if not is_fp8(param):
             _place(param, pl.pieces, t)
             continue
-        q, scale = fp8.fp8_values(source, step.name, t, param)  # as stored, or quantized on the way in
+        q, scale = fp8.fp8_values(source, step.name, t, param, suffix)  # as stored, or quantized on the way in
         _place(param, pl.pieces, q)
         full, block = getattr(param, "full_shape", param.shape), param.fp8.block
         _place(param.scale_inv, [(fp8.block_index(dst, full, block, step.name, False),
@@ -266,7 +272,7 @@ def load_weights(model: torch.nn.Module, source) -> None:
     for module in model.modules():  # experts narrower than the widest are zero-padded
         if hasattr(module, "zero_padding"):
             module.zero_padding()
-    _copy(dict(model.named_parameters()), source, steps)
+    _copy(dict(model.named_parameters()), source, steps, _scale_suffix(args))
     unused = [n for n in unknown if not (args.tie_word_embeddings and n == "lm_head.weight")]
     mtp = [n for n in unused if n.startswith("mtp.")]
     if mtp and not args.mtp_num_hidden_layers:
@@ -288,7 +294,7 @@ def update_weights(model: torch.nn.Module, source) -> int:
 
 def apply_update(model: torch.nn.Module, source, steps: list[_Step]) -> int:
     """Copy the steps ``check_update`` returned for ``source``; returns how many tensors."""
-    _copy(dict(model.named_parameters()), source, steps)
+    _copy(dict(model.named_parameters()), source, steps, _scale_suffix(model.args))
     return len(steps)
 
 

@@ -1,5 +1,5 @@
-"""Checkpoint tensors into FP8 parameters: an FP8 tensor arrives with its ``weight_scale_inv``
-(``name + "_scale_inv"``), a bf16/fp32 one is quantized block-wise on the way in (load and update
+"""Checkpoint tensors into FP8 parameters: an FP8 tensor arrives with its scales (``weight_scale_inv``,
+``name + "_scale_inv"``, in the official format; ``weight_scale`` in compressed-tensors'), a bf16/fp32 one is quantized block-wise on the way in (load and update
 alike, per checkpoint tensor: as an FP8 checkpoint of it would hold it); both land through the
 weight map's placements, the scales at the same places counted in blocks."""
 
@@ -18,20 +18,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def companion(source, name: str) -> str | None:
-    """The scale tensor stored with ``name`` in ``source``, if any."""
-    scale = name + SCALE_SUFFIX
+def companion(source, name: str, suffix: str = SCALE_SUFFIX) -> str | None:
+    """The scale tensor stored with ``name`` in ``source``, if any (``suffix``: the checkpoint format's,
+    ``Fp8Scheme.scale_suffix``)."""
+    scale = name + suffix
     return scale if source.has(scale) else None
 
 
-def is_companion(source, name: str) -> bool:
-    return name.endswith(SCALE_SUFFIX) and source.has(name[: -len(SCALE_SUFFIX)])
+def is_companion(source, name: str, suffix: str = SCALE_SUFFIX) -> bool:
+    return name.endswith(suffix) and source.has(name[: -len(suffix)])
 
 
 def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[int, int] | None,
-                   in_memory: bool, transposed: bool) -> str | None:
+                   in_memory: bool, transposed: bool, suffix: str = SCALE_SUFFIX) -> str | None:
     """What is wrong with FP8 tensor ``name`` (float8_e4m3fn, or with a scale) for ``param``; None if fine."""
-    dtype, scale = source.dtype(name), companion(source, name)
+    dtype, scale = source.dtype(name), companion(source, name, suffix)
     if in_memory:
         return (f"tensor {name}: {dtype}{' with a scale' if scale else ''}: weights in memory are taken in bf16/fp32 "
                 "(an FP8 model quantizes them block-wise on the way in); FP8 + weight_scale_inv pairs are accepted from "
@@ -43,7 +44,7 @@ def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[
                 "does not make it FP8: no quantization_config, listed in modules_to_not_convert, or a weight this "
                 "engine never quantizes: embeddings, lm_head, norms, router gates, GDN conv1d/A_log/dt_bias)")
     if scale is None:
-        return f"tensor {name} is float8_e4m3fn but {name}{SCALE_SUFFIX} is missing"
+        return f"tensor {name} is float8_e4m3fn but {name}{suffix} is missing"
     if transposed:
         return f"tensor {name}: FP8 experts stored transposed ([E, in, out]) are not supported"
     want = scale_shape(source.shape(name), block)
@@ -53,11 +54,12 @@ def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[
     return None
 
 
-def fp8_values(source, name: str, t: torch.Tensor, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_values(source, name: str, t: torch.Tensor, param: torch.nn.Parameter,
+               suffix: str = SCALE_SUFFIX) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 values, float32 scales) of tensor ``t`` (``name`` in ``source``) for FP8 ``param``: as
     stored, or quantized from ``t`` rounded to the model dtype."""
     if t.dtype == FP8:
-        scale = source.get(name + SCALE_SUFFIX)
+        scale = source.get(name + suffix)
         return t, scale.reshape(scale_shape(tuple(t.shape), param.fp8.block)).float()
     return quantize_blocks(t.to(param.device, param.dense_dtype), param.fp8.block)
 

@@ -23,7 +23,10 @@ from bi_core.errors import CheckpointError, ConfigError
 
 BLOCK = (128, 128)
 SUPPORTED = ("the official block-wise FP8 of Qwen3.5-*-FP8: quant_method fp8, fmt e4m3, activation_scheme "
-             "dynamic, weight_block_size [128, 128] (float32 or bfloat16 weight_scale_inv)")
+             "dynamic, weight_block_size [128, 128] (float32 or bfloat16 weight_scale_inv); or the same arithmetic "
+             "as compressed-tensors writes it (llm-compressor's FP8_BLOCK): format float-quantized, weights "
+             "float 8-bit, strategy block, block_structure [128, 128]; input_activations float 8-bit, dynamic, "
+             "strategy group, group_size 128 (weight_scale)")
 WHERE = "config.json quantization_config"
 
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -59,6 +62,7 @@ class Fp8Scheme:
     dense: frozenset[str] = OFFICIAL_DENSE  # kinds kept unquantized in the main layers
     mtp_dense: frozenset[str] = OFFICIAL_MTP_DENSE  # in the MTP head (its layer's kinds, and fc)
     origin: str = "model.quantization: fp8 (the official Qwen3.5-FP8 scheme)"
+    scale_suffix: str = "_scale_inv"  # a checkpoint's scales: weight + this (compressed-tensors: "_scale")
 
     def weights(self, *kinds: str) -> Fp8Weights | None:
         """The FP8 format of a projection fusing ``kinds`` (None: unquantized); all or none must be FP8."""
@@ -108,8 +112,7 @@ def from_quantization_config(qc: Any, layer_types: Sequence[str], is_moe: bool, 
         raise CheckpointError(f"{WHERE} must be a mapping, got {type(qc).__name__}")
     method = qc.get("quant_method")
     if method == "compressed-tensors":
-        raise CheckpointError(f"{WHERE}: quant_method 'compressed-tensors' (llm-compressor checkpoints, e.g. "
-                              f"FP8_DYNAMIC per-channel) is not supported; supported: {SUPPORTED}")
+        return _compressed_tensors(qc, layer_types, is_moe, has_mtp)
     block = qc.get("weight_block_size")
     bad = [f"{key} {qc.get(key)!r}" for key, ok in (
         ("quant_method", method == "fp8"), ("fmt", qc.get("fmt", "e4m3") == "e4m3"),
@@ -121,14 +124,95 @@ def from_quantization_config(qc: Any, layer_types: Sequence[str], is_moe: bool, 
     patterns = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         raise CheckpointError(f"{WHERE}.modules_to_not_convert must be a list of module names")
-    match = _matcher(patterns)
+    return _scheme(_matcher(patterns), layer_types, is_moe, has_mtp, origin=WHERE)
+
+
+def _scheme(match: Callable[[str], bool], layer_types: Sequence[str], is_moe: bool, has_mtp: bool,
+            **fields: Any) -> Fp8Scheme:
+    """The scheme whose unquantized modules are those ``match`` names (Hugging Face module names)."""
     ffn = MOE if is_moe else DENSE_MLP
     main = [(f"layers.{i}", (ATTENTION if t == "full_attention" else GDN) + ffn) for i, t in enumerate(layer_types)]
     dense = _dense_kinds(main, match)
     mtp_dense = _dense_kinds([("mtp.layers.0", ATTENTION + ffn)], match) if has_mtp else OFFICIAL_MTP_DENSE
     if has_mtp and _matches(match, "mtp.fc"):
         mtp_dense |= {MTP_FC}
-    return Fp8Scheme(block=BLOCK, dense=dense, mtp_dense=frozenset(mtp_dense), origin=WHERE)
+    return Fp8Scheme(block=BLOCK, dense=dense, mtp_dense=frozenset(mtp_dense), **fields)
+
+
+# compressed-tensors (llm-compressor's checkpoints): the arguments of its FP8_BLOCK preset, which
+# are this engine's arithmetic (weights in 128x128 blocks, activations per token and group of 128
+# at run time); keys not listed here must be absent or None
+CT_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+              "symmetric": True, "dynamic": False}
+CT_INPUTS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
+             "dynamic": True}
+CT_OPTIONAL = {"symmetric"}  # absent means the default, True
+CT_IGNORED_KEYS = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype", "actorder"}  # calibration-only
+
+
+def _compressed_tensors(qc: dict, layer_types: Sequence[str], is_moe: bool, has_mtp: bool) -> Fp8Scheme:
+    """A compressed-tensors ``quantization_config`` whose every quantized group is FP8_BLOCK: the
+    scheme it gives (the linears its groups' ``targets`` name, less ``ignore``); anything else refused
+    with what is not supported and what is."""
+    where = f"{WHERE} (quant_method compressed-tensors)"
+    bad = []
+    if qc.get("format") not in ("float-quantized", "mixed-precision", None):
+        bad.append(f"format {qc['format']!r}")
+    if qc.get("quantization_status", "compressed") != "compressed":
+        bad.append(f"quantization_status {qc['quantization_status']!r}")
+    if qc.get("kv_cache_scheme") is not None:
+        bad.append(f"kv_cache_scheme {qc['kv_cache_scheme']!r} (an FP8 KV cache is cache.kv_cache_dtype: fp8, scale 1)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        bad.append(f"config_groups {groups!r}")
+        groups = {}
+    targets: list[str] = []
+    for name, group in groups.items():
+        group = group if isinstance(group, dict) else {}
+        if group.get("format", "float-quantized") != "float-quantized":
+            bad.append(f"config_groups.{name}.format {group.get('format')!r}")
+        for key, want in (("weights", CT_WEIGHTS), ("input_activations", CT_INPUTS)):
+            args = group.get(key)
+            if not isinstance(args, dict):
+                bad.append(f"config_groups.{name}.{key} {args!r}")
+                continue
+            bad += [f"config_groups.{name}.{key}.{k} {args.get(k)!r}" for k in _ct_mismatches(args, want)]
+        if group.get("output_activations") is not None:
+            bad.append(f"config_groups.{name}.output_activations {group['output_activations']!r}")
+        t = group.get("targets")
+        if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
+            bad.append(f"config_groups.{name}.targets {t!r}")
+        else:
+            targets += t
+    if bad:
+        raise CheckpointError(f"{where}: {', '.join(bad)} not supported; supported: {SUPPORTED}")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise CheckpointError(f"{where}.ignore must be a list of module names or 're:' patterns")
+    targeted, ignored = _ct_matcher(targets), _ct_matcher(ignore)
+
+    def unquantized(name: str) -> bool:  # a container (the experts) is decided by its linears
+        return ignored(name) or (not name.endswith(tuple(LEAVES)) and not targeted(name))
+
+    return _scheme(unquantized, layer_types, is_moe, has_mtp, origin=where, scale_suffix="_scale")
+
+
+def _ct_mismatches(args: dict, want: dict) -> list[str]:
+    """The keys of a compressed-tensors QuantizationArgs mapping that differ from ``want`` (or that
+    it sets and ``want`` does not have, calibration-only keys aside)."""
+    out = [k for k, v in want.items() if args.get(k, v if k in CT_OPTIONAL else None) != v]
+    return out + [k for k, v in args.items() if k not in want and k not in CT_IGNORED_KEYS and v is not None]
+
+
+def _ct_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
+    """compressed-tensors' rule (vLLM's ``find_matched_target``, for names): ``re:<regex>`` matches from
+    the start of a module's name, anything else is the name itself; ``Linear`` (the class its
+    targets usually name) matches every projection (the engine only ever quantizes linears)."""
+    if "Linear" in patterns:
+        return lambda name: True
+    regexes = [re.compile(p[3:]) for p in patterns if p.startswith("re:")]
+    names = {p for p in patterns if not p.startswith("re:")}
+    return lambda name: name in names or any(rx.match(name) for rx in regexes)
 
 
 def _matcher(patterns: Sequence[str]) -> Callable[[str], bool]:

@@ -39,6 +39,30 @@ def quantization_config(num_layers: int = len(LAYER_TYPES)) -> dict:
             "modules_to_not_convert": keep}
 
 
+def compressed_tensors_config(num_layers: int = len(LAYER_TYPES)) -> dict:
+    """llm-compressor's FP8_BLOCK preset as it writes it (targets Linear, the official set's
+    unquantized modules in ``ignore``, by name and by ``re:`` pattern)."""
+    ignore = ["lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$", "re:.*in_proj_[ab]$", "mtp.fc"]
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": list(BLOCK),
+                            "symmetric": True, "dynamic": False, "observer": "static_minmax", "group_size": None},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                      "symmetric": True, "dynamic": True, "observer": None},
+                "output_activations": None}},
+            "ignore": ignore, "kv_cache_scheme": None}
+
+
+def as_compressed_tensors(path: Path, config: dict | None = None) -> None:
+    """An official-layout FP8 checkpoint at ``path`` rewritten as compressed-tensors stores it:
+    ``weight_scale`` for ``weight_scale_inv`` (the same numbers: both multiply), its config."""
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({n.removesuffix("_inv") if n.endswith(".weight_scale_inv") else n: t for n, t in tensors.items()},
+              str(path / "model.safetensors"))
+    add_quantization_config(path, config or compressed_tensors_config())
+
+
 def make_hf_b128(kind: str, seed: int = 0):
     """A transformers Qwen3.5 CausalLM (fp32) with the block-aligned tiny shapes and random weights."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM

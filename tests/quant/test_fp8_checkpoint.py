@@ -20,6 +20,8 @@ import pytest
 import torch
 from fp8_fixtures import (
     add_quantization_config,
+    as_compressed_tensors,
+    compressed_tensors_config,
     dequantized_hf,
     export_hf,
     make_hf_b128,
@@ -199,3 +201,57 @@ def test_fp8_checkpoint_refusals(tmp_path):
     refused({n: t for n, t in good.items() if n != q + "_scale_inv"}, "q_proj.weight_scale_inv is missing")
     refused({**good, q + "_scale_inv": torch.ones(2, 1)}, r"expected float32 or bfloat16 \[4, 1\]")
     refused({**good, q: good[q].float()}, "q_proj.weight has .*_scale_inv but is torch.float32")
+
+
+def test_compressed_tensors_fp8_block_checkpoint_loads_as_the_official_one(tmp_path):
+    """llm-compressor's FP8_BLOCK checkpoints (compressed-tensors: ``weight_scale``, config_groups,
+    ``ignore``) are the official format's arithmetic: the same weights bit for bit, the same
+    tokens; the MoE model with its MTP head, multimodal names, bf16 scales."""
+    hf = make_hf_b128("moe")
+    for name in ("official", "ct"):
+        save_fp8_checkpoint(hf, tmp_path / name, with_mtp=True, layout="multimodal", scale_dtype=torch.bfloat16)
+    as_compressed_tensors(tmp_path / "ct")
+    assert any(n.endswith(".weight_scale") for n in load_file(str(tmp_path / "ct" / "model.safetensors")))
+    official, ct = engine(tmp_path / "official"), engine(tmp_path / "ct")
+    assert ct.args.quantization.dense == official.args.quantization.dense
+    _same_bits(_params(official), _params(ct))
+    a, b = run(official)[0], run(ct)[0]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_compressed_tensors_refusals(tmp_path):
+    """What compressed-tensors holds in another arithmetic is refused by name, before any weight:
+    per-channel weights (FP8_DYNAMIC), per-token activations, int4 packs, static activations, a
+    KV cache scheme; and an FP8_BLOCK checkpoint missing a scale or storing lm_head in FP8."""
+    hf = make_hf_b128("dense")
+    save_fp8_checkpoint(hf, tmp_path / "ct")
+    as_compressed_tensors(tmp_path / "ct")
+
+    def refused(change, match, tensors=None):
+        cfg = compressed_tensors_config()
+        group = cfg["config_groups"]["group_0"]
+        for key, value in change.items():
+            where, _, k = key.rpartition(".")
+            (group[where] if where else cfg)[k] = value
+        add_quantization_config(tmp_path / "ct", cfg)
+        if tensors is not None:
+            save_file(tensors, str(tmp_path / "ct" / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=match):
+            engine(tmp_path / "ct")
+
+    supported = "supported: the official block-wise FP8 .* or the same arithmetic as compressed-tensors writes it"
+    refused({"weights.strategy": "channel", "weights.block_structure": None},
+            rf"config_groups.group_0.weights.strategy 'channel', .*weights.block_structure None not supported; {supported}")
+    refused({"input_activations.strategy": "token", "input_activations.group_size": None},
+            r"input_activations.strategy 'token'.*not supported")
+    refused({"input_activations.dynamic": False}, r"input_activations.dynamic False not supported")
+    refused({"weights.num_bits": 4, "weights.type": "int", "format": "pack-quantized"},
+            r"format 'pack-quantized', config_groups.group_0.weights.num_bits 4, config_groups.group_0.weights.type 'int'")
+    refused({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"kv_cache_scheme .* cache.kv_cache_dtype: fp8")
+    refused({"quantization_status": "frozen"}, r"quantization_status 'frozen' not supported")
+    good = load_file(str(tmp_path / "ct" / "model.safetensors"))
+    q = "model.layers.1.self_attn.q_proj.weight"
+    refused({}, "q_proj.weight_scale is missing", {n: t for n, t in good.items() if n != q + "_scale"})
+    head = "lm_head.weight"  # targeted (Linear, not ignored) and stored in FP8: this engine keeps it unquantized
+    refused({"ignore": compressed_tensors_config()["ignore"][1:]}, "lm_head.weight is FP8, but the engine holds",
+            {**good, head: good[head].to(FP8), head + "_scale": torch.ones(3, 1)})

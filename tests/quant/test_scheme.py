@@ -4,12 +4,12 @@ anything else refused with one error naming what is supported) and model.quantiz
 from __future__ import annotations
 
 import pytest
-from fp8_fixtures import LAYER_TYPES, quantization_config
+from fp8_fixtures import LAYER_TYPES, compressed_tensors_config, quantization_config
 
 from bi_core import CheckpointError, ConfigError, EngineConfig
 from bi_core.models.args import ModelArgs
 from bi_core.models.presets import preset_args
-from bi_core.quant.scheme import OFFICIAL_DENSE, Fp8Scheme, from_quantization_config, resolve
+from bi_core.quant.scheme import GDN, OFFICIAL_DENSE, Fp8Scheme, from_quantization_config, resolve
 
 SUPPORTED = "supported: the official block-wise FP8 of Qwen3.5-*-FP8"
 
@@ -42,7 +42,7 @@ def test_multimodal_names_and_regex_patterns_match_like_transformers():
 
 
 @pytest.mark.parametrize("change,named", [
-    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "compressed-tensors"}, "(quant_method compressed-tensors): config_groups None"),
     ({"quant_method": "awq"}, "quant_method 'awq'"),
     ({"quant_method": "gptq"}, "quant_method 'gptq'"),
     ({"fmt": "e5m2"}, "fmt 'e5m2'"),
@@ -90,3 +90,25 @@ def test_model_quantization_setting():
           "layer_types": ["full_attention"], "quantization_config": {"quant_method": "bitsandbytes"}}
     with pytest.raises(CheckpointError, match="quant_method 'bitsandbytes'"):
         ModelArgs.from_hf_config(hf)
+
+
+def test_compressed_tensors_targets_and_ignore():
+    """compressed-tensors names its quantized linears by ``targets`` (``Linear``: all; ``re:`` patterns
+    from the start of a name; else the name itself) less ``ignore``; a container (the experts) is FP8
+    when its linears are. FP8_BLOCK with ``targets: [Linear]`` and the official exclusions is the
+    official scheme, its scales named ``weight_scale``."""
+    s = scheme(compressed_tensors_config())
+    assert s.dense == OFFICIAL_DENSE and s.mtp_dense == {"fc"} and s.scale_suffix == "_scale"
+    assert scheme(quantization_config()).scale_suffix == "_scale_inv"
+    qc = compressed_tensors_config()
+    qc["config_groups"]["group_0"]["targets"] = [r"re:.*self_attn\.[qkvo]_proj$",
+                                                 r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
+    qc["ignore"] = ["model.layers.4.self_attn.q_proj", "model.layers.4.self_attn.k_proj",
+                    "model.layers.4.self_attn.v_proj", "model.layers.4.self_attn.o_proj"]
+    with pytest.raises(CheckpointError, match="keeps self_attn.q_proj unquantized in layers.4 but not in layers.1"):
+        scheme(qc)
+    qc["ignore"] = []
+    s = scheme(qc)
+    assert s.dense == set(GDN) | {"mlp.shared_expert"}
+    assert s.weights("mlp.experts") is not None and s.weights("self_attn.o_proj") is not None
+    assert s.for_mtp().weights("fc") is None  # mtp.fc is no target
