@@ -30,7 +30,7 @@ def is_companion(source, name: str, suffix: str = SCALE_SUFFIX) -> bool:
 
 
 def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[int, int] | None,
-                   in_memory: bool, transposed: bool, suffix: str = SCALE_SUFFIX) -> str | None:
+                   in_memory: bool, transposed: bool, suffix: str = SCALE_SUFFIX, row_scales: bool = False) -> str | None:
     """What is wrong with FP8 tensor ``name`` (float8_e4m3fn, or with a scale) for ``param``; None if fine."""
     dtype, scale = source.dtype(name), companion(source, name, suffix)
     if in_memory:
@@ -47,6 +47,12 @@ def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[
         return f"tensor {name} is float8_e4m3fn but {name}{suffix} is missing"
     if transposed:
         return f"tensor {name}: FP8 experts stored transposed ([E, in, out]) are not supported"
+    if row_scales:  # one scale per output row (compressed-tensors' channel strategy) or one in all (tensor)
+        shape, rows = tuple(source.shape(name)), tuple(source.shape(name))[:-1]
+        if tuple(source.shape(scale)) not in ((*rows, 1), rows, (1,), ()) or source.dtype(scale) not in SCALE_DTYPES:
+            return (f"tensor {scale}: {source.dtype(scale)} {list(source.shape(scale))}, expected float32 or bfloat16 "
+                    f"{list((*rows, 1))} (a scale per output row of {name} {list(shape)}) or [1] (one per tensor)")
+        return None
     want = scale_shape(source.shape(name), block)
     if source.shape(scale) != want or source.dtype(scale) not in SCALE_DTYPES:
         return (f"tensor {scale}: {source.dtype(scale)} {list(source.shape(scale))}, expected float32 or bfloat16 "
@@ -55,10 +61,16 @@ def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[
 
 
 def fp8_values(source, name: str, t: torch.Tensor, param: torch.nn.Parameter,
-               suffix: str = SCALE_SUFFIX) -> tuple[torch.Tensor, torch.Tensor]:
+               suffix: str = SCALE_SUFFIX, row_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 values, float32 scales) of tensor ``t`` (``name`` in ``source``) for FP8 ``param``: as
-    stored, or quantized from ``t`` rounded to the model dtype."""
-    if t.dtype == FP8:
+    stored, or quantized from ``t`` rounded to the model dtype. ``row_scales``: ``t``'s scales are one
+    per output row (or one per tensor); it is dequantized (in float32) and quantized as a
+    bf16/fp32 tensor of those values would be."""
+    if t.dtype == FP8 and row_scales:
+        scale = source.get(name + suffix).float()
+        scale = scale.reshape(*t.shape[:-1], 1) if scale.numel() > 1 else scale.reshape(())
+        t = t.float() * scale.to(t.device)
+    elif t.dtype == FP8:
         scale = source.get(name + suffix)
         return t, scale.reshape(scale_shape(tuple(t.shape), param.fp8.block)).float()
     return quantize_blocks(t.to(param.device, param.dense_dtype), param.fp8.block)

@@ -26,7 +26,8 @@ SUPPORTED = ("the official block-wise FP8 of Qwen3.5-*-FP8: quant_method fp8, fm
              "dynamic, weight_block_size [128, 128] (float32 or bfloat16 weight_scale_inv); or the same arithmetic "
              "as compressed-tensors writes it (llm-compressor's FP8_BLOCK): format float-quantized, weights "
              "float 8-bit, strategy block, block_structure [128, 128]; input_activations float 8-bit, dynamic, "
-             "strategy group, group_size 128 (weight_scale)")
+             "strategy group, group_size 128 (weight_scale); per-channel or per-tensor FP8 (compressed-tensors "
+             "FP8_DYNAMIC, FP8) only under model.quantization: fp8, which re-quantizes it block-wise on load")
 WHERE = "config.json quantization_config"
 
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -63,6 +64,9 @@ class Fp8Scheme:
     mtp_dense: frozenset[str] = OFFICIAL_MTP_DENSE  # in the MTP head (its layer's kinds, and fc)
     origin: str = "model.quantization: fp8 (the official Qwen3.5-FP8 scheme)"
     scale_suffix: str = "_scale_inv"  # a checkpoint's scales: weight + this (compressed-tensors: "_scale")
+    # how the checkpoint's scales are laid out: "block" (as held), or "row" (one per output row, or one
+    # per tensor: compressed-tensors' channel / tensor strategies), re-quantized block-wise on load
+    source_scales: str = "block"
 
     def weights(self, *kinds: str) -> Fp8Weights | None:
         """The FP8 format of a projection fusing ``kinds`` (None: unquantized); all or none must be FP8."""
@@ -93,6 +97,12 @@ def splits_gdn_in_proj(scheme: Fp8Scheme | None) -> bool:
 def resolve(setting: str | None, scheme: Fp8Scheme | None) -> Fp8Scheme | None:
     """``model.quantization`` (None: as the checkpoint is; ``fp8``; ``none``) against the checkpoint's
     own scheme (None for a bf16/fp32 checkpoint or a random preset)."""
+    if scheme is not None and scheme.source_scales == "row" and setting != "fp8":
+        raise ConfigError("model.quantization", f"{setting or 'unset'}, but the checkpoint's FP8 weights have a scale "
+                          f"per output row or per tensor ({scheme.origin}), which this engine does not compute; set "
+                          "model.quantization: fp8 to re-quantize them block-wise on load (each weight dequantized, "
+                          "rounded to model.dtype, quantized per 128x128 block: a second rounding; activations per "
+                          "token and group of 128 at run time)")
     if setting == "none" and scheme is not None:
         raise ConfigError("model.quantization", "none, but the checkpoint is FP8 (config.json quantization_config "
                           "quant_method fp8); leave model.quantization unset or set fp8 (an FP8 checkpoint is not "
@@ -146,6 +156,13 @@ CT_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "block", "block_struct
               "symmetric": True, "dynamic": False}
 CT_INPUTS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
              "dynamic": True}
+# per-channel / per-tensor weights (FP8_DYNAMIC, FP8): re-quantized block-wise on load under
+# model.quantization: fp8, so only the weights' own format is checked (the activations' is replaced)
+CT_ROW = ("channel", "tensor")
+ANY = object()  # a key that may hold anything
+CT_ROW_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": ANY}
+CT_ROW_INPUTS = {"num_bits": 8, "type": "float", "strategy": ANY, "dynamic": ANY, "group_size": ANY,
+                 "symmetric": ANY, "block_structure": ANY}
 CT_OPTIONAL = {"symmetric"}  # absent means the default, True
 CT_IGNORED_KEYS = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype", "actorder"}  # calibration-only
 
@@ -167,12 +184,20 @@ def _compressed_tensors(qc: dict, layer_types: Sequence[str], is_moe: bool, has_
         bad.append(f"config_groups {groups!r}")
         groups = {}
     targets: list[str] = []
+    row = {n: isinstance(g, dict) and isinstance(g.get("weights"), dict) and g["weights"].get("strategy") in CT_ROW
+           for n, g in groups.items()}
+    if len(set(row.values())) > 1:
+        bad.append(f"config_groups mixing block-wise and per-channel/per-tensor weights ({', '.join(groups)})")
     for name, group in groups.items():
         group = group if isinstance(group, dict) else {}
         if group.get("format", "float-quantized") != "float-quantized":
             bad.append(f"config_groups.{name}.format {group.get('format')!r}")
-        for key, want in (("weights", CT_WEIGHTS), ("input_activations", CT_INPUTS)):
+        wants = ((("weights", CT_ROW_WEIGHTS), ("input_activations", CT_ROW_INPUTS)) if row[name] else
+                 (("weights", CT_WEIGHTS), ("input_activations", CT_INPUTS)))
+        for key, want in wants:
             args = group.get(key)
+            if args is None and want is CT_ROW_INPUTS:  # FP8 weight-only: activations quantized here anyway
+                continue
             if not isinstance(args, dict):
                 bad.append(f"config_groups.{name}.{key} {args!r}")
                 continue
@@ -194,13 +219,14 @@ def _compressed_tensors(qc: dict, layer_types: Sequence[str], is_moe: bool, has_
     def unquantized(name: str) -> bool:  # a container (the experts) is decided by its linears
         return ignored(name) or (not name.endswith(tuple(LEAVES)) and not targeted(name))
 
-    return _scheme(unquantized, layer_types, is_moe, has_mtp, origin=where, scale_suffix="_scale")
+    return _scheme(unquantized, layer_types, is_moe, has_mtp, origin=where, scale_suffix="_scale",
+                   source_scales="row" if any(row.values()) else "block")
 
 
 def _ct_mismatches(args: dict, want: dict) -> list[str]:
     """The keys of a compressed-tensors QuantizationArgs mapping that differ from ``want`` (or that
     it sets and ``want`` does not have, calibration-only keys aside)."""
-    out = [k for k, v in want.items() if args.get(k, v if k in CT_OPTIONAL else None) != v]
+    out = [k for k, v in want.items() if v is not ANY and args.get(k, v if k in CT_OPTIONAL else None) != v]
     return out + [k for k, v in args.items() if k not in want and k not in CT_IGNORED_KEYS and v is not None]
 
 

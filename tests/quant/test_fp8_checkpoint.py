@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 from fp8_fixtures import (
+    QUANTIZED,
     add_quantization_config,
     as_compressed_tensors,
     compressed_tensors_config,
@@ -221,8 +222,9 @@ def test_compressed_tensors_fp8_block_checkpoint_loads_as_the_official_one(tmp_p
 
 def test_compressed_tensors_refusals(tmp_path):
     """What compressed-tensors holds in another arithmetic is refused by name, before any weight:
-    per-channel weights (FP8_DYNAMIC), per-token activations, int4 packs, static activations, a
-    KV cache scheme; and an FP8_BLOCK checkpoint missing a scale or storing lm_head in FP8."""
+    group-wise or int4 weights, per-token or static activations for block weights, int4 packs, a
+    KV cache scheme; and an FP8_BLOCK checkpoint missing a scale or storing lm_head in FP8
+    (per-channel weights: test_compressed_tensors_per_channel_is_requantized_block_wise_when_asked)."""
     hf = make_hf_b128("dense")
     save_fp8_checkpoint(hf, tmp_path / "ct")
     as_compressed_tensors(tmp_path / "ct")
@@ -240,8 +242,10 @@ def test_compressed_tensors_refusals(tmp_path):
             engine(tmp_path / "ct")
 
     supported = "supported: the official block-wise FP8 .* or the same arithmetic as compressed-tensors writes it"
-    refused({"weights.strategy": "channel", "weights.block_structure": None},
-            rf"config_groups.group_0.weights.strategy 'channel', .*weights.block_structure None not supported; {supported}")
+    refused({"weights.strategy": "group", "weights.block_structure": None},
+            rf"config_groups.group_0.weights.strategy 'group', .*weights.block_structure None not supported; {supported}")
+    refused({"weights.strategy": "channel", "weights.block_structure": None, "weights.num_bits": 4},
+            r"config_groups.group_0.weights.num_bits 4 not supported")
     refused({"input_activations.strategy": "token", "input_activations.group_size": None},
             r"input_activations.strategy 'token'.*not supported")
     refused({"input_activations.dynamic": False}, r"input_activations.dynamic False not supported")
@@ -255,3 +259,41 @@ def test_compressed_tensors_refusals(tmp_path):
     head = "lm_head.weight"  # targeted (Linear, not ignored) and stored in FP8: this engine keeps it unquantized
     refused({"ignore": compressed_tensors_config()["ignore"][1:]}, "lm_head.weight is FP8, but the engine holds",
             {**good, head: good[head].to(FP8), head + "_scale": torch.ones(3, 1)})
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_per_channel_is_requantized_block_wise_when_asked(tmp_path, strategy):
+    """compressed-tensors FP8_DYNAMIC (a scale per output row) and FP8 (one per tensor): the engine
+    computes block-wise FP8 only, so it refuses them unless model.quantization: fp8, which
+    re-quantizes each weight block-wise on load: then the weights are bit for bit those of a
+    float32 checkpoint holding the dequantized values under model.quantization: fp8."""
+    from bi_core.quant.fp8 import FP8_MAX
+
+    hf = make_hf_b128("moe")
+    save_checkpoint(hf, tmp_path / "ct", experts="per_expert", with_mtp=True)
+    save_checkpoint(hf, tmp_path / "dq", experts="per_expert", with_mtp=True)
+    tensors, dequantized = load_file(str(tmp_path / "ct" / "model.safetensors")), {}
+    out = {}
+    for name, t in tensors.items():
+        if not QUANTIZED.match(name):
+            out[name] = dequantized[name] = t
+            continue
+        amax = t.abs().amax(dim=-1, keepdim=True) if strategy == "channel" else t.abs().amax().reshape(1)
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        q = (t / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out[name], out[name + "_scale"] = q, scale
+        dequantized[name] = q.float() * scale
+    save_file(out, str(tmp_path / "ct" / "model.safetensors"))
+    save_file(dequantized, str(tmp_path / "dq" / "model.safetensors"))
+    cfg = compressed_tensors_config()
+    cfg["config_groups"]["group_0"]["weights"] = {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                  "symmetric": True, "dynamic": False}
+    cfg["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token",
+                                                            "dynamic": True, "symmetric": True}
+    add_quantization_config(tmp_path / "ct", cfg)
+    with pytest.raises(ConfigError, match="model.quantization: unset, but the checkpoint's FP8 weights have a scale "
+                                          "per output row or per tensor .*set model.quantization: fp8"):
+        engine(tmp_path / "ct")
+    requantized, reference = engine(tmp_path / "ct", quantization="fp8"), engine(tmp_path / "dq", quantization="fp8")
+    _same_bits(_params(requantized), _params(reference))
+    assert [o.token_ids for o in run(requantized)[0]] == [o.token_ids for o in run(reference)[0]]
