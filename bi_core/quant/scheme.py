@@ -85,6 +85,15 @@ class Fp8Scheme:
         return attrs.evolve(self, dense=self.mtp_dense)
 
 
+def describe(scheme: Fp8Scheme) -> str:
+    """The explain line of a model held in FP8: the arithmetic, where the scheme came from, what stays unquantized."""
+    kept = ", ".join(sorted(scheme.dense)) or "none"
+    again = ("; the checkpoint's scales are per output row or per tensor: re-quantized block-wise on load"
+             if scheme.source_scales == "row" else "")
+    return (f"weights: block-wise FP8 W8A8 ({scheme.block[0]}x{scheme.block[1]} weight blocks, activations per token "
+            f"and group of {scheme.block[1]}) from {scheme.origin}{again}; projections kept unquantized: {kept}")
+
+
 def fp8_weights(scheme: Fp8Scheme | None, *kinds: str) -> Fp8Weights | None:
     return None if scheme is None else scheme.weights(*kinds)
 

@@ -253,6 +253,10 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
                                                   max_batch_size=config.scheduler.max_num_seqs))
     failure = "\n".join(dict.fromkeys(factory.failures()))
     text = factory.explain()
+    if args.quantization is not None:
+        from bi_core.quant.scheme import describe
+
+        text += "\n" + describe(args.quantization)
     if wanted.type == "cuda":  # the GPUs its weights need, in the model dtype and in FP8
         from bi_core.quant.sizing import summary
 

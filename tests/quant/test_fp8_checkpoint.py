@@ -294,6 +294,11 @@ def test_compressed_tensors_per_channel_is_requantized_block_wise_when_asked(tmp
     with pytest.raises(ConfigError, match="model.quantization: unset, but the checkpoint's FP8 weights have a scale "
                                           "per output row or per tensor .*set model.quantization: fp8"):
         engine(tmp_path / "ct")
+    from bi_core.runtime.build import explain
+
+    text = explain(EngineConfig.from_dict({"model": {"path": str(tmp_path / "ct"), "dtype": "float32", "device": "cpu",
+                                                     "quantization": "fp8"}, "backend": "reference"}))
+    assert "scales are per output row or per tensor: re-quantized block-wise on load" in text
     requantized, reference = engine(tmp_path / "ct", quantization="fp8"), engine(tmp_path / "dq", quantization="fp8")
     _same_bits(_params(requantized), _params(reference))
     assert [o.token_ids for o in run(requantized)[0]] == [o.token_ids for o in run(reference)[0]]

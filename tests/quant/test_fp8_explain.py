@@ -35,8 +35,11 @@ def test_cuda_builders_serve_block_fp8(invariant, backend):
     text = _explain("qwen3.5-35b-a3b", invariant)
     assert "block-FP8" not in text  # no refusal by format
     assert f"linear        -> {backend}" in text and f"moe           -> {backend}" in text
+    assert ("weights: block-wise FP8 W8A8 (128x128 weight blocks, activations per token and group of 128) from "
+            "model.quantization: fp8 (the official Qwen3.5-FP8 scheme); projections kept unquantized: "
+            "linear_attn.in_proj_a, linear_attn.in_proj_b") in text
     dense = _explain("qwen3.5-35b-a3b", invariant, quantization=None)
-    assert f"linear        -> {backend}" in dense
+    assert f"linear        -> {backend}" in dense and "weights: block-wise" not in dense
 
 
 def test_a_block_size_the_kernels_do_not_take_fails_with_the_selectors_table():
