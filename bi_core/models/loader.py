@@ -30,7 +30,7 @@ from bi_core.models.args import ModelArgs
 from bi_core.models.weight_map import ALL, Placement, WeightMap, weight_map
 from bi_core.quant import placement as fp8
 from bi_core.quant.fp8 import FP8
-from bi_core.quant.params import SCALE_SUFFIX, is_block_scale, is_fp8
+from bi_core.quant.params import is_block_scale, is_fp8
 
 log = logging.getLogger(__name__)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -163,24 +163,23 @@ def _plan(source, wmap, params: dict[str, torch.nn.Parameter], args: ModelArgs,
     ``engine_dtype``: in-memory weights, held to the dtype rule of ``check_update``. FP8 tensors'
     scales (``*_scale_inv``) are checked with their tensor (``bi_core/quant/placement.py``)."""
     steps, unknown, problems = [], [], []
-    block = args.quantization.block if args.quantization is not None else None
-    suffix, rows = _scale_suffix(args), _row_scales(args)
+    scheme = args.quantization
     for name in source.names():
         pl = wmap.placement(name)
         if pl is None:
-            if not (fp8.is_companion(source, name, suffix) and wmap.placement(name[: -len(suffix)]) is not None):
+            weight = name[: -len(fp8.scale_suffix(scheme))]
+            if not (fp8.is_companion(source, name, scheme) and wmap.placement(weight) is not None):
                 unknown.append(name)
             continue
         have = source.shape(name)
         transposed = pl.transposable and _is_transposed(source, pl.expert_prefix, args)
         want = (pl.shape[0], pl.shape[2], pl.shape[1]) if transposed else pl.shape
-        fp8_source = source.dtype(name) == FP8 or fp8.companion(source, name, suffix) is not None
+        fp8_source = source.dtype(name) == FP8 or fp8.companion(source, name, scheme) is not None
         if not _fits(have, want):
             problems.append(f"tensor {name}: checkpoint shape {have}, model expects {want}")
         elif fp8_source:
-            problem = fp8.source_problem(source, name, pl.param, is_fp8(params[pl.param]), block,
-                                         in_memory=engine_dtype is not None, transposed=transposed, suffix=suffix,
-                                         row_scales=rows)
+            problem = fp8.source_problem(source, name, pl.param, is_fp8(params[pl.param]), scheme,
+                                         in_memory=engine_dtype is not None, transposed=transposed)
             if problem is not None:
                 problems.append(problem)
         elif engine_dtype is not None and source.dtype(name) not in (engine_dtype, torch.float32):
@@ -223,18 +222,8 @@ def _place(param: torch.nn.Parameter, pieces, t: torch.Tensor) -> None:
             param[local].copy_(part, non_blocking=True)
 
 
-def _scale_suffix(args: ModelArgs) -> str:
-    """The checkpoint's name for a weight's FP8 scales: ``weight`` + this (``Fp8Scheme.scale_suffix``)."""
-    return args.quantization.scale_suffix if args.quantization is not None else SCALE_SUFFIX
-
-
-def _row_scales(args: ModelArgs) -> bool:
-    """Whether the checkpoint's FP8 scales are per row or per tensor (re-quantized block-wise on load)."""
-    return args.quantization is not None and args.quantization.source_scales == "row"
-
-
 @torch.no_grad()
-def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step], suffix: str, rows: bool) -> None:
+def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step], scheme) -> None:
     for step in steps:
         param, pl = params[step.placement.param], step.placement
         t = source.get(step.name)
@@ -242,7 +231,7 @@ def _copy(params: dict[str, torch.nn.Parameter], source, steps: list[_Step], suf
         if not is_fp8(param):
             _place(param, pl.pieces, t)
             continue
-        q, scale = fp8.fp8_values(source, step.name, t, param, suffix, rows)  # as stored, or quantized on the way in
+        q, scale = fp8.fp8_values(source, step.name, t, param, scheme)  # as stored, or quantized on the way in
         _place(param, pl.pieces, q)
         full, block = getattr(param, "full_shape", param.shape), param.fp8.block
         _place(param.scale_inv, [(fp8.block_index(dst, full, block, step.name, False),
@@ -278,7 +267,7 @@ def load_weights(model: torch.nn.Module, source) -> None:
     for module in model.modules():  # experts narrower than the widest are zero-padded
         if hasattr(module, "zero_padding"):
             module.zero_padding()
-    _copy(dict(model.named_parameters()), source, steps, _scale_suffix(args), _row_scales(args))
+    _copy(dict(model.named_parameters()), source, steps, args.quantization)
     unused = [n for n in unknown if not (args.tie_word_embeddings and n == "lm_head.weight")]
     mtp = [n for n in unused if n.startswith("mtp.")]
     if mtp and not args.mtp_num_hidden_layers:
@@ -300,7 +289,7 @@ def update_weights(model: torch.nn.Module, source) -> int:
 
 def apply_update(model: torch.nn.Module, source, steps: list[_Step]) -> int:
     """Copy the steps ``check_update`` returned for ``source``; returns how many tensors."""
-    _copy(dict(model.named_parameters()), source, steps, _scale_suffix(model.args), _row_scales(model.args))
+    _copy(dict(model.named_parameters()), source, steps, model.args.quantization)
     return len(steps)
 
 

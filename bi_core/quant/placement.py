@@ -1,7 +1,8 @@
-"""Checkpoint tensors into FP8 parameters: an FP8 tensor arrives with its scales (``weight_scale_inv``,
-``name + "_scale_inv"``, in the official format; ``weight_scale`` in compressed-tensors'), a bf16/fp32 one is quantized block-wise on the way in (load and update
-alike, per checkpoint tensor: as an FP8 checkpoint of it would hold it); both land through the
-weight map's placements, the scales at the same places counted in blocks."""
+"""Checkpoint tensors into FP8 parameters: an FP8 tensor arrives with its scales (``name`` + the
+scheme's ``scale_suffix``: ``weight_scale_inv`` officially, ``weight_scale`` in compressed-tensors),
+a bf16/fp32 one is quantized block-wise on the way in (load and update alike, per checkpoint tensor:
+as an FP8 checkpoint of it would hold it); both land through the weight map's placements, the
+scales at the same places counted in blocks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from bi_core.errors import CheckpointError
 from bi_core.quant.fp8 import FP8, quantize_blocks, scale_shape
 from bi_core.quant.params import SCALE_SUFFIX
+from bi_core.quant.scheme import Fp8Scheme
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -18,21 +20,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def companion(source, name: str, suffix: str = SCALE_SUFFIX) -> str | None:
-    """The scale tensor stored with ``name`` in ``source``, if any (``suffix``: the checkpoint format's,
-    ``Fp8Scheme.scale_suffix``)."""
-    scale = name + suffix
+def scale_suffix(scheme: Fp8Scheme | None) -> str:
+    """A checkpoint's name for a weight's FP8 scales: the weight's name + this."""
+    return scheme.scale_suffix if scheme is not None else SCALE_SUFFIX
+
+
+def companion(source, name: str, scheme: Fp8Scheme | None) -> str | None:
+    """The scale tensor stored with ``name`` in ``source``, if any."""
+    scale = name + scale_suffix(scheme)
     return scale if source.has(scale) else None
 
 
-def is_companion(source, name: str, suffix: str = SCALE_SUFFIX) -> bool:
+def is_companion(source, name: str, scheme: Fp8Scheme | None) -> bool:
+    suffix = scale_suffix(scheme)
     return name.endswith(suffix) and source.has(name[: -len(suffix)])
 
 
-def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[int, int] | None,
-                   in_memory: bool, transposed: bool, suffix: str = SCALE_SUFFIX, row_scales: bool = False) -> str | None:
+def source_problem(source, name: str, param: str, fp8_param: bool, scheme: Fp8Scheme | None,
+                   in_memory: bool, transposed: bool) -> str | None:
     """What is wrong with FP8 tensor ``name`` (float8_e4m3fn, or with a scale) for ``param``; None if fine."""
-    dtype, scale = source.dtype(name), companion(source, name, suffix)
+    dtype, scale = source.dtype(name), companion(source, name, scheme)
     if in_memory:
         return (f"tensor {name}: {dtype}{' with a scale' if scale else ''}: weights in memory are taken in bf16/fp32 "
                 "(an FP8 model quantizes them block-wise on the way in); FP8 + weight_scale_inv pairs are accepted from "
@@ -44,35 +51,35 @@ def source_problem(source, name: str, param: str, fp8_param: bool, block: tuple[
                 "does not make it FP8: no quantization_config, listed in modules_to_not_convert, or a weight this "
                 "engine never quantizes: embeddings, lm_head, norms, router gates, GDN conv1d/A_log/dt_bias)")
     if scale is None:
-        return f"tensor {name} is float8_e4m3fn but {name}{suffix} is missing"
+        return f"tensor {name} is float8_e4m3fn but {name}{scale_suffix(scheme)} is missing"
     if transposed:
         return f"tensor {name}: FP8 experts stored transposed ([E, in, out]) are not supported"
-    if row_scales:  # one scale per output row (compressed-tensors' channel strategy) or one in all (tensor)
+    if scheme.source_scales == "row":  # one scale per output row (compressed-tensors' channel strategy) or one in all (tensor)
         shape, rows = tuple(source.shape(name)), tuple(source.shape(name))[:-1]
         if tuple(source.shape(scale)) not in ((*rows, 1), rows, (1,), ()) or source.dtype(scale) not in SCALE_DTYPES:
             return (f"tensor {scale}: {source.dtype(scale)} {list(source.shape(scale))}, expected float32 or bfloat16 "
                     f"{list((*rows, 1))} (a scale per output row of {name} {list(shape)}) or [1] (one per tensor)")
         return None
-    want = scale_shape(source.shape(name), block)
+    want = scale_shape(source.shape(name), scheme.block)
     if source.shape(scale) != want or source.dtype(scale) not in SCALE_DTYPES:
         return (f"tensor {scale}: {source.dtype(scale)} {list(source.shape(scale))}, expected float32 or bfloat16 "
-                f"{list(want)} (one scale per {block[0]}x{block[1]} block of {name} {list(source.shape(name))})")
+                f"{list(want)} (one scale per {scheme.block[0]}x{scheme.block[1]} block of {name} "
+                f"{list(source.shape(name))})")
     return None
 
 
 def fp8_values(source, name: str, t: torch.Tensor, param: torch.nn.Parameter,
-               suffix: str = SCALE_SUFFIX, row_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 values, float32 scales) of tensor ``t`` (``name`` in ``source``) for FP8 ``param``: as
-    stored, or quantized from ``t`` rounded to the model dtype. ``row_scales``: ``t``'s scales are one
-    per output row (or one per tensor); it is dequantized (in float32) and quantized as a
+    stored, or quantized from ``t`` rounded to the model dtype. Scales per output row (or one per
+    tensor: ``scheme.source_scales`` "row"): ``t`` is dequantized (in float32) and quantized as a
     bf16/fp32 tensor of those values would be."""
-    if t.dtype == FP8 and row_scales:
-        scale = source.get(name + suffix).float()
+    if t.dtype == FP8:
+        scale = source.get(name + scheme.scale_suffix).float()
+        if scheme.source_scales != "row":
+            return t, scale.reshape(scale_shape(tuple(t.shape), param.fp8.block))
         scale = scale.reshape(*t.shape[:-1], 1) if scale.numel() > 1 else scale.reshape(())
         t = t.float() * scale.to(t.device)
-    elif t.dtype == FP8:
-        scale = source.get(name + suffix)
-        return t, scale.reshape(scale_shape(tuple(t.shape), param.fp8.block)).float()
     return quantize_blocks(t.to(param.device, param.dense_dtype), param.fp8.block)
 
 

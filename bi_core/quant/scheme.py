@@ -177,9 +177,10 @@ CT_IGNORED_KEYS = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype", "ac
 
 
 def _compressed_tensors(qc: dict, layer_types: Sequence[str], is_moe: bool, has_mtp: bool) -> Fp8Scheme:
-    """A compressed-tensors ``quantization_config`` whose every quantized group is FP8_BLOCK: the
-    scheme it gives (the linears its groups' ``targets`` name, less ``ignore``); anything else refused
-    with what is not supported and what is."""
+    """A compressed-tensors ``quantization_config`` whose groups are all FP8_BLOCK (this engine's
+    arithmetic), or all per-channel / per-tensor FP8 (``source_scales`` "row": re-quantized on load,
+    see ``resolve``): the scheme it gives (the linears its groups' ``targets`` name, less
+    ``ignore``); anything else refused with what is not supported and what is."""
     where = f"{WHERE} (quant_method compressed-tensors)"
     bad = []
     if qc.get("format") not in ("float-quantized", "mixed-precision", None):
