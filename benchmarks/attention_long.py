@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--merge-run", type=int, help="override kernels.attention.MERGE_RUN (1 << 30: one-level merge)")
     ap.add_argument("--split-warps", type=int, help="override the split kernel's warps (default: as shipped)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="calls per variant checked against the previous one")
-    ap.add_argument("--splits", help="split programs per (sequence, KV head) to try, e.g. 64,128,256 (with "
+    ap.add_argument("--splits", help="split programs per (sequence, KV head) to try, e.g. 64,128,256 or wave (as planned; with "
                     "--split-stages: every pair; merge as shipped)")
     ap.add_argument("--split-stages", default="2", help="the split kernel's pipeline stages to try with --splits")
     ap.add_argument("--merge-warps", help="the merges' warps to try, e.g. 4,2,1 (the rest as shipped)")
@@ -183,7 +183,7 @@ def main() -> None:
         if a.merge_warps:  # scheduling only: the merges' arithmetic is elementwise
             return [(new, 6, warps, 2, int(w)) for w in a.merge_warps.split(",")]
         if a.splits:  # scheduling only: every pair must give the first's bits
-            return [(min(chunks, int(sp)), 6, warps, int(st)) for sp in a.splits.split(",")
+            return [(new if sp == "wave" else min(chunks, int(sp)), 6, warps, int(st)) for sp in a.splits.split(",")
                     for st in a.split_stages.split(",")]
         if a.sweep_split:  # the split kernel's warps and pipeline stages, merge as shipped
             return [(new, 6, w, st) for w, st in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2), (2, 3))]
