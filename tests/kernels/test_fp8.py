@@ -660,11 +660,14 @@ def test_gpu_same_bits_as_the_vllm_order():
 
 
 @gpu_only
-def test_gpu_moe_rows_invariant_model_shapes():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_moe_rows_invariant_model_shapes(dtype):
     """On the GPU, at the 35B-A3B's expert shapes (64 of its 256 experts, top-8, H 2048, I 512, plus
-    the shared expert; fp32 activations so order changes show): a token's output is bitwise the
-    same alone, in batches of 2..512 tokens (up to 8 per pair, then routing blocks of 16 to 128
-    rows), permuted, and with either path forced on the same 8 tokens."""
+    the shared expert; fp32 activations so order changes show, and bf16, the engine's, where every
+    rounding to the model dtype counts: a per-token down kernel passed fp32 and gave other bits in
+    bf16, benchmarks section 35): a token's output is bitwise the same alone, in batches of 2..512
+    tokens (up to 8 per pair, then routing blocks of 16 to 128 rows), permuted, and with either
+    path forced on the same 8 tokens."""
     from bi_core.kernels.fp8_moe import fp8_fused_moe
 
     e, top, h, i, t = 64, 8, 2048, 512, 512
@@ -672,9 +675,9 @@ def test_gpu_moe_rows_invariant_model_shapes():
     w2 = [quantize_weight(torch.randn(h, i, device="cuda") / i**0.5) for _ in range(e + 1)]
     w13q, w13s = torch.stack([w[0] for w in w13]), torch.stack([w[1] for w in w13])
     w2q, w2s = torch.stack([w[0] for w in w2]), torch.stack([w[1] for w in w2])
-    x = torch.randn(t, h, device="cuda")
+    x = torch.randn(t, h, device="cuda", dtype=dtype)
     wts, ids = torch.rand(t, top, device="cuda").softmax(-1), torch.rand(t, e, device="cuda").topk(top, -1).indices
-    shared = torch.randn(t, device="cuda")
+    shared = torch.randn(t, device="cuda", dtype=dtype)
     run = lambda rows: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13q, w13s, w2q, w2s, shared[rows])
     every = torch.arange(t, device="cuda")
     ref = bits(run(every))
