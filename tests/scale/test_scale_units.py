@@ -65,3 +65,32 @@ def test_a_cluster_too_small_or_a_pinned_gpu_is_one_error():
         bundles(config("cpu"), 3, {"CPU": 2.0})
     with pytest.raises(BiEngineError, match="model.device: cuda:1 names one GPU"):
         bundles(config("cuda:1"), 2, {"CPU": 4.0, "GPU": 4.0})
+
+
+def test_free_port_never_gives_a_port_twice(monkeypatch):
+    """The OS may hand the same ephemeral port to two binds in a row (a CI run got the router's port
+    for the control app, and the deployment refused to start): ``free_port`` skips any port it gave
+    before in this process."""
+    import socket
+
+    from bi_core.scale import processes
+
+    ports = iter([50001, 50001, 50001, 50002])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(ports)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(processes, "_given", set())
+    monkeypatch.setattr(socket, "socket", FakeSocket)
+    assert processes.free_port("127.0.0.1") == 50001
+    assert processes.free_port("127.0.0.1") == 50002  # 50001 twice more from the OS, skipped

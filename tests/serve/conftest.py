@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from bi_core.scale import processes
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -52,9 +53,7 @@ def eventually(check, within_s: float, every_s: float = 0.1) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return processes.free_port("127.0.0.1")  # never the same port twice in this process
 
 
 def families(server) -> dict:
