@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device run: unpack GPU deps, then each step in order. Logs under $OUT.
+# Env: STEP_TIMEOUT (a step's limit, s), SAVE_TRITON=1 (bring Triton's cache back; see below).
 # Steps: tests | tests-all | pytest:<args> | compare[:--sweep] (kernel_bench in .baseline and in this
 # tree, then the side-by-side table) | old:<cmd> (a command run with the pre-change tree first on
 # PYTHONPATH, e.g. old:python3 -m bi_core.cli bench ...) | cmd:<command> | <script.sh> | <script.py args>.
@@ -26,6 +27,20 @@ if ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; then
   cat .fi-jit/fi-jit.part-* | tar -xJ -C /tmp/fiws && echo "FlashInfer JIT cache restored"
 fi
 touch /tmp/fi-marker  # FlashInfer modules built after this (missing or out of date) are listed at the end
+# Triton's compile cache travels the same way, opt-in: with SAVE_TRITON=1 a call whose steps
+# compiled kernels brings the cache back as $OUT/triton.part-* (when under 24 MiB compressed: the
+# carried tree, .gpu-deps and .fi-jit take about 33 MB of the 64 MiB a call carries); copy them into
+# .triton-cache/ and carry it: a fresh machine then starts warm (the 35B engine's first start took
+# 70-96 s cold, 30-40 s warm; the suite's compiles no longer fit one 560 s step cold). The cache
+# lives where Triton looks by default, so a script that wants a cold one still sets TRITON_CACHE_DIR.
+# Stale entries are only missed, never wrong (Triton keys them by source and options); to drop
+# them, delete .triton-cache and save a new one.
+triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}; mkdir -p "$triton_cache"
+if ls .triton-cache/triton.part-* >/dev/null 2>&1; then
+  cat .triton-cache/triton.part-* | tar -xJ -C "$triton_cache" && \
+    echo "Triton cache restored: $(find "$triton_cache" -maxdepth 1 -mindepth 1 | wc -l) entries"
+fi
+touch /tmp/triton-marker
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 run_step() {  # one step; its status is its command's (pipefail: not the tail's)
@@ -72,6 +87,16 @@ if [ -d /tmp/fiws/.cache ] && { [ -n "$built" ] || ! ls .fi-jit/fi-jit.part-* >/
   tar -c -C /tmp/fiws .cache | xz -T0 -6 > /tmp/fi-jit.tar.xz
   size=$(stat -c %s /tmp/fi-jit.tar.xz); echo "FlashInfer JIT cache: $((size >> 20)) MiB compressed"
   [ "$size" -lt $((40 << 20)) ] && split -b 15M /tmp/fi-jit.tar.xz "$OUT/fi-jit.part-"
+fi
+if [ "${SAVE_TRITON:-0}" = 1 ]; then
+  if [ -n "$(find "$triton_cache" -type f -newer /tmp/triton-marker -print -quit)" ]; then
+    tar -c -C "$triton_cache" . | xz -T0 -6 > /tmp/triton.tar.xz
+    size=$(stat -c %s /tmp/triton.tar.xz); echo "Triton cache: $((size >> 20)) MiB compressed"
+    if [ "$size" -lt $((24 << 20)) ]; then split -b 15M /tmp/triton.tar.xz "$OUT/triton.part-"
+    else echo "Triton cache over 24 MiB compressed: not brought back"; fi
+  else
+    echo "Triton cache: nothing compiled in this call, not brought back"
+  fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== ${#failed[@]} step(s) failed: ${failed[*]}"
