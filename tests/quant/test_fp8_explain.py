@@ -138,3 +138,18 @@ def test_the_h100_configs_fit_one_h100(name):
     crowded = EngineConfig.from_dict({**config.to_dict(), "scheduler": {**config.to_dict()["scheduler"],
                                                                         "max_num_seqs": 256}})
     assert "H100 80GB: 1 GPU holds the weights" in bf16_line(crowded)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU counts for the kinds when none is here")
+def test_the_h100_fp8_config_fits_one_h100_only_in_fp8():
+    """``configs/h100_invariant_fp8.yaml``: its 256 sequences fit one H100 with the weights in FP8, and
+    would not in bf16 (the bf16 line of the same explain says so)."""
+    from pathlib import Path
+
+    config = EngineConfig.from_yaml(Path(__file__).resolve().parents[2] / "configs" / "h100_invariant_fp8.yaml")
+    assert config.model.quantization == "fp8" and config.scheduler.max_num_seqs == 256
+    lines = explain(config).splitlines()
+    fp8 = next(line for line in lines if line.startswith("  fp8 (block 128x128):"))
+    bf16 = next(line for line in lines if line.startswith("  bfloat16:"))
+    assert "H100 80GB: 1 GPU (" in fp8
+    assert "H100 80GB: 1 GPU holds the weights (64.6 of 71.3 GiB usable) but not the GDN state of 256" in bf16
