@@ -167,8 +167,8 @@ def _plan(source, wmap, params: dict[str, torch.nn.Parameter], args: ModelArgs,
     for name in source.names():
         pl = wmap.placement(name)
         if pl is None:
-            weight = name[: -len(fp8.scale_suffix(scheme))]
-            if not (fp8.is_companion(source, name, scheme) and wmap.placement(weight) is not None):
+            weight = fp8.scaled_weight(source, name, scheme)
+            if weight is None or wmap.placement(weight) is None:
                 unknown.append(name)
             continue
         have = source.shape(name)

@@ -31,9 +31,11 @@ def companion(source, name: str, scheme: Fp8Scheme | None) -> str | None:
     return scale if source.has(scale) else None
 
 
-def is_companion(source, name: str, scheme: Fp8Scheme | None) -> bool:
+def scaled_weight(source, name: str, scheme: Fp8Scheme | None) -> str | None:
+    """The weight in ``source`` whose scales ``name`` holds, if it is one's scale tensor."""
     suffix = scale_suffix(scheme)
-    return name.endswith(suffix) and source.has(name[: -len(suffix)])
+    weight = name[: -len(suffix)]
+    return weight if name.endswith(suffix) and source.has(weight) else None
 
 
 def source_problem(source, name: str, param: str, fp8_param: bool, scheme: Fp8Scheme | None,
@@ -54,7 +56,7 @@ def source_problem(source, name: str, param: str, fp8_param: bool, scheme: Fp8Sc
         return f"tensor {name} is float8_e4m3fn but {name}{scale_suffix(scheme)} is missing"
     if transposed:
         return f"tensor {name}: FP8 experts stored transposed ([E, in, out]) are not supported"
-    if scheme.source_scales == "row":  # one scale per output row (compressed-tensors' channel strategy) or one in all (tensor)
+    if scheme.source_scales == "row":  # a scale per output row (compressed-tensors' channel) or one (tensor)
         shape, rows = tuple(source.shape(name)), tuple(source.shape(name))[:-1]
         if tuple(source.shape(scale)) not in ((*rows, 1), rows, (1,), ()) or source.dtype(scale) not in SCALE_DTYPES:
             return (f"tensor {scale}: {source.dtype(scale)} {list(source.shape(scale))}, expected float32 or bfloat16 "
