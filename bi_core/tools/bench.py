@@ -8,6 +8,7 @@ did not run every row at the stated context, or a prefill the prefix cache serve
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 
@@ -173,13 +174,32 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
         engine.step()
     for _ in range(3):
         engine.step()
+    graphs = getattr(engine.runner, "main_graphs", None)
+    replays = sum(getattr(graphs, "num_replays", {}).values())
+    host = None
+    if os.environ.get("BI_BENCH_PROFILE_HOST"):  # where the host's part of a timed step goes (cProfile)
+        import cProfile
+
+        host = cProfile.Profile()
     with main_model_batches(engine) as batches:
         _sync(engine)
+        if host is not None:
+            host.enable()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         _sync(engine)
         ms = (time.perf_counter() - t0) / steps * 1e3
+        if host is not None:
+            host.disable()
+    if host is not None:
+        import pstats
+
+        print(f"    B={len(prompts)}: host profile of {steps} timed steps ({ms:.3f} ms a step)")
+        pstats.Stats(host).sort_stats("tottime").print_stats(int(os.environ["BI_BENCH_PROFILE_HOST"]))
+    if os.environ.get("BI_BENCH_TOP_KERNELS"):
+        print(f"    B={len(prompts)}: {sum(getattr(graphs, 'num_replays', {}).values()) - replays} of {steps} timed "
+              f"steps replayed a graph; {ms:.3f} ms a step")
     check_decode_rows(batches, seqs, steps)
     kernels = kernels_per_decode_step(engine, seqs) if count_kernels else None
     for s in seqs:
@@ -210,7 +230,17 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
             torch.cuda.synchronize()
     finally:
         runner.main_graphs = graphs
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    top = int(os.environ.get("BI_BENCH_TOP_KERNELS", "0"))  # where the step's time goes (eager: PDL waits included)
+    if top:
+        totals: dict[str, list[float]] = {}
+        for e in kernels:
+            totals.setdefault(e.name[:90], []).append(e.device_time_total if hasattr(e, "device_time_total")
+                                                      else e.cuda_time_total)
+        print(f"    B={len(seqs)}: top kernels of one eager step (us total, calls)")
+        for name, ts in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            print(f"      {sum(ts):9.1f} {len(ts):4d}  {name}")
+    return len(kernels)
 
 
 def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
