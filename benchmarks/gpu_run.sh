@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device run: unpack GPU deps, then each step in order. Logs under $OUT.
-# Env: STEP_TIMEOUT (a step's limit, s), SAVE_TRITON=1 (bring Triton's cache back; see below).
-# Steps: tests | tests-all | pytest:<args> | compare[:--sweep] (kernel_bench in .baseline and in this
+# Env: STEP_TIMEOUT (a step's limit, s), BG_TIMEOUT (a bg: step's, default 540), SAVE_TRITON=1 (bring
+# Triton's cache back; see below).
+# Steps: tests | tests-all | fi-warm | bg:<command> (in the background, waited for at the end) |
+# pytest:<args> | compare[:--sweep] (kernel_bench in .baseline and in this
 # tree, then the side-by-side table) | old:<cmd> (a command run with the pre-change tree first on
 # PYTHONPATH, e.g. old:python3 -m bi_core.cli bench ...) | cmd:<command> | <script.sh> | <script.py args>.
 set -uo pipefail
@@ -70,17 +72,28 @@ run_step() {  # one step; its status is its command's (pipefail: not the tail's)
   esac
 }
 
-warm_pid=
+bg_pids=()
 failed=()
 for step in "$@"; do
-  if [ "$step" = fi-warm ]; then  # FlashInfer's JIT compile (CPU) in the background, overlapping the next steps
-    python3 benchmarks/fi_warm.py > "$OUT/fi_warm.log" 2>&1 & warm_pid=$!; continue
+  # background steps (CPU work such as JIT compiles, overlapping the next steps; waited for at the end):
+  # fi-warm is FlashInfer's attention modules, bg:<command> any command (output in $OUT/bg.log)
+  if [ "$step" = fi-warm ]; then
+    python3 benchmarks/fi_warm.py > "$OUT/fi_warm.log" 2>&1 & bg_pids+=($!); continue
+  fi
+  if [ "${step#bg:}" != "$step" ]; then
+    echo "== background: ${step#bg:} ($(date +%T))"
+    (timeout ${BG_TIMEOUT:-540} ${step#bg:} >> "$OUT/bg.log" 2>&1; echo "background step ended (status $?): ${step#bg:}" >> "$OUT/bg.log") &
+    bg_pids+=($!); continue
   fi
   [ -n "${step%% *}" ] || continue
   echo "== $step ($(date +%T))"
   run_step "$step" || { echo "== FAILED (status $?): $step"; failed+=("$step"); }
 done
-[ -n "$warm_pid" ] && { wait "$warm_pid"; tail -3 "$OUT/fi_warm.log"; }
+if [ ${#bg_pids[@]} -gt 0 ]; then
+  wait "${bg_pids[@]}"
+  [ -f "$OUT/fi_warm.log" ] && tail -3 "$OUT/fi_warm.log"
+  [ -f "$OUT/bg.log" ] && tail -8 "$OUT/bg.log"
+fi
 built=$(find /tmp/fiws -name '*.so' -newer /tmp/fi-marker 2>/dev/null)
 [ -n "$built" ] && echo "FlashInfer JIT modules built in this run (not in the carried cache):" && echo "$built" | sed 's|.*/||'
 if [ -d /tmp/fiws/.cache ] && { [ -n "$built" ] || ! ls .fi-jit/fi-jit.part-* >/dev/null 2>&1; }; then
