@@ -2,7 +2,9 @@
 # Re-record the shipped compile manifests (bi_core/backends/cuda_common/compile_manifests), each
 # start on an empty Triton cache, after a change to the kernels a start compiles or to the graphs
 # it captures; archives them as $OUT/manifests.tar (unpack it into bi_core/backends/cuda_common).
-#   bash benchmarks/record_manifests.sh [CONFIG...]   (default: the five configs the manifests ship for)
+#   bash benchmarks/record_manifests.sh [CONFIG...]   (default: the five bf16 configs the manifests ship for)
+# The two FP8 manifests are a second call (seven starts do not fit one step's 560 s):
+#   bash benchmarks/record_manifests.sh configs/h100_invariant_fp8.yaml benchmarks/configs/qwen35b_invariant_fp8.yaml
 set -uo pipefail
 configs=("$@")
 if [ ${#configs[@]} -eq 0 ]; then
