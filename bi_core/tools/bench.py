@@ -3,7 +3,11 @@ and time to first token, peak memory, and the floors every figure is checked aga
 decode step must move over the fastest streaming rate measured on this device, the FLOPs a
 prefill must do over the matrix rate measured on it. A figure below its floor, a decode step that
 did not run every row at the stated context, or a prefill the prefix cache served, is an error
-(``BenchError``), never a result."""
+(``BenchError``), never a result. A decode step that takes over HOST_BOUND_RATIO times its kernels'
+device time is printed with a ``HOST-BOUND?`` note. Where a step's time goes:
+``BI_BENCH_TOP_KERNELS=N`` prints one eager step's N costliest kernels and how many timed steps
+replayed a CUDA graph; ``BI_BENCH_PROFILE_HOST=N`` the host's N costliest functions over the
+timed steps (cProfile)."""
 
 from __future__ import annotations
 
