@@ -17,6 +17,7 @@ the same bits as the request run alone.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -72,11 +73,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._preempted_now: set[int] = set()  # see _prefill
         self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
         self._logged_preemptions, self._logged_at = 0, time.monotonic()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the queue, which stays in request-id order (admission order): a new request goes
+        last, a preempted or released one to its place."""
+        if not self.waiting or self.waiting[-1].request_id < seq.request_id:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(bisect.bisect(self.waiting, seq.request_id, key=lambda s: s.request_id), seq)
 
     def hold(self, keep) -> list[Sequence]:
         """Take the queued requests for which ``keep(seq)`` is False out of the queue (RL pause
@@ -87,8 +97,9 @@ class Scheduler:
         return held
 
     def release(self, held: list[Sequence]) -> None:
-        """Queue requests ``hold`` took out again (admission goes by request id, not queue order)."""
-        self.waiting.extend(held)
+        """Queue requests ``hold`` took out again, each at its place in request-id order."""
+        for seq in held:
+            self._enqueue(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,22 +139,35 @@ class Scheduler:
         own), each its next chunk if that fits in what is left, else it waits and the ones behind
         it go on. A waiting request that cannot get its pages or a slot stops admissions for this
         step (first come, first served under memory pressure); running ones still go on."""
-        partial = [s for s in self.running if s.status is Status.RUNNING and not s.fork_pending and not s.is_decoding]
-        waiting = {id(s) for s in self.waiting}
-        admitting = True
-        for seq in sorted([*partial, *self.waiting], key=lambda s: s.request_id):
-            if id(seq) not in waiting:
+        partial = sorted((s for s in self.running if s.status is Status.RUNNING and not s.fork_pending
+                          and not s.is_decoding), key=lambda s: s.request_id)
+        # the queue is in request-id order: merge it with the partial prompts, and stop reading it
+        # once admissions stop or the budget is spent (a scan of the whole queue each step cost
+        # 18 ms at 20,000 queued requests)
+        admitting, p, i = True, 0, 0
+        self._preempted_now = preempted = set()  # queued by this call's own preemptions: not admitted in it
+        while True:
+            w = self.waiting[i] if admitting and budget > 0 and i < len(self.waiting) else None
+            if w is not None and id(w) in preempted:
+                i += 1
+                continue
+            if p < len(partial) and (w is None or partial[p].request_id < w.request_id):
+                seq, p = partial[p], p + 1
                 n = self._chunk(seq)
                 if seq.status is Status.RUNNING and n <= budget and self._ensure_pages(seq, seq.num_computed + n, out):
                     out.append(Scheduled(seq, n))
                     budget -= n
-            elif admitting:
-                n = self._admit(seq, budget)
+            elif w is None:
+                return
+            else:
+                n = self._admit(w, budget)  # an admitted request leaves the queue: the next is at i
                 if n is None:
                     admitting = False
                 elif n:
-                    out.append(Scheduled(seq, n))
+                    out.append(Scheduled(w, n))
                     budget -= n
+                else:
+                    i += 1
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Admit a waiting request (with its n-sample group) if its first chunk fits in ``budget``:
@@ -174,12 +198,17 @@ class Scheduler:
         """The next step's schedule, made while the current decode step runs (not yet committed:
         each sequence's ``num_computed`` is one short and its token not appended; ``ending``: its
         sequences that token ends by length, ``continuing``: the others), when it is certain:
-        nothing waits, every running sequence is one of the two, and each continuing sequence
-        decodes one token (pages taken now, never by preemption).
+        nothing that waits can be admitted (nothing waits, or the batch is full and no sequence
+        ends by length: RL's steady state, a queue behind a full batch), every running sequence
+        is one of the two, and each continuing sequence decodes one token (pages taken now, never
+        by preemption).
         What ``schedule`` would then return, in the same order; else None. A sequence that the
-        token ends otherwise (a stop token) runs a wasted row in that step."""
+        token ends otherwise (a stop token, an abort) runs a wasted row in that step, and a
+        request waiting for its slot is admitted a step later."""
         keep = {id(s) for s in continuing}
-        if (self.waiting or not keep or keep | {id(s) for s in ending} != {id(s) for s in self.running}
+        full = len(self.running) >= self.config.max_num_seqs or not self.cache.slots.num_free
+        if ((self.waiting and (ending or not full)) or not keep
+                or keep | {id(s) for s in ending} != {id(s) for s in self.running}
                 or len(continuing) * self.decode_tokens > self.config.max_num_batched_tokens):
             return None
         out = []
@@ -321,7 +350,8 @@ class Scheduler:
         for f in seq.followers:  # samples not yet forked wait with their leader
             self._release(f)
             f.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
+        self._preempted_now.add(id(seq))
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -98,6 +98,11 @@ def decode_bytes(engine: LLMEngine, batch: int, context_len: int) -> int:
     return total
 
 
+# a timed step over this many times its kernels' device time (one eager step) is flagged host-bound:
+# eager kernels under PDL overlap, so their sum runs at or above a graphed step's device time
+HOST_BOUND_RATIO = 1.25
+
+
 @attrs.frozen
 class DecodeResult:
     batch: int
@@ -106,6 +111,7 @@ class DecodeResult:
     tokens_per_s: float
     floor_ms: float
     kernels_per_step: int | None = None
+    kernel_ms: float | None = None  # the device time of those kernels (one eager step)
 
     @property
     def over_floor(self) -> float:
@@ -150,7 +156,7 @@ def check_decode_rows(batches: list[list[tuple[int, int]]], seqs: list, steps: i
 
 
 def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, count_kernels: bool = False
-                      ) -> tuple[float, int | None]:
+                      ) -> tuple[float, tuple[int, float] | None]:
     """Mean ms of ``steps`` full engine steps (schedule + forward + sample) run back to back once
     every prompt decodes, after 3 warm-up steps (which also capture this bucket's graph); with
     ``count_kernels``, also the device kernels of one such step (``kernels_per_decode_step``).
@@ -207,9 +213,10 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
     return ms, kernels
 
 
-def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
+def kernels_per_decode_step(engine: LLMEngine, seqs) -> tuple[int, float]:
     """Device kernels of one decode step of ``seqs``: an eager forward (the kernel sequence a CUDA
-    graph of the step replays) plus sampling, counted with the torch profiler. It runs the step
+    graph of the step replays) plus sampling, counted with the torch profiler; returns (how many,
+    their device time in ms). It runs the step
     outside the engine's bookkeeping, so those sequences' states move one token ahead: call it
     only when their outputs no longer matter (after timing)."""
     from torch.autograd import DeviceType
@@ -235,12 +242,11 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> int:
     if top:
         totals: dict[str, list[float]] = {}
         for e in kernels:
-            totals.setdefault(e.name[:90], []).append(e.device_time_total if hasattr(e, "device_time_total")
-                                                      else e.cuda_time_total)
+            totals.setdefault(e.name[:90], []).append(e.device_time_total)
         print(f"    B={len(seqs)}: top kernels of one eager step (us total, calls)")
         for name, ts in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:top]:
             print(f"      {sum(ts):9.1f} {len(ts):4d}  {name}")
-    return len(kernels)
+    return len(kernels), sum(e.device_time_total for e in kernels) / 1e3
 
 
 def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, bandwidth: float,
@@ -252,7 +258,16 @@ def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, ba
     if ms < floor:
         raise BenchError(f"decode B={batch} at {context_len} tokens measured {ms:.3f} ms, below its memory floor "
                          f"{floor:.3f} ms: a measurement bug, not a result")
-    return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor, kernels)
+    return DecodeResult(batch, context_len, ms, batch / ms * 1e3, floor, *(kernels or (None, None)))
+
+
+def host_bound_note(ms_per_step: float, kernel_ms: float | None) -> str:
+    """A warning when a timed step takes well over its kernels' device time: the device waited
+    for the host (a graphed step whose planning is slow, section 37's prefix-cache eviction)."""
+    if not kernel_ms or ms_per_step <= HOST_BOUND_RATIO * kernel_ms:
+        return ""
+    return (f"  HOST-BOUND? {ms_per_step / kernel_ms:.2f}x its kernels' {kernel_ms:.2f} ms "
+            "(BI_BENCH_PROFILE_HOST=20: where the host's time goes)")
 
 
 def bench_throughput(engine: LLMEngine, num_requests: int, input_len: int, output_len: int, seed: int = 1) -> dict:

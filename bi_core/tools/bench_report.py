@@ -16,6 +16,7 @@ from bi_core.tools.bench import (
     bench_decode,
     bench_prefill,
     bench_throughput,
+    host_bound_note,
     measure_bandwidth,
     measure_matmul_flops,
 )
@@ -97,9 +98,9 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
         layers = engine.args.num_hidden_layers
         out["decode"].append({"batch": b, "context_len": r.context_len, "ms_per_step": r.ms_per_step,
                               "tokens_per_s": r.tokens_per_s, "floor_ms": r.floor_ms, "over_floor": r.over_floor,
-                              "kernels_per_step": r.kernels_per_step})
+                              "kernels_per_step": r.kernels_per_step, "kernel_ms": r.kernel_ms})
         kernels = (f"  {r.kernels_per_step} kernels/step ({r.kernels_per_step / layers:.1f}/layer)"
-                   if r.kernels_per_step else "")
+                   if r.kernels_per_step else "") + host_bound_note(r.ms_per_step, r.kernel_ms)
         print(f"  decode B={b:<4} ctx {context:<5} {r.ms_per_step:8.3f} ms/step  floor {r.floor_ms:7.3f} ms  x{r.over_floor:5.2f}  "
               f"{r.tokens_per_s:9.1f} tok/s{kernels}", flush=True)
     if tput:

@@ -158,3 +158,25 @@ def test_a_gather_of_few_runs_is_a_copy_per_run():
     ids = torch.zeros(2, dtype=torch.int64)
     gather_ids(ids, torch.tensor([11, 12]), [-1, -2])
     assert ids.tolist() == [11, 12]
+
+
+def test_a_queue_behind_a_full_batch_keeps_decode_overlapped():
+    """RL's steady state: more requests than max_num_seqs. While the batch is full and no row ends
+    by length, nothing queued can be admitted, so the next decode step is launched ahead anyway
+    (before, any queued request stopped it: the host planned every step in series). Admissions
+    come where they came without overlap: the outputs are that engine's."""
+    ps = prompts(6)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 9, 20, 6, 11, 8)]
+    ref = engine(False, max_num_seqs=2).generate(ps, params)
+    eng = engine(True, max_num_seqs=2)
+    plan, queued_ahead = eng.scheduler.plan_decode, []
+
+    def spy(continuing, ending):
+        out = plan(continuing, ending)
+        queued_ahead.append(bool(eng.scheduler.waiting) and out is not None)
+        return out
+
+    eng.scheduler.plan_decode = spy
+    same(eng.generate(ps, params), ref)
+    assert sum(queued_ahead) > 10, "no step was launched ahead while requests waited"
+    assert eng.cache.num_pages_in_use == 0

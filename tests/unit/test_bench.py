@@ -43,3 +43,13 @@ def test_prefill_is_timed_on_fresh_prompts_and_checked_against_its_floor():
         bench_prefill(eng, 2, 64, matmul_flops=1.0)  # one FLOP a second: no real run beats that floor
     assert prefill_flops(eng, [64]) > 2 * 64 * sum(p.numel() for n, p in eng.model.named_parameters()
                                                    if n.startswith("layers.") and p.dim() == 2)
+
+
+def test_a_step_well_over_its_kernels_time_is_flagged_host_bound():
+    """Section 37: graphed FP8 steps took 28.3 ms over 14.7 ms of kernels (a slow eviction on the
+    host), and the bench printed the figure as if it were the device's."""
+    from bi_core.tools.bench import HOST_BOUND_RATIO, host_bound_note
+
+    assert host_bound_note(28.3, 14.7).startswith("  HOST-BOUND? 1.93x its kernels' 14.70 ms")
+    assert host_bound_note(15.2, 14.7) == "" and host_bound_note(HOST_BOUND_RATIO * 10, 10.0) == ""
+    assert host_bound_note(28.3, None) == ""  # kernels not counted (tensor parallel)
