@@ -137,14 +137,15 @@ class Scheduler:
         """Prompt chunks (and scoring continuations, rebuilds) in the budget the decode rows left:
         running and waiting requests in arrival order (request id; a preempted request keeps its
         own), each its next chunk if that fits in what is left, else it waits and the ones behind
-        it go on. A waiting request that cannot get its pages or a slot stops admissions for this
-        step (first come, first served under memory pressure); running ones still go on."""
+        it go on (of the queue, up to max_num_seqs passed over in a step). A waiting request that
+        cannot get its pages or a slot stops admissions for this step (first come, first served
+        under memory pressure); running ones still go on."""
         partial = sorted((s for s in self.running if s.status is Status.RUNNING and not s.fork_pending
                           and not s.is_decoding), key=lambda s: s.request_id)
         # the queue is in request-id order: merge it with the partial prompts, and stop reading it
         # once admissions stop or the budget is spent (a scan of the whole queue each step cost
         # 18 ms at 20,000 queued requests)
-        admitting, p, i = True, 0, 0
+        admitting, p, i, passed = True, 0, 0, 0
         self._preempted_now = preempted = set()  # queued by this call's own preemptions: not admitted in it
         while True:
             w = self.waiting[i] if admitting and budget > 0 and i < len(self.waiting) else None
@@ -166,8 +167,11 @@ class Scheduler:
                 elif n:
                     out.append(Scheduled(w, n))
                     budget -= n
-                else:
-                    i += 1
+                else:  # its chunk does not fit what is left: the ones behind it go on, up to
+                    # max_num_seqs of them a step (each is a prefix lookup: a step that tried every
+                    # long prompt of a 5,000-deep queue spent 31 ms on the host)
+                    i, passed = i + 1, passed + 1
+                    admitting = passed < self.config.max_num_seqs
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Admit a waiting request (with its n-sample group) if its first chunk fits in ``budget``:

@@ -354,3 +354,18 @@ def test_the_queue_keeps_request_order_whatever_joins_it():
     s.add(seqs[4])
     s.release(held)
     assert [q.request_id for q in s.waiting] == [0, 1, 3, 4, 5]
+
+
+def test_a_step_passes_over_at_most_max_num_seqs_queued_prompts_that_do_not_fit():
+    """Slots are free but the budget is not: each queued prompt whose chunk does not fit what is
+    left costs a prefix lookup, and a step that tried all of a 5,000-deep queue of long prompts
+    spent 31 ms on the host (CPU engine). It passes over max_num_seqs of them, then admits no more
+    this step."""
+    sim = Sim(scheduler(seqs=16, budget=64, blocks=4096))
+    decoding(sim, 3, max_new=50)  # 3 decode rows: 61 tokens left, three 16-token chunks, 13 over
+    sim.s.waiting = CountingQueue(sim.s.waiting)
+    queued = [sim.add(600) for _ in range(500)]
+    CountingQueue.reads = 0
+    out = sim.step()
+    assert sim.s.chunk_size == 16 and [x.seq for x in out if not x.seq.is_decoding] == queued[:3]
+    assert CountingQueue.reads <= 3 + 16 + 1
