@@ -32,15 +32,6 @@ def runner():
     print(f"FlashInfer fp8_blockscale_gemm_90 ready in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def fi_scales(xs: torch.Tensor) -> torch.Tensor:
-    """Our activation scales ``[M, K/128]`` in the layout FlashInfer's DeepGEMM kernels read (TMA,
-    M contiguous, padded to 4 rows): ``[K/128, ceil(M/4)*4]``."""
-    m, kb = xs.shape
-    out = torch.zeros(kb, (m + 3) // 4 * 4, device=xs.device, dtype=torch.float32)
-    out[:, :m] = xs.t()
-    return out
-
-
 SWEEP_M = [*range(1, 41), 48, 56, 63, 64, 65, 96, 128, 192, 255, 256, 384, 512, 768, 1000, 1024]
 
 
@@ -71,6 +62,7 @@ def main() -> None:
         return
     from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
+    from bi_core.backends.cuda_common.ops import fi_act_scales
     from bi_core.kernels.fp8 import fp8_gemm, fp8_linear, quantize_act
     from bi_core.quant.fp8 import dequantize_blocks, quantize_blocks
 
@@ -88,14 +80,14 @@ def main() -> None:
         wref = dequantize_blocks(wq, ws, (128, 128))
 
         def fi_gemm(xq, xs, wq=wq, ws=ws):
-            return fp8_blockscale_gemm_sm90(xq, wq, fi_scales(xs), ws)
+            return fp8_blockscale_gemm_sm90(xq, wq, fi_act_scales(xs), ws)
 
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wref.t()
             scale = ref.abs().max().item()
             xq, xs = quantize_act(x)
-            xs_fi = fi_scales(xs)
+            xs_fi = fi_act_scales(xs)
             fns = (partial(fp8_linear, x, wq, ws), partial(fp8_blockscale_gemm_sm90, x, wq, None, ws),
                    partial(fp8_gemm, xq, xs, wq, ws, torch.bfloat16), partial(fp8_blockscale_gemm_sm90, xq, wq, xs_fi, ws))
             cells, errs, outs = [], [], []

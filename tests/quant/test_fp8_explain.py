@@ -1,5 +1,6 @@
 """FP8 under the policy: the CUDA builders serve block-FP8 linear and MoE specs with the Triton
-kernels (kernels/fp8.py, fp8_moe.py) and refuse a block size those kernels do not take, by name
+kernels (kernels/fp8.py, fp8_moe.py; the default backend's linear runs FlashInfer's GEMM where it
+can: test_fp8_flashinfer_default.py) and refuse a block size those kernels do not take, by name
 (explain shows it, building fails with the selector's table); a builder written without FP8
 never gets an FP8 spec; explain counts the GPUs each published shape needs in the model dtype
 and FP8."""

@@ -70,6 +70,42 @@ class Fp8LinearImpl:
         return torch.nn.functional.silu(gate) * up
 
 
+# cuda_default's block-FP8 linear runs FlashInfer's GEMM from this many rows on: on an H200 it took
+# 0.5-0.6x the Triton GEMM's time at 64 rows, and was no faster at 1-8 (benchmarks section 37)
+FI_FP8_MIN_ROWS = 32
+
+
+def fi_act_scales(xs: torch.Tensor) -> torch.Tensor:
+    """Activation scales ``[M, K/128]`` (``quantize_act``'s) in the layout FlashInfer's block-FP8 GEMM
+    reads them (DeepGEMM's TMA layout): ``[K/128, M rounded up to 4]``, M contiguous. Its wrapper
+    checks only their dtype: scales in another layout give wrong numbers without an error."""
+    return torch.nn.functional.pad(xs.t(), (0, -xs.shape[0] % 4)).contiguous()
+
+
+class FlashInferFp8LinearImpl(Fp8LinearImpl):
+    """The default backend's block-FP8 linear: FlashInfer's SM90 block-scale GEMM
+    (``fp8_blockscale_gemm_sm90``, TensorRT-LLM's DeepGEMM-style kernels) from FI_FP8_MIN_ROWS rows,
+    on the rows quantized as the Triton path quantizes them (``quantize_act``, or the norm's copy);
+    fewer rows, and outputs that are columns of a wider buffer, run the Triton GEMM. Its bits
+    differ from the Triton GEMM's by a rounding in a few elements, which the default mode allows."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if x.shape[0] < FI_FP8_MIN_ROWS or (out is not None and not out.is_contiguous()):
+            return super().forward(x, weight, weight_scale, x_fp8, out)
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        from bi_core.kernels.fp8 import quantize_act
+
+        xq, xs = x_fp8 if x_fp8 is not None else quantize_act(x)
+        y = fp8_blockscale_gemm_sm90(xq, weight, fi_act_scales(xs), weight_scale, out=out, out_dtype=x.dtype)
+        if not self.silu_mul:
+            return y
+        gate, up = y.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
 class TritonRMSNormImpl:
     """``kernels/norm.py``; with ``fp8_group`` (128) the output comes with its FP8 copy, one launch."""
 

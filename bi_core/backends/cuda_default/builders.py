@@ -17,6 +17,7 @@ from bi_core.ops import (
     SamplingBuilder,
     TopKBuilder,
 )
+from bi_core.ops.base import require_hopper, require_module
 
 BF16_FP32 = (torch.bfloat16, torch.float32)
 
@@ -45,15 +46,30 @@ class DefaultAttentionBuilder(AttentionBuilder):
 
 
 class DefaultLinearBuilder(LinearBuilder):
-    weight_formats = ("dense", "fp8_block")  # block-FP8: the Triton kernel of kernels/fp8.py (no faster one here yet)
+    # block-FP8: FlashInfer's SM90 GEMM where it serves the spec (flashinfer_fp8_reasons), from
+    # ops.FI_FP8_MIN_ROWS rows; the Triton kernel of kernels/fp8.py below that and elsewhere
+    weight_formats = ("dense", "fp8_block")
 
     def check(self, spec, policy):
         return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + fp8_reasons(spec)
 
     def build(self, spec):
         if spec.weight_format == "fp8_block":
+            if not flashinfer_fp8_reasons(spec):
+                return ops.FlashInferFp8LinearImpl(spec.silu_mul)
             return ops.Fp8LinearImpl(spec.silu_mul)
         return ops.CublasLinearImpl(spec.silu_mul)
+
+
+def flashinfer_fp8_reasons(spec) -> list[str]:
+    """Why FlashInfer's block-FP8 GEMM (``fp8_blockscale_gemm_sm90``) cannot serve a linear spec."""
+    reasons = require_hopper(spec) + require_module("flashinfer")
+    if spec.dtype != torch.bfloat16:
+        reasons.append(f"it writes bf16 (or fp16), the model runs {spec.dtype}")
+    if spec.out_features % 64 or spec.in_features % 128:
+        reasons.append(f"it needs out_features % 64 == 0 and in_features % 128 == 0, not "
+                       f"{spec.out_features} x {spec.in_features}")
+    return reasons
 
 
 def fp8_reasons(spec) -> list[str]:
