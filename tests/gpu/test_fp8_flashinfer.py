@@ -84,20 +84,22 @@ def test_default_fp8_engine_runs_flashinfer_with_graphs(monkeypatch):
     decodes what the same engine does on the Triton GEMM alone, up to near-ties."""
     calls = []
     real = fi.fp8_blockscale_gemm_sm90
-    monkeypatch.setattr(fi, "fp8_blockscale_gemm_sm90", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(fi, "fp8_blockscale_gemm_sm90", lambda *a, **k: calls.append(
+        (a[0].shape[0], torch.cuda.is_current_stream_capturing())) or real(*a, **k))
     cfg = EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": "tiny-moe-b128", "seed": 0}, "dtype": "bfloat16", "device": "cuda",
                "max_model_len": 1024, "quantization": "fp8"},
         backend="cuda_default", policy={"batch_invariant": False}, graph={"enabled": True},
-        scheduler={"max_num_seqs": 48, "max_num_batched_tokens": 2048}, cache={"num_blocks": 2048}))
+        scheduler={"max_num_seqs": 80, "max_num_batched_tokens": 2048}, cache={"num_blocks": 2048}))
     g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(8, 120, (40,), generator=g)]
+    ps = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(8, 120, (72,), generator=g)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     outs = build_engine(cfg).generate(ps, params)
-    assert calls and max(calls) >= ops.FI_FP8_MIN_ROWS
+    assert max(m for m, _ in calls) >= ops.FI_FP8_MIN_ROWS  # prefill
+    assert any(captured for _, captured in calls), "no decode graph captured FlashInfer's GEMM"
     monkeypatch.setattr(ops, "FI_FP8_MIN_ROWS", 1 << 30)  # the Triton GEMM everywhere
     triton = build_engine(cfg).generate(ps, params)
     first = [float(o.token_logprobs[0]) for o in outs]
     want = [float(o.token_logprobs[0]) for o in triton]
     assert max(abs(a - b) for a, b in zip(first, want)) < 0.05
-    assert sum(o.token_ids == t.token_ids for o, t in zip(outs, triton)) >= 30
+    assert sum(o.token_ids == t.token_ids for o, t in zip(outs, triton)) >= 54

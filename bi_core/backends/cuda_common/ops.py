@@ -70,9 +70,11 @@ class Fp8LinearImpl:
         return torch.nn.functional.silu(gate) * up
 
 
-# cuda_default's block-FP8 linear runs FlashInfer's GEMM from this many rows on: on an H200 it took
-# 0.5-0.6x the Triton GEMM's time at 64 rows, and was no faster at 1-8 (benchmarks section 37)
-FI_FP8_MIN_ROWS = 32
+# cuda_default's block-FP8 linear runs FlashInfer's GEMM from this many rows on (H200, benchmarks
+# sections 37-38): prefill 8 x 2048 +15.7% tok/s; graphed decode at B=64 a wash (13.40 against 13.37 ms:
+# our Triton GEMM overlaps its predecessor under PDL, FlashInfer's waits and needs the scales' layout
+# launch); alone, its GEMM plus that launch loses to ours at 32 rows on 3 of 5 shapes and wins at 48
+FI_FP8_MIN_ROWS = 64
 
 
 def fi_act_scales(xs: torch.Tensor) -> torch.Tensor:
