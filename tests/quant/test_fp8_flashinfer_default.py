@@ -72,9 +72,13 @@ def stand_in(monkeypatch):
     mod.fp8_blockscale_gemm_sm90 = gemm
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     monkeypatch.setitem(sys.modules, "flashinfer.gemm", mod)
-    triton_rows = []
-    monkeypatch.setattr(ops.Fp8LinearImpl, "forward",
-                        lambda self, x, *a, **k: triton_rows.append(x.shape[0]) or "triton")
+    triton_rows = []  # the rows the Triton GEMM got (it answers zeros here)
+
+    def triton(self, x, weight, weight_scale, x_fp8, out):
+        triton_rows.append(x.shape[0])
+        return torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype) if out is None else out.zero_()
+
+    monkeypatch.setattr(ops.Fp8LinearImpl, "_gemm", triton)
     return calls, triton_rows
 
 
@@ -97,6 +101,7 @@ def test_flashinfer_gets_our_rows_and_scales_from_min_rows_on(stand_in, silu_mul
         out = torch.empty(m, 256, dtype=x.dtype)
         assert impl.forward(x, wq, ws, x_fp8=(xq, xs), out=out) is out and torch.equal(out, want)
         wide = torch.empty(m, 512, dtype=x.dtype)  # columns of a wider buffer: the Triton GEMM writes them
-        assert impl.forward(x, wq, ws, x_fp8=(xq, xs), out=wide[:, :256]) == "triton"
-    assert impl.forward(x[:ops.FI_FP8_MIN_ROWS - 1], wq, ws) == "triton"
-    assert triton_rows[-1] == ops.FI_FP8_MIN_ROWS - 1
+        impl.forward(x, wq, ws, x_fp8=(xq, xs), out=wide[:, :256])
+        assert triton_rows == [m] and calls == [m, m]
+    impl.forward(x[:ops.FI_FP8_MIN_ROWS - 1], wq, ws)
+    assert triton_rows[-1] == ops.FI_FP8_MIN_ROWS - 1 and calls[-1] == m

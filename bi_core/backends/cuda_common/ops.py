@@ -57,17 +57,19 @@ class Fp8LinearImpl:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        from bi_core.kernels.fp8 import fp8_gemm, fp8_linear
-
         assert out is None or not self.silu_mul
-        if x_fp8 is None:
-            y = fp8_linear(x, weight, weight_scale, out=out)
-        else:
-            y = fp8_gemm(*x_fp8, weight, weight_scale, x.dtype, out=out)
+        y = self._gemm(x, weight, weight_scale, x_fp8, out)
         if not self.silu_mul:
             return y
         gate, up = y.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def _gemm(self, x, weight, weight_scale, x_fp8, out) -> torch.Tensor:
+        from bi_core.kernels.fp8 import fp8_gemm, fp8_linear
+
+        if x_fp8 is None:
+            return fp8_linear(x, weight, weight_scale, out=out)
+        return fp8_gemm(*x_fp8, weight, weight_scale, x.dtype, out=out)
 
 
 # cuda_default's block-FP8 linear runs FlashInfer's GEMM from this many rows on (H200, benchmarks
@@ -91,21 +93,15 @@ class FlashInferFp8LinearImpl(Fp8LinearImpl):
     fewer rows, and outputs that are columns of a wider buffer, run the Triton GEMM. Its bits
     differ from the Triton GEMM's by a rounding in a few elements, which the default mode allows."""
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def _gemm(self, x, weight, weight_scale, x_fp8, out) -> torch.Tensor:
         if x.shape[0] < FI_FP8_MIN_ROWS or (out is not None and not out.is_contiguous()):
-            return super().forward(x, weight, weight_scale, x_fp8, out)
+            return super()._gemm(x, weight, weight_scale, x_fp8, out)
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
         from bi_core.kernels.fp8 import quantize_act
 
         xq, xs = x_fp8 if x_fp8 is not None else quantize_act(x)
-        y = fp8_blockscale_gemm_sm90(xq, weight, fi_act_scales(xs), weight_scale, out=out, out_dtype=x.dtype)
-        if not self.silu_mul:
-            return y
-        gate, up = y.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return fp8_blockscale_gemm_sm90(xq, weight, fi_act_scales(xs), weight_scale, out=out, out_dtype=x.dtype)
 
 
 class TritonRMSNormImpl:
