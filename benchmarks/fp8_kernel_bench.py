@@ -12,10 +12,15 @@ the same bits, checked) and bf16 per pair (2 launches), each against its weight 
   python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
   python3 benchmarks/fp8_kernel_bench.py --swap [M ...]   (default M = 1 2 4 8 16)
+  python3 benchmarks/fp8_kernel_bench.py --prefill [M ...]   (default M = 4096)
 
 ``--sweep``: the GEMM alone (activations quantized once, outside the timing) at each decode tile
 (BLOCK_N, warps, stages; the same K order, so the same bits: checked against the tree's config)
 and at other split counts (another K order: other bits, listed for the record), fastest first.
+
+``--prefill``: the GEMM alone at prefill M: the tree's config, the pointer kernel with its tiles,
+TMA tiles (128 or 64 rows, 128 or 256 columns, 3-5 stages, persistent or not; same bits, checked),
+the bf16 GEMM and FlashInfer's block-FP8 GEMM, fastest first with TFLOP/s.
 
 ``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
 (``SWAP``: the weight rows as the wgmma's M side, 16-row activation tiles) against the tree's
@@ -94,6 +99,62 @@ def sweep(ms: list[int]) -> None:
             for t, cfg, note in rows[:4]:
                 print(f"      {t:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} stages "
                       f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
+
+
+PREFILL_TILES = [(bm, bn, warps, stages) for bm, warps in ((128, 8), (64, 4)) for bn in (128, 256)
+                 for stages in (3, 4, 5)]
+
+
+def prefill_sweep(ms: list[int]) -> None:
+    """The dense GEMMs at prefill M: the tree's config (TMA tiles from TMA_MIN_M rows), the pointer
+    kernel with the same tiles, every PREFILL_TILES tile by TMA (persistent and not), the bf16 GEMM
+    and, where installed, FlashInfer's block-FP8 GEMM on the same quantized rows; us a call and
+    TFLOP/s. Every tile must give the tree's bits (the same K order), checked."""
+    from bi_core.kernels.fp8 import fp8_gemm
+
+    dev = torch.device("cuda")
+    try:
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        from bi_core.backends.cuda_common.ops import fi_act_scales
+    except ImportError:
+        fp8_blockscale_gemm_sm90 = None
+    print(f"{torch.cuda.get_device_name()}: GEMM alone (rows quantized once), us a call, TFLOP/s")
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device=dev) * 0.02
+        wq, ws = quantize_blocks(w, (128, 128))
+        wb = w.to(torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            xq, xs = quantize_act(x)
+            base = fp8_config(m, n, k)
+            ref = fp8_gemm(xq, xs, wq, ws, config=base)
+            flop = 2 * m * n * k
+            rows = [("tree " + " ".join(f"{key}={base[key]}" for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                                                                           "SPLIT_K", "TMA") if key in base),
+                     timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base)))]
+            pointer = {**base, "TMA": False}
+            if not torch.equal(fp8_gemm(xq, xs, wq, ws, config=pointer), ref):
+                raise SystemExit(f"{n}x{k} M={m}: the pointer kernel's bits differ from the tree's")
+            rows.append(("pointer, same tiles", timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=pointer))))
+            for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (True, False)):
+                cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
+                       "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
+                name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+                try:
+                    same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
+                    rows.append((name + ("" if same else " (OTHER BITS)"),
+                                 timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))))
+                except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                    rows.append((f"{name}: {type(e).__name__}", float("inf")))
+            rows.append(("bf16 linear (table)", timed_us(partial(linear, x, wb))))
+            if fp8_blockscale_gemm_sm90 is not None:
+                rows.append(("FlashInfer fp8_blockscale_gemm_sm90",
+                             timed_us(partial(fp8_blockscale_gemm_sm90, xq, wq, fi_act_scales(xs), ws,
+                                              out_dtype=torch.bfloat16))))
+            print(f"{n:>6} x {k:<5} M={m}")
+            for name, us in sorted(rows, key=lambda r: r[1]):
+                print(f"      {us:8.1f}us {flop / us / 1e6:7.0f} TFLOP/s  {name}")
 
 
 SWAP_TILES = [(bn, warps, stages) for bn in (64, 128) for warps in (4,) for stages in (2, 3, 4)]
@@ -226,6 +287,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["--swap"]:
         swap_probe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8, 16])
+        return
+    if sys.argv[1:2] == ["--prefill"]:
+        prefill_sweep([int(a) for a in sys.argv[2:]] or [4096])
         return
     if sys.argv[1:2] == ["--moe"]:
         moe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8])
