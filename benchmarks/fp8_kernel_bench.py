@@ -62,6 +62,16 @@ def timed_us(fn) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * REPS)
 
 
+def dense_cases(ms: list[int], dev: torch.device):
+    """(N, K, M, wq, ws, bf16 weight, bf16 rows) for each dense shape and M (weights drawn once a shape)."""
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device=dev) * 0.02
+        wq, ws = quantize_blocks(w, (128, 128))
+        wb = w.to(torch.bfloat16)
+        for m in ms:
+            yield n, k, m, wq, ws, wb, torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+
 def sweep(ms: list[int]) -> None:
     from bi_core.kernels.fp8 import fp8_gemm, split_k_for
 
@@ -120,41 +130,36 @@ def prefill_sweep(ms: list[int]) -> None:
     except ImportError:
         fp8_blockscale_gemm_sm90 = None
     print(f"{torch.cuda.get_device_name()}: GEMM alone (rows quantized once), us a call, TFLOP/s")
-    for n, k in SHAPES:
-        w = torch.randn(n, k, device=dev) * 0.02
-        wq, ws = quantize_blocks(w, (128, 128))
-        wb = w.to(torch.bfloat16)
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            xq, xs = quantize_act(x)
-            base = fp8_config(m, n, k)
-            ref = fp8_gemm(xq, xs, wq, ws, config=base)
-            flop = 2 * m * n * k
-            rows = [("tree " + " ".join(f"{key}={base[key]}" for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-                                                                           "SPLIT_K", "TMA") if key in base),
-                     timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base)))]
-            pointer = {**base, "TMA": False}
-            if not torch.equal(fp8_gemm(xq, xs, wq, ws, config=pointer), ref):
-                raise SystemExit(f"{n}x{k} M={m}: the pointer kernel's bits differ from the tree's")
-            rows.append(("pointer, same tiles", timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=pointer))))
-            for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (True, False)):
-                cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
-                       "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
-                name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
-                try:
-                    same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
-                    rows.append((name + ("" if same else " (OTHER BITS)"),
-                                 timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))))
-                except Exception as e:  # a tile that does not fit: reported, the sweep goes on
-                    rows.append((f"{name}: {type(e).__name__}", float("inf")))
-            rows.append(("bf16 linear (table)", timed_us(partial(linear, x, wb))))
-            if fp8_blockscale_gemm_sm90 is not None:
-                rows.append(("FlashInfer fp8_blockscale_gemm_sm90",
-                             timed_us(partial(fp8_blockscale_gemm_sm90, xq, wq, fi_act_scales(xs), ws,
-                                              out_dtype=torch.bfloat16))))
-            print(f"{n:>6} x {k:<5} M={m}")
-            for name, us in sorted(rows, key=lambda r: r[1]):
-                print(f"      {us:8.1f}us {flop / us / 1e6:7.0f} TFLOP/s  {name}")
+    for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
+        xq, xs = quantize_act(x)
+        base = fp8_config(m, n, k)
+        ref = fp8_gemm(xq, xs, wq, ws, config=base)
+        flop = 2 * m * n * k
+        rows = [("tree " + " ".join(f"{key}={base[key]}" for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                                                                       "SPLIT_K", "TMA") if key in base),
+                 timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base)))]
+        pointer = {**base, "TMA": False}
+        if not torch.equal(fp8_gemm(xq, xs, wq, ws, config=pointer), ref):
+            raise SystemExit(f"{n}x{k} M={m}: the pointer kernel's bits differ from the tree's")
+        rows.append(("pointer, same tiles", timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=pointer))))
+        for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (True, False)):
+            cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
+                   "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
+            name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+            try:
+                same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
+                rows.append((name + ("" if same else " (OTHER BITS)"),
+                             timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))))
+            except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                rows.append((f"{name}: {type(e).__name__}", float("inf")))
+        rows.append(("bf16 linear (table)", timed_us(partial(linear, x, wb))))
+        if fp8_blockscale_gemm_sm90 is not None:
+            rows.append(("FlashInfer fp8_blockscale_gemm_sm90",
+                         timed_us(partial(fp8_blockscale_gemm_sm90, xq, wq, fi_act_scales(xs), ws,
+                                          out_dtype=torch.bfloat16))))
+        print(f"{n:>6} x {k:<5} M={m}")
+        for name, us in sorted(rows, key=lambda r: r[1]):
+            print(f"      {us:8.1f}us {flop / us / 1e6:7.0f} TFLOP/s  {name}")
 
 
 SWAP_TILES = [(bn, warps, stages) for bn in (64, 128) for warps in (4,) for stages in (2, 3, 4)]
@@ -300,21 +305,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 fused':>10} {'fp8 2 launches':>15} {'quant':>7} "
           f"{'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
-    for n, k in SHAPES:
-        w = torch.randn(n, k, device=dev) * 0.02
-        wq, ws = quantize_blocks(w, (128, 128))
-        wb = w.to(torch.bfloat16)
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            cfg = fp8_config(m, n, k)
-            t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
-            t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
-            t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
-                if m <= FUSED_ROWS_MAX else float("nan")
-            t_q = timed_us(partial(quantize_act, x))
-            t_b = timed_us(partial(linear, x, wb))
-            print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
-                  f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
+    for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
+        cfg = fp8_config(m, n, k)
+        t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
+        t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
+        t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
+            if m <= FUSED_ROWS_MAX else float("nan")
+        t_q = timed_us(partial(quantize_act, x))
+        t_b = timed_us(partial(linear, x, wb))
+        print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
+              f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
 
 
 if __name__ == "__main__":
