@@ -13,13 +13,15 @@ the same bits, checked) and bf16 per pair (2 launches), each against its weight 
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
   python3 benchmarks/fp8_kernel_bench.py --swap [M ...]   (default M = 1 2 4 8 16)
   python3 benchmarks/fp8_kernel_bench.py --prefill [M ...]   (default M = 4096)
+  python3 benchmarks/fp8_kernel_bench.py --moe-prefill [T ...]   (default T = 4096)
 
 ``--sweep``: the GEMM alone (activations quantized once, outside the timing) at each decode tile
 (BLOCK_N, warps, stages; the same K order, so the same bits: checked against the tree's config)
 and at other split counts (another K order: other bits, listed for the record), fastest first.
 
 ``--prefill``: the GEMM alone at prefill M: the tree's config, the pointer kernel with its tiles,
-TMA tiles (128 or 64 rows, 128 or 256 columns, 3-5 stages, persistent or not; same bits, checked),
+TMA tiles (128 or 64 rows, 128 or 256 columns, 3-5 stages, persistent or not, two blocks' dots in
+flight or one; same bits, checked),
 the bf16 GEMM and FlashInfer's block-FP8 GEMM, fastest first with TFLOP/s.
 
 ``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
@@ -142,10 +144,11 @@ def prefill_sweep(ms: list[int]) -> None:
         if not torch.equal(fp8_gemm(xq, xs, wq, ws, config=pointer), ref):
             raise SystemExit(f"{n}x{k} M={m}: the pointer kernel's bits differ from the tree's")
         rows.append(("pointer, same tiles", timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=pointer))))
-        for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (True, False)):
+        for (bm, bn, warps, stages), persistent, paired in product(PREFILL_TILES, (True, False), (False, True)):
             cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
-                   "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
-            name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+                   "PERSISTENT": persistent, "PAIRED": paired, "INLINE": True, "SWAP": False}
+            name = (f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+                    f"{' paired' if paired else ''}")
             try:
                 same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
                 rows.append((name + ("" if same else " (OTHER BITS)"),
@@ -206,18 +209,9 @@ def swap_probe(ms: list[int]) -> None:
                       f"stages {cfg['num_stages']}  ({note})")
             if any(r[3] != "same bits" for r in rows):
                 print("      not same bits:", sorted({r[3] for r in rows if r[3] != "same bits"}))
-    e, top, h, i = 256, 8, 2048, 512
-    w13 = torch.randn(e + 1, 2 * i, h, device=dev) * 0.02
-    w2 = torch.randn(e + 1, h, i, device=dev) * 0.02
-    q13 = [quantize_blocks(w13[j], (128, 128)) for j in range(e + 1)]
-    q2 = [quantize_blocks(w2[j], (128, 128)) for j in range(e + 1)]
-    w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
-    w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
+    _, _, w13q, w13s, w2q, w2s = expert_weights(dev)
     for t in (1, 2):
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
-        wts = torch.rand(t, top, device=dev).softmax(-1)
-        shared = torch.randn(t, device=dev, dtype=torch.bfloat16)
+        x, ids, wts, shared = routed(t, dev)
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         ref = _fp8_moe_per_pair(*args)
         t_ref = timed_us(partial(_fp8_moe_per_pair, *args))
@@ -236,6 +230,56 @@ def swap_probe(ms: list[int]) -> None:
     print(f"swapped outputs with other bits than the tree's: {differ}")
 
 
+EXPERTS, TOP, HIDDEN, INTER = 256, 8, 2048, 512  # 35B-A3B's routed experts (plus the shared one, last)
+
+
+def expert_weights(dev: torch.device):
+    """bf16 w13 [E+1, 2I, H] and w2 [E+1, H, I], and their block-FP8 copies with scales."""
+    w13 = torch.randn(EXPERTS + 1, 2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(EXPERTS + 1, HIDDEN, INTER, device=dev, dtype=torch.bfloat16) * 0.02
+    q13 = [quantize_blocks(w13[j].float(), (128, 128)) for j in range(EXPERTS + 1)]
+    q2 = [quantize_blocks(w2[j].float(), (128, 128)) for j in range(EXPERTS + 1)]
+    return (w13, w2, torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13]),
+            torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2]))
+
+
+def routed(t: int, dev: torch.device):
+    """T tokens' rows, top-k ids (distinct per token), weights and shared-expert logits."""
+    x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP] for _ in range(t)]).to(torch.int32)
+    return x, ids, torch.rand(t, TOP, device=dev).softmax(-1), torch.randn(t, device=dev, dtype=torch.bfloat16)
+
+
+def moe_prefill(ts: list[int]) -> None:
+    """The sorted FP8 experts at prefill sizes: the tree's grouped tiles and others (the same K
+    order, so the same bits: checked), against the bf16 experts; us a call and TFLOP/s."""
+    from bi_core.kernels.fp8_moe import fp8_fused_moe, grouped_config
+    from bi_core.kernels.moe import align, fused_moe
+
+    dev = torch.device("cuda")
+    w13, w2, w13q, w13s, w2q, w2s = expert_weights(dev)
+    print(f"{torch.cuda.get_device_name()}: routed experts at prefill sizes (sorted), us a call, TFLOP/s")
+    for t in ts:
+        x, ids, wts, shared = routed(t, dev)
+        args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
+        route_m = align(ids, EXPERTS + 1, shared=True).block_m
+        ref = fp8_fused_moe(*args)
+        flop = 2 * t * (TOP + 1) * 3 * INTER * HIDDEN
+        rows = [(f"fp8 tree (routing block {route_m}: {grouped_config(route_m)})", timed_us(partial(fp8_fused_moe, *args))),
+                ("bf16 experts", timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared)))]
+        for bn, warps, stages in product((64, 128, 256), (4, 8), (3, 4)):
+            cfg = {"BLOCK_M": max(64, route_m), "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SWAP": False}
+            name = f"fp8 {cfg['BLOCK_M']}x{bn} {warps}w {stages}st"
+            try:
+                same = torch.equal(fp8_fused_moe(*args, config=cfg), ref)
+                rows.append((name + ("" if same else " (OTHER BITS)"), timed_us(partial(fp8_fused_moe, *args, config=cfg))))
+            except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                rows.append((f"{name}: {type(e).__name__}", float("inf")))
+        print(f"T={t}")
+        for name, us in sorted(rows, key=lambda r: r[1]):
+            print(f"      {us:8.1f}us {flop / us / 1e6:7.0f} TFLOP/s  {name}")
+
+
 def moe(ts: list[int]) -> None:
     """Routed experts per pair and sorted (FP8), per pair (bf16), same routing, same tokens."""
     from bi_core.kernels.fp8_moe import _fp8_moe_per_pair, fp8_fused_moe
@@ -243,21 +287,12 @@ def moe(ts: list[int]) -> None:
 
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
-    e, top, h, i = 256, 8, 2048, 512
-    w13 = torch.randn(e + 1, 2 * i, h, device=dev, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e + 1, h, i, device=dev, dtype=torch.bfloat16) * 0.02
-    q13 = [quantize_blocks(w13[j].float(), (128, 128)) for j in range(e + 1)]
-    q2 = [quantize_blocks(w2[j].float(), (128, 128)) for j in range(e + 1)]
-    w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
-    w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
+    w13, w2, w13q, w13s, w2q, w2s = expert_weights(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call")
     print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'sorted 64':>11} {'bf16 per pair':>13} "
           f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (columns / warps, stages)")
     for t in ts:
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
-        wts = torch.rand(t, top, device=dev).softmax(-1)
-        shared = torch.randn(t, device=dev, dtype=torch.bfloat16)
+        x, ids, wts, shared = routed(t, dev)
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
@@ -280,7 +315,7 @@ def moe(ts: list[int]) -> None:
         t_sorted64 = timed_us(partial(fp8_fused_moe, *args, config=unswapped))
         t_bf16 = timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared))
         n_exp = int(torch.unique(ids).numel()) + 1
-        fp8_bytes = n_exp * 3 * i * h
+        fp8_bytes = n_exp * 3 * INTER * HIDDEN
         print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
               f"{fp8_bytes / bw * 1e6:>7.1f}us {2 * fp8_bytes / bw * 1e6:>8.1f}us  {same}; "
               f"{best[0]:.1f}us at {best[1:]}")
@@ -295,6 +330,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["--prefill"]:
         prefill_sweep([int(a) for a in sys.argv[2:]] or [4096])
+        return
+    if sys.argv[1:2] == ["--moe-prefill"]:
+        moe_prefill([int(a) for a in sys.argv[2:]] or [4096])
         return
     if sys.argv[1:2] == ["--moe"]:
         moe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8])

@@ -247,17 +247,31 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
     return acc, acc_up
 
 
+@triton.jit
+def _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb):
+    """K block ``kb`` of a TMA tile: (a [BLOCK_M, 128], its row scales, b [128, BLOCK_N], its column scales)."""
+    a = a_desc.load([om, kb * _BK])
+    b = b_desc.load([on, kb * _BK]).T
+    a_s = tl.load(AS + a_rows + kb, mask=row_ok, other=0.0)
+    b_s = tl.load(BS + b_rows + kb, mask=col_ok, other=0.0)
+    return a, a_s, b, b_s
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, KB_PER_SPLIT, stride_asm, stride_bsn, stride_cm,
                          NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, DOT: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr,
-                         pdl_early):
+                         GROUP_M: tl.constexpr, DOT: tl.constexpr, FLATTEN: tl.constexpr, PAIRED: tl.constexpr,
+                         PDL: tl.constexpr, pdl_early):
     """``_fp8_gemm_kernel``'s INLINE form (one program adds its tile's ranges in range order) for
     prefill-sized M on SM90, as gemm.py's ``_gemm_tma_kernel``: both FP8 operands come by TMA
     (a block past K or past the rows reads zeros, as the masked loads do), the scales by plain
     loads, and ``NUM_PROGRAMS`` programs loop over the tiles (persistent when fewer than the
     tiles; FLATTEN fuses the tile and K loops of an unsplit GEMM into one pipeline). Per block the
-    same ``_block_step`` in the same order: every bit is the pointer kernel's."""
+    same ``_block_step`` in the same order: every bit is the pointer kernel's. PAIRED issues two
+    blocks' dots before scaling the first, so the tensor cores can run the second while the
+    first's scale fmas do (the dot from zero per block otherwise waits for each wgmma); the fmas
+    stay one per block, in block order (at decode sizes the same pairing was 10-40% slower:
+    section 20; prefill tiles are compute-bound)."""
     pdl_start(PDL, pdl_early)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -277,12 +291,24 @@ def _fp8_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, KB_PER_SPLIT, strid
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, SPLIT_K):
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in range(s * KB_PER_SPLIT, tl.minimum(kb_total, (s + 1) * KB_PER_SPLIT)):
-                a = a_desc.load([om, kb * _BK])
-                b = b_desc.load([on, kb * _BK]).T
-                a_s = tl.load(AS + a_rows + kb, mask=row_ok, other=0.0)
-                b_s = tl.load(BS + b_rows + kb, mask=col_ok, other=0.0)
-                acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
+            lo = s * KB_PER_SPLIT
+            hi = tl.minimum(kb_total, lo + KB_PER_SPLIT)
+            if PAIRED:  # two blocks' dots in flight before the first is scaled: the same fmas in order
+                for kb in range(lo, hi - 1, 2):
+                    a0, a_s0, b0, b_s0 = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
+                    a1, a_s1, b1, b_s1 = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on,
+                                                    kb + 1)
+                    p0 = mma(a0, b0, zero, DOT)
+                    p1 = mma(a1, b1, zero, DOT)
+                    acc = tl.fma(p0 * a_s0[:, None], b_s0[None, :], acc)
+                    acc = tl.fma(p1 * a_s1[:, None], b_s1[None, :], acc)
+                if (hi - lo) % 2 == 1:
+                    a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, hi - 1)
+                    acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
+            else:
+                for kb in range(lo, hi):
+                    a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
+                    acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is, as in _fp8_gemm_kernel
         tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], total.to(dt),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -463,7 +489,7 @@ def _launch_tma(a, a_scale, wq, ws, out, m, n, k, cfg):
         TensorDescriptor.from_tensor(a, [bm, BLOCK]), a_scale, TensorDescriptor.from_tensor(wq, [bn, BLOCK]), ws, out,
         m, n, k, triton.cdiv(triton.cdiv(k, BLOCK), split), a_scale.stride(0), ws.stride(0), out.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn),
-        FLATTEN=bool(cfg.get("PERSISTENT")) and split == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+        FLATTEN=bool(cfg.get("PERSISTENT")) and split == 1, PAIRED=cfg.get("PAIRED", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
 def _out(m: int, n: int, dtype: torch.dtype, device, out: torch.Tensor | None) -> torch.Tensor:

@@ -343,7 +343,8 @@ def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
     emulation), the pointer kernel with the same tiles, and each row computed alone (swapped
     dots, split programs and the fix-up), over a ragged N and K (the blocks past them read as
     zeros by TMA), unsplit (the flattened loop) and split, with fewer programs than tiles (the
-    persistent loop). Negative control: another split count differs."""
+    persistent loop), and with two blocks' dots in flight (PAIRED: an odd and an even number of
+    blocks a range). Negative control: another split count differs."""
     from bi_core.kernels import fp8
     from bi_core.kernels.fp8 import TMA_MIN_M, fp8_config, fp8_gemm, fp8_linear, quantize_act
 
@@ -364,6 +365,7 @@ def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
             assert torch.equal(bits(full), bits(emulate_gemm(xq, xs, wq, ws, split)))
         assert torch.equal(bits(full), bits(gemm(every, {**cfg, "TMA": False})))
         assert torch.equal(bits(full), bits(gemm(every, {**cfg, "PROGRAMS": 2})))  # 5 tiles, 2 programs
+        assert torch.equal(bits(full), bits(gemm(every, {**cfg, "PAIRED": True})))  # 3 blocks, or 2 + 1
         for i in (0, 1, 127, 128, x.shape[0] - 1):
             alone = {**fp8_config(1, INV_N, INV_K), "SPLIT_K": split, "INLINE": False}
             assert torch.equal(bits(gemm(every[i:i + 1], alone)), bits(full[i:i + 1])), f"row {i}, split {split}"
