@@ -113,8 +113,20 @@ def sweep(ms: list[int]) -> None:
                       f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
 
 
-PREFILL_TILES = [(bm, bn, warps, stages) for bm, warps in ((128, 8), (64, 4)) for bn in (128, 256)
-                 for stages in (3, 4, 5)]
+# the tiles that fit (128 x 256 and 64 x 256 lost 2-4x at 12352 x 2048 on 2026-11-29: section 39)
+PREFILL_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (128, 64, 4, 3),
+                 (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
+
+
+def pre_tma_config(m: int, n: int, k: int) -> dict:
+    """fp8_config's pointer-kernel tiles at M, as before the TMA kernel (its row bound out of reach)."""
+    from bi_core.kernels import fp8
+
+    bound, fp8.TMA_MIN_M = fp8.TMA_MIN_M, 1 << 62
+    try:
+        return fp8_config(m, n, k)
+    finally:
+        fp8.TMA_MIN_M = bound
 
 
 def prefill_sweep(ms: list[int]) -> None:
@@ -144,11 +156,15 @@ def prefill_sweep(ms: list[int]) -> None:
         if not torch.equal(fp8_gemm(xq, xs, wq, ws, config=pointer), ref):
             raise SystemExit(f"{n}x{k} M={m}: the pointer kernel's bits differ from the tree's")
         rows.append(("pointer, same tiles", timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=pointer))))
-        for (bm, bn, warps, stages), persistent, paired in product(PREFILL_TILES, (True, False), (False, True)):
+        before = pre_tma_config(m, n, k)
+        rows.append((f"pointer, pre-TMA tiles (BLOCK_N {before['BLOCK_N']})",
+                     timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=before))))
+        for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (False, True)):
+            if persistent and (bm, bn) != (base["BLOCK_M"], base["BLOCK_N"]):
+                continue  # persistent programs lost with every tile (section 39): the table's tile only
             cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
-                   "PERSISTENT": persistent, "PAIRED": paired, "INLINE": True, "SWAP": False}
-            name = (f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
-                    f"{' paired' if paired else ''}")
+                   "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
+            name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
             try:
                 same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
                 rows.append((name + ("" if same else " (OTHER BITS)"),
@@ -212,6 +228,7 @@ def swap_probe(ms: list[int]) -> None:
     _, _, w13q, w13s, w2q, w2s = expert_weights(dev)
     for t in (1, 2):
         x, ids, wts, shared = routed(t, dev)
+        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         ref = _fp8_moe_per_pair(*args)
         t_ref = timed_us(partial(_fp8_moe_per_pair, *args))
@@ -262,6 +279,7 @@ def moe_prefill(ts: list[int]) -> None:
     print(f"{torch.cuda.get_device_name()}: routed experts at prefill sizes (sorted), us a call, TFLOP/s")
     for t in ts:
         x, ids, wts, shared = routed(t, dev)
+        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         route_m = align(ids, EXPERTS + 1, shared=True).block_m
         ref = fp8_fused_moe(*args)
@@ -295,6 +313,7 @@ def moe(ts: list[int]) -> None:
           f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (columns / warps, stages)")
     for t in ts:
         x, ids, wts, shared = routed(t, dev)
+        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))

@@ -110,10 +110,13 @@ SWAP_BLOCK_M = 16
 QUANT_BLOCK_M = 64
 QUANT_ROW_PROGRAMS = 16
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
-# From TMA_MIN_M rows (and TMA_MIN_N columns: gemm.py's bounds) the GEMM runs _fp8_gemm_tma_kernel,
-# 128-row tiles by TMA, persistent: (BLOCK_N, stages) for a split GEMM and an unsplit one. Not yet
-# swept: gemm.py's bf16 table (its tiles have the same bytes: 128 x 64 x 2 against 128 x 128 x 1).
-TMA_TILES = {False: (128, 4), True: (256, 3)}
+# From TMA_MIN_M rows (and TMA_MIN_N columns: gemm.py's bounds) the GEMM runs _fp8_gemm_tma_kernel
+# with this tile (BLOCK_M, BLOCK_N, warps, stages), a program a tile. Swept on an H200 (benchmarks
+# section 39; fp8_kernel_bench.py --prefill): at 12352 x 2048 and 4096 x 2048, M = 4096 and 16384, it
+# was the fastest TMA tile at 3 of 4 points (272-279 / 1207 / 108 / 412 us), against 128 x 256 8w
+# (gemm.py's bf16 tile: 506 / 2002 us) and 128 x 128 8w (331 / 1298 / 136 / 522 us); persistent
+# programs lost 2-60% with every tile, and two blocks' dots in flight lost 10-100%.
+TMA_TILE = (64, 128, 4, 3)
 _BK = tl.constexpr(BLOCK)  # the kernels' copies (a jitted function reads only constexpr globals)
 
 
@@ -260,18 +263,14 @@ def _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, k
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, KB_PER_SPLIT, stride_asm, stride_bsn, stride_cm,
                          NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, DOT: tl.constexpr, FLATTEN: tl.constexpr, PAIRED: tl.constexpr,
+                         GROUP_M: tl.constexpr, DOT: tl.constexpr, FLATTEN: tl.constexpr,
                          PDL: tl.constexpr, pdl_early):
     """``_fp8_gemm_kernel``'s INLINE form (one program adds its tile's ranges in range order) for
     prefill-sized M on SM90, as gemm.py's ``_gemm_tma_kernel``: both FP8 operands come by TMA
     (a block past K or past the rows reads zeros, as the masked loads do), the scales by plain
     loads, and ``NUM_PROGRAMS`` programs loop over the tiles (persistent when fewer than the
     tiles; FLATTEN fuses the tile and K loops of an unsplit GEMM into one pipeline). Per block the
-    same ``_block_step`` in the same order: every bit is the pointer kernel's. PAIRED issues two
-    blocks' dots before scaling the first, so the tensor cores can run the second while the
-    first's scale fmas do (the dot from zero per block otherwise waits for each wgmma); the fmas
-    stay one per block, in block order (at decode sizes the same pairing was 10-40% slower:
-    section 20; prefill tiles are compute-bound)."""
+    same ``_block_step`` in the same order: every bit is the pointer kernel's."""
     pdl_start(PDL, pdl_early)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -293,22 +292,9 @@ def _fp8_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, KB_PER_SPLIT, strid
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             lo = s * KB_PER_SPLIT
             hi = tl.minimum(kb_total, lo + KB_PER_SPLIT)
-            if PAIRED:  # two blocks' dots in flight before the first is scaled: the same fmas in order
-                for kb in range(lo, hi - 1, 2):
-                    a0, a_s0, b0, b_s0 = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
-                    a1, a_s1, b1, b_s1 = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on,
-                                                    kb + 1)
-                    p0 = mma(a0, b0, zero, DOT)
-                    p1 = mma(a1, b1, zero, DOT)
-                    acc = tl.fma(p0 * a_s0[:, None], b_s0[None, :], acc)
-                    acc = tl.fma(p1 * a_s1[:, None], b_s1[None, :], acc)
-                if (hi - lo) % 2 == 1:
-                    a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, hi - 1)
-                    acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
-            else:
-                for kb in range(lo, hi):
-                    a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
-                    acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
+            for kb in range(lo, hi):
+                a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
+                acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is, as in _fp8_gemm_kernel
         tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], total.to(dt),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -405,15 +391,14 @@ def fp8_config(m: int, n: int, k: int) -> dict:
         while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * per_tile < TARGET_PROGRAMS:
             bn //= 2
     tma = m >= TMA_MIN_M and n >= TMA_MIN_N
-    if tma:  # prefill: TMA tiles, persistent, ranges inline (gemm.py's recipe; tiles: TMA_TILES)
-        bm, warps, inline = 128, 8, True
-        bn, stages = TMA_TILES[split == 1]
+    if tma:  # prefill: TMA_TILE, ranges added in the program
+        (bm, bn, warps, stages), inline = TMA_TILE, True
     bn = min(bn, max(64 if swap else 16, triton.next_power_of_2(n)))  # a swapped tile's weight rows: >= 64
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "SWAP": swap,
            "FUSE_QUANT": m <= FUSE_QUANT_MAX_M and n <= FUSE_QUANT_MAX_N,
            "num_warps": warps, "num_stages": stages}
     if tma:
-        cfg.update(TMA=True, PERSISTENT=True)
+        cfg["TMA"] = True
     return cfg
 
 
@@ -489,7 +474,8 @@ def _launch_tma(a, a_scale, wq, ws, out, m, n, k, cfg):
         TensorDescriptor.from_tensor(a, [bm, BLOCK]), a_scale, TensorDescriptor.from_tensor(wq, [bn, BLOCK]), ws, out,
         m, n, k, triton.cdiv(triton.cdiv(k, BLOCK), split), a_scale.stride(0), ws.stride(0), out.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn),
-        FLATTEN=bool(cfg.get("PERSISTENT")) and split == 1, PAIRED=cfg.get("PAIRED", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+        FLATTEN=bool(cfg.get("PERSISTENT")) and split == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl())
 
 
 def _out(m: int, n: int, dtype: torch.dtype, device, out: torch.Tensor | None) -> torch.Tensor:

@@ -338,15 +338,14 @@ def test_fp8_gemm_arithmetic_bitwise(device, shape, split):
 
 @pytest.mark.usefixtures("ordered_dot")
 def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
-    """From TMA_MIN_M rows the GEMM loads its FP8 tiles by TMA (``_fp8_gemm_tma_kernel``: 128-row
-    tiles, ranges added in the program, persistent): bitwise the documented arithmetic (numpy
-    emulation), the pointer kernel with the same tiles, and each row computed alone (swapped
-    dots, split programs and the fix-up), over a ragged N and K (the blocks past them read as
-    zeros by TMA), unsplit (the flattened loop) and split, with fewer programs than tiles (the
-    persistent loop), and with two blocks' dots in flight (PAIRED: an odd and an even number of
-    blocks a range). Negative control: another split count differs."""
+    """From TMA_MIN_M rows the GEMM loads its FP8 tiles by TMA (``_fp8_gemm_tma_kernel``: TMA_TILE,
+    ranges added in the program): bitwise the documented arithmetic (numpy emulation), the
+    pointer kernel with the same tiles, and each row computed alone (swapped dots, split programs
+    and the fix-up), over a ragged N and K (the blocks past them read as zeros by TMA), unsplit
+    and split, and with fewer programs than tiles (the persistent loop; unsplit, its flattened
+    form). Negative control: another split count differs."""
     from bi_core.kernels import fp8
-    from bi_core.kernels.fp8 import TMA_MIN_M, fp8_config, fp8_gemm, fp8_linear, quantize_act
+    from bi_core.kernels.fp8 import TMA_MIN_M, TMA_TILE, fp8_config, fp8_gemm, fp8_linear, quantize_act
 
     if not INTERPRET and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs SM90")
@@ -359,14 +358,14 @@ def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
     every = torch.arange(x.shape[0], device=device)
     for split in (1, INV_SPLIT):
         cfg = {**fp8_config(x.shape[0], INV_N, INV_K), "SPLIT_K": split}
-        assert cfg["TMA"] and cfg["PERSISTENT"] and cfg["INLINE"] and cfg["BLOCK_M"] == 128
+        assert cfg["TMA"] and cfg["INLINE"] and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == TMA_TILE[:2]
         full = gemm(every, cfg)
         if INTERPRET:
             assert torch.equal(bits(full), bits(emulate_gemm(xq, xs, wq, ws, split)))
         assert torch.equal(bits(full), bits(gemm(every, {**cfg, "TMA": False})))
-        assert torch.equal(bits(full), bits(gemm(every, {**cfg, "PROGRAMS": 2})))  # 5 tiles, 2 programs
-        assert torch.equal(bits(full), bits(gemm(every, {**cfg, "PAIRED": True})))  # 3 blocks, or 2 + 1
-        for i in (0, 1, 127, 128, x.shape[0] - 1):
+        persistent = {**cfg, "PERSISTENT": True, "PROGRAMS": 2}  # 18 tiles, 2 programs
+        assert torch.equal(bits(full), bits(gemm(every, persistent)))
+        for i in (0, 1, 63, 64, 128, x.shape[0] - 1):
             alone = {**fp8_config(1, INV_N, INV_K), "SPLIT_K": split, "INLINE": False}
             assert torch.equal(bits(gemm(every[i:i + 1], alone)), bits(full[i:i + 1])), f"row {i}, split {split}"
         assert torch.equal(bits(fp8_linear(x, wq, ws, config=cfg)), bits(full))
