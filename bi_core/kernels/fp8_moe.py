@@ -56,8 +56,7 @@ def _epilogue(acc, up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
 def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_asm,
                         stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
                         SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, ONE_PASS: tl.constexpr,
-                        PDL: tl.constexpr, pdl_early):
+                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (routing block b, column tile): the block's ROUTE_M pairs in the first rows of a
     BLOCK_M-row tile (BLOCK_M >= ROUTE_M; >= 64, or 16 with the dots swapped), A rows
     ``pair // A_ROW_DIV``, expert BLOCK_EXPERT[b]; out row = pair id."""
@@ -76,9 +75,9 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     w_e = W + e * stride_we
     ws_e = WS + e * stride_wse
     kb = tl.cdiv(K, 128)
-    if (SWAP or ONE_PASS) and SILU_MUL:  # gate and up in one K loop, one A tile (two accumulators)
+    if SWAP and SILU_MUL:  # gate and up in one K loop, one A tile (two [BLOCK_N, 16] accumulators)
         acc, up = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                            stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, SWAP)
+                            stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, True)
     else:
         acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
                            stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
@@ -221,9 +220,7 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     """For every pair p: ``out[p] = A[p // a_row_div] @ w[expert(p)].T`` with A = (xq, xs) quantized
     rows (``fp8.quantize_act``), w ``[E, N, K]`` float8_e4m3fn and w_scale ``[E, ceil(N/128),
     ceil(K/128)]`` float32; with ``silu_mul`` w is ``[E, 2N, K]`` and ``out[p] = silu(gate) * up``
-    -> ``[num_pairs, N]`` out_dtype. ``config`` overrides the launch shape (tests, benchmarks);
-    its ``ONE_PASS`` runs an unswapped tile's gate and up in one K loop on one A tile (two
-    accumulators: the same sums as two passes), as the swapped tiles always do."""
+    -> ``[num_pairs, N]`` out_dtype. ``config`` overrides the launch shape (tests, benchmarks)."""
     num_experts, n, k = w.shape
     n = n // 2 if silu_mul else n
     assert w.dtype == torch.float8_e4m3fn and w.stride(2) == 1 and xq.shape[1] == k and xq.stride(1) == 1
@@ -242,7 +239,6 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
                               w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
                               SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
                               BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg["SWAP"],
-                              ONE_PASS=cfg.get("ONE_PASS", False) and silu_mul,
                               num_warps=cfg["num_warps"],
                               num_stages=cfg["num_stages"], **pdl())
     return out
