@@ -12,10 +12,17 @@ the same bits, checked) and bf16 per pair (2 launches), each against its weight 
   python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
   python3 benchmarks/fp8_kernel_bench.py --swap [M ...]   (default M = 1 2 4 8 16)
+  python3 benchmarks/fp8_kernel_bench.py --prefill [M ...]   (default M = 4096)
+  python3 benchmarks/fp8_kernel_bench.py --moe-prefill [T ...]   (default T = 4096)
 
 ``--sweep``: the GEMM alone (activations quantized once, outside the timing) at each decode tile
 (BLOCK_N, warps, stages; the same K order, so the same bits: checked against the tree's config)
 and at other split counts (another K order: other bits, listed for the record), fastest first.
+
+``--prefill``: the GEMM alone at prefill M: the tree's config, the pointer kernel with its tiles,
+TMA tiles (128 or 64 rows, 128 or 256 columns, 3-5 stages, persistent or not, two blocks' dots in
+flight or one; same bits, checked),
+the bf16 GEMM and FlashInfer's block-FP8 GEMM, fastest first with TFLOP/s.
 
 ``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
 (``SWAP``: the weight rows as the wgmma's M side, 16-row activation tiles) against the tree's
@@ -57,6 +64,16 @@ def timed_us(fn) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * REPS)
 
 
+def dense_cases(ms: list[int], dev: torch.device):
+    """(N, K, M, wq, ws, bf16 weight, bf16 rows) for each dense shape and M (weights drawn once a shape)."""
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device=dev) * 0.02
+        wq, ws = quantize_blocks(w, (128, 128))
+        wb = w.to(torch.bfloat16)
+        for m in ms:
+            yield n, k, m, wq, ws, wb, torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+
 def sweep(ms: list[int]) -> None:
     from bi_core.kernels.fp8 import fp8_gemm, split_k_for
 
@@ -94,6 +111,74 @@ def sweep(ms: list[int]) -> None:
             for t, cfg, note in rows[:4]:
                 print(f"      {t:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} stages "
                       f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
+
+
+# the tiles that fit (128 x 256 and 64 x 256 lost 2-4x at 12352 x 2048 on 2026-11-29: section 39)
+PREFILL_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (128, 64, 4, 3),
+                 (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
+
+
+def pre_tma_config(m: int, n: int, k: int) -> dict:
+    """fp8_config's pointer-kernel tiles at M, as before the TMA kernel (its row bound out of reach)."""
+    from bi_core.kernels import fp8
+
+    bound, fp8.TMA_MIN_M = fp8.TMA_MIN_M, 1 << 62
+    try:
+        return fp8_config(m, n, k)
+    finally:
+        fp8.TMA_MIN_M = bound
+
+
+def prefill_sweep(ms: list[int]) -> None:
+    """The dense GEMMs at prefill M: the tree's config (TMA tiles from TMA_MIN_M rows), the pointer
+    kernel with the same tiles, every PREFILL_TILES tile by TMA (persistent and not), the bf16 GEMM
+    and, where installed, FlashInfer's block-FP8 GEMM on the same quantized rows; us a call and
+    TFLOP/s. Every tile must give the tree's bits (the same K order), checked."""
+    from bi_core.kernels.fp8 import fp8_gemm
+
+    dev = torch.device("cuda")
+    try:
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        from bi_core.backends.cuda_common.ops import fi_act_scales
+    except ImportError:
+        fp8_blockscale_gemm_sm90 = None
+    print(f"{torch.cuda.get_device_name()}: GEMM alone (rows quantized once), us a call, TFLOP/s")
+    for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
+        xq, xs = quantize_act(x)
+        base = fp8_config(m, n, k)
+        ref = fp8_gemm(xq, xs, wq, ws, config=base)
+        flop = 2 * m * n * k
+        rows = [("tree " + " ".join(f"{key}={base[key]}" for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                                                                       "SPLIT_K", "TMA") if key in base),
+                 timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base)))]
+        pointer = {**base, "TMA": False}
+        if not torch.equal(fp8_gemm(xq, xs, wq, ws, config=pointer), ref):
+            raise SystemExit(f"{n}x{k} M={m}: the pointer kernel's bits differ from the tree's")
+        rows.append(("pointer, same tiles", timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=pointer))))
+        before = pre_tma_config(m, n, k)
+        rows.append((f"pointer, pre-TMA tiles (BLOCK_N {before['BLOCK_N']})",
+                     timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=before))))
+        for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (False, True)):
+            if persistent and (bm, bn) != (base["BLOCK_M"], base["BLOCK_N"]):
+                continue  # persistent programs lost with every tile (section 39): the table's tile only
+            cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
+                   "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
+            name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+            try:
+                same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
+                rows.append((name + ("" if same else " (OTHER BITS)"),
+                             timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))))
+            except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                rows.append((f"{name}: {type(e).__name__}", float("inf")))
+        rows.append(("bf16 linear (table)", timed_us(partial(linear, x, wb))))
+        if fp8_blockscale_gemm_sm90 is not None:
+            rows.append(("FlashInfer fp8_blockscale_gemm_sm90",
+                         timed_us(partial(fp8_blockscale_gemm_sm90, xq, wq, fi_act_scales(xs), ws,
+                                          out_dtype=torch.bfloat16))))
+        print(f"{n:>6} x {k:<5} M={m}")
+        for name, us in sorted(rows, key=lambda r: r[1]):
+            print(f"      {us:8.1f}us {flop / us / 1e6:7.0f} TFLOP/s  {name}")
 
 
 SWAP_TILES = [(bn, warps, stages) for bn in (64, 128) for warps in (4,) for stages in (2, 3, 4)]
@@ -140,18 +225,10 @@ def swap_probe(ms: list[int]) -> None:
                       f"stages {cfg['num_stages']}  ({note})")
             if any(r[3] != "same bits" for r in rows):
                 print("      not same bits:", sorted({r[3] for r in rows if r[3] != "same bits"}))
-    e, top, h, i = 256, 8, 2048, 512
-    w13 = torch.randn(e + 1, 2 * i, h, device=dev) * 0.02
-    w2 = torch.randn(e + 1, h, i, device=dev) * 0.02
-    q13 = [quantize_blocks(w13[j], (128, 128)) for j in range(e + 1)]
-    q2 = [quantize_blocks(w2[j], (128, 128)) for j in range(e + 1)]
-    w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
-    w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
+    _, _, w13q, w13s, w2q, w2s = expert_weights(dev)
     for t in (1, 2):
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
-        wts = torch.rand(t, top, device=dev).softmax(-1)
-        shared = torch.randn(t, device=dev, dtype=torch.bfloat16)
+        x, ids, wts, shared = routed(t, dev)
+        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         ref = _fp8_moe_per_pair(*args)
         t_ref = timed_us(partial(_fp8_moe_per_pair, *args))
@@ -170,6 +247,58 @@ def swap_probe(ms: list[int]) -> None:
     print(f"swapped outputs with other bits than the tree's: {differ}")
 
 
+EXPERTS, TOP, HIDDEN, INTER = 256, 8, 2048, 512  # 35B-A3B's routed experts (plus the shared one, last)
+
+
+def expert_weights(dev: torch.device):
+    """bf16 w13 [E+1, 2I, H] and w2 [E+1, H, I], and their block-FP8 copies with scales."""
+    w13 = torch.randn(EXPERTS + 1, 2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(EXPERTS + 1, HIDDEN, INTER, device=dev, dtype=torch.bfloat16) * 0.02
+    q13 = [quantize_blocks(w13[j].float(), (128, 128)) for j in range(EXPERTS + 1)]
+    q2 = [quantize_blocks(w2[j].float(), (128, 128)) for j in range(EXPERTS + 1)]
+    return (w13, w2, torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13]),
+            torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2]))
+
+
+def routed(t: int, dev: torch.device):
+    """T tokens' rows, top-k ids (distinct per token), weights and shared-expert logits."""
+    x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP] for _ in range(t)]).to(torch.int32)
+    return x, ids, torch.rand(t, TOP, device=dev).softmax(-1), torch.randn(t, device=dev, dtype=torch.bfloat16)
+
+
+def moe_prefill(ts: list[int]) -> None:
+    """The sorted FP8 experts at prefill sizes: the tree's grouped tiles and others (the same K
+    order, so the same bits: checked), against the bf16 experts; us a call and TFLOP/s."""
+    from bi_core.kernels.fp8_moe import fp8_fused_moe, grouped_config
+    from bi_core.kernels.moe import align, fused_moe
+
+    dev = torch.device("cuda")
+    w13, w2, w13q, w13s, w2q, w2s = expert_weights(dev)
+    print(f"{torch.cuda.get_device_name()}: routed experts at prefill sizes (sorted), us a call, TFLOP/s")
+    for t in ts:
+        x, ids, wts, shared = routed(t, dev)
+        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
+        args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
+        route_m = align(ids, EXPERTS + 1, shared=True).block_m
+        ref = fp8_fused_moe(*args)
+        flop = 2 * t * (TOP + 1) * 3 * INTER * HIDDEN
+        rows = [(f"fp8 tree (routing block {route_m}: {grouped_config(route_m)})", timed_us(partial(fp8_fused_moe, *args))),
+                ("bf16 experts", timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared)))]
+        # (gate and up in one K loop on unswapped tiles: 3.5% faster at T = 4096, slower at 16384; section 39)
+        for bn, warps, stages in product((64, 128, 256), (4, 8), (3, 4)):
+            cfg = {"BLOCK_M": max(64, route_m), "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SWAP": False}
+            name = f"fp8 {cfg['BLOCK_M']}x{bn} {warps}w {stages}st"
+            try:
+                same = torch.equal(fp8_fused_moe(*args, config=cfg), ref)
+                rows.append((name + ("" if same else " (OTHER BITS)"), timed_us(partial(fp8_fused_moe, *args, config=cfg))))
+            except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                rows.append((f"{name}: {type(e).__name__}", float("inf")))
+        print(f"T={t}")
+        for name, us in sorted(rows, key=lambda r: r[1]):
+            print(f"      {us:8.1f}us {flop / us / 1e6:7.0f} TFLOP/s  {name}")
+
+
 def moe(ts: list[int]) -> None:
     """Routed experts per pair and sorted (FP8), per pair (bf16), same routing, same tokens."""
     from bi_core.kernels.fp8_moe import _fp8_moe_per_pair, fp8_fused_moe
@@ -177,21 +306,13 @@ def moe(ts: list[int]) -> None:
 
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
-    e, top, h, i = 256, 8, 2048, 512
-    w13 = torch.randn(e + 1, 2 * i, h, device=dev, dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e + 1, h, i, device=dev, dtype=torch.bfloat16) * 0.02
-    q13 = [quantize_blocks(w13[j].float(), (128, 128)) for j in range(e + 1)]
-    q2 = [quantize_blocks(w2[j].float(), (128, 128)) for j in range(e + 1)]
-    w13q, w13s = torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13])
-    w2q, w2s = torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2])
+    w13, w2, w13q, w13s, w2q, w2s = expert_weights(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call")
     print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'sorted 64':>11} {'bf16 per pair':>13} "
           f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (columns / warps, stages)")
     for t in ts:
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device=dev)[:top] for _ in range(t)]).to(torch.int32)
-        wts = torch.rand(t, top, device=dev).softmax(-1)
-        shared = torch.randn(t, device=dev, dtype=torch.bfloat16)
+        x, ids, wts, shared = routed(t, dev)
+        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
@@ -214,7 +335,7 @@ def moe(ts: list[int]) -> None:
         t_sorted64 = timed_us(partial(fp8_fused_moe, *args, config=unswapped))
         t_bf16 = timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared))
         n_exp = int(torch.unique(ids).numel()) + 1
-        fp8_bytes = n_exp * 3 * i * h
+        fp8_bytes = n_exp * 3 * INTER * HIDDEN
         print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
               f"{fp8_bytes / bw * 1e6:>7.1f}us {2 * fp8_bytes / bw * 1e6:>8.1f}us  {same}; "
               f"{best[0]:.1f}us at {best[1:]}")
@@ -227,6 +348,12 @@ def main() -> None:
     if sys.argv[1:2] == ["--swap"]:
         swap_probe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8, 16])
         return
+    if sys.argv[1:2] == ["--prefill"]:
+        prefill_sweep([int(a) for a in sys.argv[2:]] or [4096])
+        return
+    if sys.argv[1:2] == ["--moe-prefill"]:
+        moe_prefill([int(a) for a in sys.argv[2:]] or [4096])
+        return
     if sys.argv[1:2] == ["--moe"]:
         moe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8])
         return
@@ -236,21 +363,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 fused':>10} {'fp8 2 launches':>15} {'quant':>7} "
           f"{'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
-    for n, k in SHAPES:
-        w = torch.randn(n, k, device=dev) * 0.02
-        wq, ws = quantize_blocks(w, (128, 128))
-        wb = w.to(torch.bfloat16)
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            cfg = fp8_config(m, n, k)
-            t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
-            t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
-            t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
-                if m <= FUSED_ROWS_MAX else float("nan")
-            t_q = timed_us(partial(quantize_act, x))
-            t_b = timed_us(partial(linear, x, wb))
-            print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
-                  f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
+    for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
+        cfg = fp8_config(m, n, k)
+        t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
+        t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
+        t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
+            if m <= FUSED_ROWS_MAX else float("nan")
+        t_q = timed_us(partial(quantize_act, x))
+        t_b = timed_us(partial(linear, x, wb))
+        print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
+              f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
 
 
 if __name__ == "__main__":

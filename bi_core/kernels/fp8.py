@@ -78,7 +78,7 @@ import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 from bi_core.kernels.e4m3 import GROUP, quant_group
-from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
+from bi_core.kernels.gemm import MAX_LOCKS, TMA_MIN_M, TMA_MIN_N, _tile, _tma_ready, tile_locks
 
 BLOCK = GROUP  # activation group width = weight block side = the GEMM's BLOCK_K (kernels/e4m3.py)
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs), as in gemm.py
@@ -110,6 +110,13 @@ SWAP_BLOCK_M = 16
 QUANT_BLOCK_M = 64
 QUANT_ROW_PROGRAMS = 16
 MID_M_MAX = 256  # rows up to which 64-row tiles are used
+# From TMA_MIN_M rows (and TMA_MIN_N columns: gemm.py's bounds) the GEMM runs _fp8_gemm_tma_kernel
+# with this tile (BLOCK_M, BLOCK_N, warps, stages), a program a tile. Swept on an H200 (benchmarks
+# section 39; fp8_kernel_bench.py --prefill): at 12352 x 2048 and 4096 x 2048, M = 4096 and 16384, it
+# was the fastest TMA tile at 3 of 4 points (272-279 / 1207 / 108 / 412 us), against 128 x 256 8w
+# (gemm.py's bf16 tile: 506 / 2002 us) and 128 x 128 8w (331 / 1298 / 136 / 522 us); persistent
+# programs lost 2-60% with every tile, and two blocks' dots in flight lost 10-100%.
+TMA_TILE = (64, 128, 4, 3)
 _BK = tl.constexpr(BLOCK)  # the kernels' copies (a jitted function reads only constexpr globals)
 
 
@@ -182,6 +189,13 @@ def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn):
 
 
 @triton.jit
+def _block_step(a, a_s, b, b_s, acc, zero, DOT: tl.constexpr):
+    """One K block, unswapped: the 128-deep dot of ``a [BLOCK_M, 128]`` and ``b [128, BLOCK_N]``
+    from zero, times the row scales, fma'd with the column scales into ``acc``."""
+    return tl.fma(mma(a, b, zero, DOT) * a_s[:, None], b_s[None, :], acc)
+
+
+@triton.jit
 def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
               stride_bsn, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr,
               TWO: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr):
@@ -229,13 +243,61 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
     for kb in range(kb_lo, kb_hi):
         a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, dt, BLOCK_M, QROWS)
         b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
-        part = mma(a, b, zero, DOT)
-        acc = tl.fma(part * a_s[:, None], b_s[None, :], acc)
+        acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
         if TWO:
             b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
-            part_up = mma(a, b_up, zero, DOT)
-            acc_up = tl.fma(part_up * a_s[:, None], s_up[None, :], acc_up)
+            acc_up = _block_step(a, a_s, b_up, s_up, acc_up, zero, DOT)
     return acc, acc_up
+
+
+@triton.jit
+def _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb):
+    """K block ``kb`` of a TMA tile: (a [BLOCK_M, 128], its row scales, b [128, BLOCK_N], its column scales)."""
+    a = a_desc.load([om, kb * _BK])
+    b = b_desc.load([on, kb * _BK]).T
+    a_s = tl.load(AS + a_rows + kb, mask=row_ok, other=0.0)
+    b_s = tl.load(BS + b_rows + kb, mask=col_ok, other=0.0)
+    return a, a_s, b, b_s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, KB_PER_SPLIT, stride_asm, stride_bsn, stride_cm,
+                         NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, DOT: tl.constexpr, FLATTEN: tl.constexpr,
+                         PDL: tl.constexpr, pdl_early):
+    """``_fp8_gemm_kernel``'s INLINE form (one program adds its tile's ranges in range order) for
+    prefill-sized M on SM90, as gemm.py's ``_gemm_tma_kernel``: both FP8 operands come by TMA
+    (a block past K or past the rows reads zeros, as the masked loads do), the scales by plain
+    loads, and ``NUM_PROGRAMS`` programs loop over the tiles (persistent when fewer than the
+    tiles; FLATTEN fuses the tile and K loops of an unsplit GEMM into one pipeline). Per block the
+    same ``_block_step`` in the same order: every bit is the pointer kernel's."""
+    pdl_start(PDL, pdl_early)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    kb_total = tl.cdiv(K, _BK)
+    dt = C.dtype.element_ty
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        rm = om + tl.arange(0, BLOCK_M)
+        rn = on + tl.arange(0, BLOCK_N)
+        row_ok = rm < M
+        col_ok = rn < N
+        a_rows = rm.to(tl.int64) * stride_asm
+        b_rows = (rn // _BK).to(tl.int64) * stride_bsn
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            lo = s * KB_PER_SPLIT
+            hi = tl.minimum(kb_total, lo + KB_PER_SPLIT)
+            for kb in range(lo, hi):
+                a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
+                acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
+            total = tl.where(s == 0, acc, total + acc)  # range 0 as is, as in _fp8_gemm_kernel
+        tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], total.to(dt),
+                 mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
@@ -328,10 +390,16 @@ def fp8_config(m: int, n: int, k: int) -> dict:
         per_tile = 1 if inline else split
         while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) * per_tile < TARGET_PROGRAMS:
             bn //= 2
+    tma = m >= TMA_MIN_M and n >= TMA_MIN_N
+    if tma:  # prefill: TMA_TILE, ranges added in the program
+        (bm, bn, warps, stages), inline = TMA_TILE, True
     bn = min(bn, max(64 if swap else 16, triton.next_power_of_2(n)))  # a swapped tile's weight rows: >= 64
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "SWAP": swap,
-            "FUSE_QUANT": m <= FUSE_QUANT_MAX_M and n <= FUSE_QUANT_MAX_N,
-            "num_warps": warps, "num_stages": stages}
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "SWAP": swap,
+           "FUSE_QUANT": m <= FUSE_QUANT_MAX_M and n <= FUSE_QUANT_MAX_N,
+           "num_warps": warps, "num_stages": stages}
+    if tma:
+        cfg["TMA"] = True
+    return cfg
 
 
 def quantize_act(x: torch.Tensor, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,6 +441,8 @@ def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
     """``quant_rows`` 0: a, a_scale are quantize_act's output; > 0 (a power of two >= m): a is the
     unquantized activation, quantized row by row inside the GEMM (a_scale unused)."""
     check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SWAP", False))
+    if cfg.get("TMA") and not quant_rows and not cfg.get("SWAP") and _tma_ready(a, wq):
+        return _launch_tma(a, a_scale, wq, ws, out, m, n, k, cfg)
     split = cfg["SPLIT_K"]
     kb_per_split = triton.cdiv(triton.cdiv(k, BLOCK), split)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
@@ -388,6 +458,24 @@ def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
         QROWS=quant_rows, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg.get("SWAP", False),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl())
+
+
+def _launch_tma(a, a_scale, wq, ws, out, m, n, k, cfg):
+    """The same tiles by TMA (``_fp8_gemm_tma_kernel``); a view without 16-byte aligned rows runs
+    ``_fp8_gemm_kernel`` instead (``_tma_ready``), with the same bits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    persistent = cfg.get("PERSISTENT") and a.is_cuda  # a program per SM (torch caches the properties)
+    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count) if persistent else tiles
+    programs = cfg.get("PROGRAMS", programs)  # tests: the persistent loop under the interpreter
+    _fp8_gemm_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [bm, BLOCK]), a_scale, TensorDescriptor.from_tensor(wq, [bn, BLOCK]), ws, out,
+        m, n, k, triton.cdiv(triton.cdiv(k, BLOCK), split), a_scale.stride(0), ws.stride(0), out.stride(0), programs,
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn),
+        FLATTEN=bool(cfg.get("PERSISTENT")) and split == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl())
 
 
 def _out(m: int, n: int, dtype: torch.dtype, device, out: torch.Tensor | None) -> torch.Tensor:

@@ -114,8 +114,10 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
         out["prefill"] = r = bench_prefill(engine, *pre, matmul_flops)
         ttft = f", time to first token {r['ttft_ms']:.1f} ms" if "ttft_ms" in r else ""
         cache = "prefix cache on, 0 tokens cached" if r["prefix_cache"] else "prefix cache off"
+        spread = "/".join(f"{t * 1e3:.0f}" for t in r["pass_seconds"])
         print(f"  prefill {pre[0]} x {pre[1]}: {r['prefill_tokens_per_s']:.0f} tok/s{ttft}  floor "
-              f"{r['floor_s'] * 1e3:.1f} ms  x{r['over_floor']:.2f}  (fresh prompts, {cache})", flush=True)
+              f"{r['floor_s'] * 1e3:.1f} ms  x{r['over_floor']:.2f}  (median of passes {spread} ms; fresh prompts, "
+              f"{cache})", flush=True)
     out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     out["tensor_parallel_size"] = cfg.parallel.tensor_parallel_size
     engine.close()  # tensor parallel: stop the other ranks before the next config starts its own

@@ -336,6 +336,42 @@ def test_fp8_gemm_arithmetic_bitwise(device, shape, split):
     assert torch.equal(bits(fp8_linear(x, wq, ws, config={**cfg, "INLINE": split > 1, "FUSE_QUANT": True})), want)
 
 
+@pytest.mark.usefixtures("ordered_dot")
+def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
+    """From TMA_MIN_M rows the GEMM loads its FP8 tiles by TMA (``_fp8_gemm_tma_kernel``: TMA_TILE,
+    ranges added in the program): bitwise the documented arithmetic (numpy emulation), the
+    pointer kernel with the same tiles, and each row computed alone (swapped dots, split programs
+    and the fix-up), over a ragged N and K (the blocks past them read as zeros by TMA), unsplit
+    and split, and with fewer programs than tiles (the persistent loop; unsplit, its flattened
+    form). Negative control: another split count differs."""
+    from bi_core.kernels import fp8
+    from bi_core.kernels.fp8 import TMA_MIN_M, TMA_TILE, fp8_config, fp8_gemm, fp8_linear, quantize_act
+
+    if not INTERPRET and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs SM90")
+    monkeypatch.setattr(fp8, "TMA_MIN_N", INV_N)  # the TMA tiles at this test's narrow N
+    wq, ws = _weights(INV_N, INV_K, device)
+    x = torch.randn(TMA_MIN_M + 9, INV_K, device=device) * torch.exp2(
+        torch.randint(-4, 4, (TMA_MIN_M + 9, 1), device=device).float())
+    xq, xs = quantize_act(x)
+    gemm = lambda rows, cfg: fp8_gemm(xq[rows], xs[rows], wq, ws, torch.float32, config=cfg)
+    every = torch.arange(x.shape[0], device=device)
+    for split in (1, INV_SPLIT):
+        cfg = {**fp8_config(x.shape[0], INV_N, INV_K), "SPLIT_K": split}
+        assert cfg["TMA"] and cfg["INLINE"] and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == TMA_TILE[:2]
+        full = gemm(every, cfg)
+        if INTERPRET:
+            assert torch.equal(bits(full), bits(emulate_gemm(xq, xs, wq, ws, split)))
+        assert torch.equal(bits(full), bits(gemm(every, {**cfg, "TMA": False})))
+        persistent = {**cfg, "PERSISTENT": True, "PROGRAMS": 2}  # 18 tiles, 2 programs
+        assert torch.equal(bits(full), bits(gemm(every, persistent)))
+        for i in (0, 1, 63, 64, 128, x.shape[0] - 1):
+            alone = {**fp8_config(1, INV_N, INV_K), "SPLIT_K": split, "INLINE": False}
+            assert torch.equal(bits(gemm(every[i:i + 1], alone)), bits(full[i:i + 1])), f"row {i}, split {split}"
+        assert torch.equal(bits(fp8_linear(x, wq, ws, config=cfg)), bits(full))
+    assert not torch.equal(gemm(every, {**cfg, "SPLIT_K": 1}), full)
+
+
 # ------------------------------------------------------------------------- batch invariance
 
 INV_N, INV_K = 136, 320  # ragged N (two weight-scale rows) and K (a 64-column last group)
