@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import socket
 
 import attrs
 import torch
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from bi_core.errors import BiEngineError
 from bi_core.parallel import state
+from bi_core.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @attrs.frozen
@@ -242,7 +236,7 @@ def launch(config, device: torch.device) -> Driver:
 
         raise ConfigError("parallel.tensor_parallel_size", f"{world} ranks from {device} need "
                           f"{(device.index or 0) + world} GPUs; this machine has {torch.cuda.device_count()}")
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(rank, config, port, str(device)), daemon=True,
                          name=f"bi-engine-tp{rank}") for rank in range(1, world)]

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from bi_core.config import INVARIANT_ENV
-from bi_core.scale.processes import free_port, terminate
+from bi_core.ports import free_port
+from bi_core.scale.processes import terminate
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

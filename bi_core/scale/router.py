@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 
 from bi_core.errors import BiEngineError
-from bi_core.scale.processes import free_port, terminate
+from bi_core.ports import free_port
+from bi_core.scale.processes import terminate
 
 log = logging.getLogger("bi_core.scale")
 

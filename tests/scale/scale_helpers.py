@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from bi_core.scale import processes
+from bi_core.ports import free_port as _free_port
 from bi_core.scale.processes import terminate
 
 # prefill_chunk_size 16: the prefix cache keeps (and hits) prompts at multiples of 16 tokens
@@ -30,7 +30,7 @@ ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def free_port() -> int:
-    return processes.free_port("127.0.0.1")
+    return _free_port("127.0.0.1")
 
 
 def wait_until(check, within_s: float, what: str, every_s: float = 0.2) -> None:

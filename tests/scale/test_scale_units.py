@@ -73,9 +73,9 @@ def test_free_port_never_gives_a_port_twice(monkeypatch):
     before in this process."""
     import socket
 
-    from bi_core.scale import processes
+    from bi_core import ports
 
-    ports = iter([50001, 50001, 50001, 50002])
+    given = iter([50001, 50001, 50001, 50002])
 
     class FakeSocket:
         def __enter__(self):
@@ -85,12 +85,12 @@ def test_free_port_never_gives_a_port_twice(monkeypatch):
             return False
 
         def bind(self, address):
-            self.port = next(ports)
+            self.port = next(given)
 
         def getsockname(self):
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(processes, "_given", set())
+    monkeypatch.setattr(ports, "_given", set())
     monkeypatch.setattr(socket, "socket", FakeSocket)
-    assert processes.free_port("127.0.0.1") == 50001
-    assert processes.free_port("127.0.0.1") == 50002  # 50001 twice more from the OS, skipped
+    assert ports.free_port("127.0.0.1") == 50001
+    assert ports.free_port("127.0.0.1") == 50002  # 50001 twice more from the OS, skipped

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bi_core.scale import processes
+from bi_core.ports import free_port as _free_port
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -53,7 +53,7 @@ def eventually(check, within_s: float, every_s: float = 0.1) -> bool:
 
 
 def free_port() -> int:
-    return processes.free_port("127.0.0.1")  # never the same port twice in this process
+    return _free_port("127.0.0.1")  # never the same port twice in this process
 
 
 def families(server) -> dict:
