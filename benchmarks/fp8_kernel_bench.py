@@ -19,10 +19,11 @@ the same bits, checked) and bf16 per pair (2 launches), each against its weight 
 (BLOCK_N, warps, stages; the same K order, so the same bits: checked against the tree's config)
 and at other split counts (another K order: other bits, listed for the record), fastest first.
 
-``--prefill``: the GEMM alone at prefill M: the tree's config, the pointer kernel with its tiles,
-TMA tiles (128 or 64 rows, 128 or 256 columns, 3-5 stages, persistent or not, two blocks' dots in
-flight or one; same bits, checked),
-the bf16 GEMM and FlashInfer's block-FP8 GEMM, fastest first with TFLOP/s.
+``--prefill``: the GEMM alone at prefill M: the tree's config, the pointer kernel with its tiles
+and with the tiles it had before the TMA kernel, the PREFILL_TILES by TMA (the table's tile also
+persistent; same bits, checked), the bf16 GEMM and FlashInfer's block-FP8 GEMM, fastest first
+with TFLOP/s. ``--moe-prefill``: the sorted FP8 experts at prefill sizes over routing blocks and
+tiles (same bits, checked) beside the bf16 experts.
 
 ``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
 (``SWAP``: the weight rows as the wgmma's M side, 16-row activation tiles) against the tree's
@@ -229,7 +230,6 @@ def swap_probe(ms: list[int]) -> None:
     _, _, w13q, w13s, w2q, w2s = expert_weights(dev)
     for t in (1, 2):
         x, ids, wts, shared = routed(t, dev)
-        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         ref = _fp8_moe_per_pair(*args)
         t_ref = timed_us(partial(_fp8_moe_per_pair, *args))
@@ -264,7 +264,7 @@ def expert_weights(dev: torch.device):
 def routed(t: int, dev: torch.device):
     """T tokens' rows, top-k ids (distinct per token), weights and shared-expert logits."""
     x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP] for _ in range(t)]).to(torch.int32)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP] for _ in range(t)])  # int64, as torch.topk's
     return x, ids, torch.rand(t, TOP, device=dev).softmax(-1), torch.randn(t, device=dev, dtype=torch.bfloat16)
 
 
@@ -291,7 +291,6 @@ def moe_prefill(ts: list[int]) -> None:
     print(f"{torch.cuda.get_device_name()}: routed experts at prefill sizes (sorted), us a call, TFLOP/s")
     for t in ts:
         x, ids, wts, shared = routed(t, dev)
-        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         route_m = align(ids, EXPERTS + 1, shared=True).block_m
         ref = fp8_fused_moe(*args)
@@ -331,7 +330,6 @@ def moe(ts: list[int]) -> None:
           f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (columns / warps, stages)")
     for t in ts:
         x, ids, wts, shared = routed(t, dev)
-        ids = ids.long()  # the router's dtype (torch.topk); the sorted routing path scatters with it
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
