@@ -300,9 +300,11 @@ def moe_prefill(ts: list[int]) -> None:
         # (gate and up in one K loop on unswapped tiles: 3.5% faster at T = 4096, slower at 16384; section 39)
         # The routing block too: at about 128 pairs an expert, 128-row blocks pad about half the experts
         # to 256 rows, 64-row blocks waste less on smaller tiles. A pair's row is the same either way.
-        for route, bn, warps, stages in product((64, 128), (64, 128, 256), (4, 8), (3, 4)):
-            cfg = {"BLOCK_M": max(64, route), "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SWAP": False}
-            name = f"fp8 routing {route}, {cfg['BLOCK_M']}x{bn} {warps}w {stages}st"
+        # (BLOCK_N 256 lost 1.9-7x at both sizes; section 39.) TMA: the weight tiles by TMA (branch wip/fp8-moe-tma).
+        for route, bn, warps, stages, tma in product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)):
+            cfg = {"BLOCK_M": max(64, route), "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SWAP": False,
+                   "TMA": tma}
+            name = f"fp8 routing {route}, {cfg['BLOCK_M']}x{bn} {warps}w {stages}st{' TMA' if tma else ''}"
             try:
                 with routing_block(route):
                     same = torch.equal(fp8_fused_moe(*args, config=cfg), ref)

@@ -38,7 +38,15 @@ import triton
 import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, pdl, pdl_start
-from bi_core.kernels.fp8 import BLOCK, SWAP_BLOCK_M, _k_blocks, check_wgmma_tile, quantize_act
+from bi_core.kernels.fp8 import (
+    BLOCK,
+    SWAP_BLOCK_M,
+    _a_block,
+    _block_step,
+    _k_blocks,
+    check_wgmma_tile,
+    quantize_act,
+)
 from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
 from bi_core.kernels.moe import Routing, _combine, _expert_of, align, moe_combine
 
@@ -85,6 +93,51 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
         if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
             up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm,
                               stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
+    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
+    c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _fp8_grouped_tma_kernel(A, AS, w_desc, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, W_ROWS,
+                            stride_am, stride_asm, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
+                            SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    """``_fp8_grouped_kernel``'s unswapped tiles with the weight tile by TMA (``w_desc``: the experts'
+    weights as one [E * W_ROWS, K] matrix, blocks [BLOCK_N, 128]); the A rows are gathered pairs,
+    loaded as there. Per K block the same ``_block_step`` in the same order (gate, then up in a
+    second pass), so every bit is the pointer kernel's. A tile's columns past N read the next
+    expert's rows (zeros past the last): their outputs are masked, and no column reads another's."""
+    pdl_start(PDL, pdl_early)
+    b = tl.program_id(0)
+    e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
+    if e >= num_experts:
+        return
+    r = tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
+    valid = pairs < num_pairs
+    rows = (pairs // A_ROW_DIV).to(tl.int64)
+    on = tl.program_id(1) * BLOCK_N
+    rn = on + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    ws_e = WS + e * stride_wse
+    w_row = (e * W_ROWS).to(tl.int32) + on
+    kb_total = tl.cdiv(K, 128)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, kb_total):
+        a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm, tl.float8e4nv, BLOCK_M, 0)
+        w = w_desc.load([w_row, kb * 128]).T
+        w_s = tl.load(ws_e + (rn // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
+        acc = _block_step(a, a_s, w, w_s, acc, zero, DOT)
+    up = acc
+    if SILU_MUL:  # the up rows [N, 2N) in a second pass, as the pointer kernel
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, kb_total):
+            a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm, tl.float8e4nv, BLOCK_M, 0)
+            w = w_desc.load([w_row + N, kb * 128]).T
+            w_s = tl.load(ws_e + ((rn + N) // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
+            up = _block_step(a, a_s, w, w_s, up, zero, DOT)
     out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
     c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
@@ -234,6 +287,18 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     assert cfg["BLOCK_M"] >= routing.block_m, f"BLOCK_M {cfg['BLOCK_M']} < the routing block {routing.block_m}"
     check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SWAP"])
     grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
+    if cfg.get("TMA"):  # the weight tiles by TMA (unswapped tiles; a config key until measured)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        assert not cfg["SWAP"] and w.is_contiguous(), "TMA: unswapped tiles of contiguous weights"
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], BLOCK])
+        _fp8_grouped_tma_kernel[grid](xq, xs, w_desc, w_scale, out, routing.sorted_pairs, routing.block_expert,
+                                      routing.num_pairs, n, k, num_experts, w.shape[1], xq.stride(0), xs.stride(0),
+                                      w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
+                                      SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
+                                      BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn),
+                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+        return out
     _fp8_grouped_kernel[grid](xq, xs, w, w_scale, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs,
                               n, k, num_experts, xq.stride(0), xs.stride(0), w.stride(0), w.stride(1),
                               w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,

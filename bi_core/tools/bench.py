@@ -4,7 +4,8 @@ decode step must move over the fastest streaming rate measured on this device, t
 prefill must do over the matrix rate measured on it. A figure below its floor, a decode step that
 did not run every row at the stated context, or a prefill the prefix cache served, is an error
 (``BenchError``), never a result. A decode step that takes over HOST_BOUND_RATIO times its kernels'
-device time is printed with a ``HOST-BOUND?`` note. Where a step's time goes:
+device time is printed with a ``HOST-BOUND?`` note; a prefill figure (the median of its timed
+passes) comes with one more pass's kernel time, for the same reading. Where a step's time goes:
 ``BI_BENCH_TOP_KERNELS=N`` prints one eager step's N costliest kernels and how many timed steps
 replayed a CUDA graph; ``BI_BENCH_PROFILE_HOST=N`` the host's N costliest functions over the
 timed steps (cProfile)."""
@@ -221,13 +222,19 @@ def _graph_replays(engine: LLMEngine) -> int:
     return sum(getattr(engine.runner.main_graphs, "num_replays", {}).values())
 
 
+def _kernel_events(prof) -> list:
+    """The device kernels a torch profiler saw (copies and memsets left out)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+
+
 def kernels_per_decode_step(engine: LLMEngine, seqs) -> tuple[int, float]:
     """Device kernels of one decode step of ``seqs``: an eager forward (the kernel sequence a CUDA
     graph of the step replays) plus sampling, counted with the torch profiler; returns (how many,
     their device time in ms). It runs the step
     outside the engine's bookkeeping, so those sequences' states move one token ahead: call it
     only when their outputs no longer matter (after timing)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from bi_core.runtime.runner import Forward, SeqRows
@@ -245,7 +252,7 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> tuple[int, float]:
             torch.cuda.synchronize()
     finally:
         runner.main_graphs = graphs
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    kernels = _kernel_events(prof)
     top = int(os.environ.get("BI_BENCH_TOP_KERNELS", "0"))  # where the step's time goes (eager: PDL waits included)
     if top:
         totals: dict[str, list[float]] = {}
@@ -325,6 +332,21 @@ def prefill_flops(engine: LLMEngine, lengths: list[int]) -> float:
 PREFILL_PASSES = 3  # timed prefill passes, the median reported: one pass ranged 39.7k-52.5k tok/s on one tree (2026-11-28b)
 
 
+def _prefill_kernel_seconds(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float | None:
+    """The device time of one more prefill pass's kernels (torch profiler; other fresh prompts):
+    beside the passes' wall time it tells a device-bound pass from a host-bound one. None where
+    the profiler sees no device (the CPU engine of the tests) or under tensor parallelism."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available() or engine.tp.world > 1:
+        return None
+    _sync(engine)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+        _sync(engine)
+    return sum(e.device_time_total for e in _kernel_events(prof)) / 1e6
+
+
 def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: float, seed: int = 2,
                   passes: int = PREFILL_PASSES) -> dict:
     """Prefill tokens/s of ``batch`` fresh prompts of ``length`` tokens (and, for one prompt, its
@@ -347,12 +369,13 @@ def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: floa
             raise BenchError(f"prefill {batch} x {length}: {cached} prompt tokens came from the prefix cache or a "
                              "request failed; the figure would not be a prefill")
     dt = statistics.median(times)
+    kernel_s = _prefill_kernel_seconds(engine, _prompts(engine, batch, length, seed + passes), params)
     if min(times) < floor:
         raise BenchError(f"prefill {batch} x {length} measured {min(times) * 1e3:.1f} ms, below its FLOP floor "
                          f"{floor * 1e3:.1f} ms: a measurement bug, not a result")
     result = {"batch": batch, "length": length, "seconds": dt, "prefill_tokens_per_s": batch * length / dt,
               "floor_s": floor, "over_floor": dt / floor, "prefix_cache": engine.cache.prefix is not None,
-              "cached_tokens": 0, "pass_seconds": times}
+              "cached_tokens": 0, "pass_seconds": times, "kernel_seconds": kernel_s}
     if batch == 1:
         result["ttft_ms"] = dt * 1e3
     return result

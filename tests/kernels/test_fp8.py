@@ -559,7 +559,8 @@ def test_fp8_moe_numerics(device):
 def test_fp8_moe_rows_invariant(device):
     """fp8_fused_moe (with a shared expert, fp32): a token's output is bitwise the same alone and in
     8 tokens (per pair: no routing sort), in all 22 (66 pairs,
-    sorted: 32-row blocks), permuted, with 128-row tiles on 8 warps, sorted with swapped
+    sorted: 32-row blocks), permuted, with 128-row tiles on 8 warps, with the weight tiles by TMA,
+    sorted with swapped
     dots (16-row routing blocks), and either path forced on the same tokens. Negative control: the same pipeline written out, which equals
     fp8_fused_moe with quantize_act, gives a token different bits alone and among 8 when the
     activation scale spans the batch (per-tensor)."""
@@ -579,6 +580,10 @@ def test_fp8_moe_rows_invariant(device):
     perm = torch.randperm(MOE_TOKENS, device=device)
     assert torch.equal(bits(run(perm)), ref[perm])
     assert torch.equal(bits(run(every[:12], {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "SWAP": False})), ref[:12])
+    if INTERPRET or torch.cuda.get_device_capability()[0] >= 9:  # the weight tiles by TMA (gate, up, down)
+        tma = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "SWAP": False, "TMA": True}
+        assert torch.equal(bits(run(every, tma)), ref)
+        assert torch.equal(bits(run(perm[:12], {**tma, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[perm[:12]])
     assert align(ids[:12], MOE_E + 1, shared=True).block_m == 16  # sorted, swapped (16 rows against 128 weight rows)
     assert torch.equal(bits(run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP": True})), ref[:12])
     with pytest.raises(AssertionError, match="SWAP"):  # the sorted path refuses a tile off the wgmma too

@@ -39,6 +39,7 @@ def test_prefill_is_timed_on_fresh_prompts_and_checked_against_its_floor():
     r = bench_prefill(eng, 2, 64, matmul_flops=1e15)  # a far faster "device": the floor is tiny
     assert r["cached_tokens"] == 0 and r["prefix_cache"] and eng.cache.prefix.stats()["hit_tokens"] == 0
     assert r["over_floor"] > 1 and len(r["pass_seconds"]) == 3  # each pass on its own fresh prompts (no hit: above)
+    assert r["kernel_seconds"] is None  # no device for the profiler to time here
     with pytest.raises(BenchError, match="below its FLOP floor"):
         bench_prefill(eng, 2, 64, matmul_flops=1.0)  # one FLOP a second: no real run beats that floor
     assert prefill_flops(eng, [64]) > 2 * 64 * sum(p.numel() for n, p in eng.model.named_parameters()
