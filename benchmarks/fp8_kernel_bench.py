@@ -270,20 +270,22 @@ def routed(t: int, dev: torch.device):
 
 @contextlib.contextmanager
 def routing_block(rows: int):
-    """moe.align's routing block forced to ``rows`` (its rule: moe.block_m_for of the pairs an expert)."""
-    from bi_core.kernels import moe
+    """moe.align's routing block forced to ``rows`` (its rule: moe.block_m_for of the pairs an expert,
+    up to fp8_moe.ROUTE_BLOCK_MAX for the FP8 experts)."""
+    from bi_core.kernels import fp8_moe, moe
 
-    rule, moe.block_m_for = moe.block_m_for, lambda m: rows
+    rule, cap = moe.block_m_for, fp8_moe.ROUTE_BLOCK_MAX
+    moe.block_m_for, fp8_moe.ROUTE_BLOCK_MAX = (lambda m: rows), rows
     try:
         yield
     finally:
-        moe.block_m_for = rule
+        moe.block_m_for, fp8_moe.ROUTE_BLOCK_MAX = rule, cap
 
 
 def moe_prefill(ts: list[int]) -> None:
     """The sorted FP8 experts at prefill sizes: the tree's grouped tiles and others (the same K
     order, so the same bits: checked), against the bf16 experts; us a call and TFLOP/s."""
-    from bi_core.kernels.fp8_moe import fp8_fused_moe, grouped_config
+    from bi_core.kernels.fp8_moe import ROUTE_BLOCK_MAX, fp8_fused_moe, grouped_config
     from bi_core.kernels.moe import align, fused_moe
 
     dev = torch.device("cuda")
@@ -292,11 +294,16 @@ def moe_prefill(ts: list[int]) -> None:
     for t in ts:
         x, ids, wts, shared = routed(t, dev)
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
-        route_m = align(ids, EXPERTS + 1, shared=True).block_m
+        route_m = align(ids, EXPERTS + 1, shared=True, max_block_m=ROUTE_BLOCK_MAX).block_m
         ref = fp8_fused_moe(*args)
         flop = 2 * t * (TOP + 1) * 3 * INTER * HIDDEN
+        bf16 = partial(fused_moe, x, wts, ids, w13, w2, shared)
         rows = [(f"fp8 tree (routing block {route_m}: {grouped_config(route_m)})", timed_us(partial(fp8_fused_moe, *args))),
-                ("bf16 experts", timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared)))]
+                (f"bf16 experts (routing block {align(ids, EXPERTS + 1, shared=True).block_m})", timed_us(bf16))]
+        bf16_ref = bf16()
+        with routing_block(64):  # the bf16 experts in the FP8 experts' routing blocks (same bits: moe.py's docstring)
+            same = torch.equal(bf16(), bf16_ref)
+            rows.append(("bf16 experts, routing 64" + ("" if same else " (OTHER BITS)"), timed_us(bf16)))
         # (gate and up in one K loop on unswapped tiles: 3.5% faster at T = 4096, slower at 16384; section 39)
         # The routing block too: at about 128 pairs an expert, 128-row blocks pad about half the experts
         # to 256 rows, 64-row blocks waste less on smaller tiles. A pair's row is the same either way.

@@ -15,9 +15,9 @@ projection the same GEMM arithmetic, rounded to x's dtype; the token's k rows co
 ``moe.moe_combine`` (fp32, slot order, then the shared expert's gated output).
 
 Invariance: routing is moe.py's (``align``: the pairs sorted by expert, each expert's run padded
-to the routing block of 16..128 rows, chosen from the pair count); a pair's row is its own dot
-products in the same K order wherever it lands, whatever the routing block, the tile or the
-expert's row count. Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per
+to the routing block of 16..64 rows here (``ROUTE_BLOCK_MAX``), chosen from the pair count); a
+pair's row is its own dot products in the same K order wherever it lands, whatever the routing
+block, the tile, the way its weight tile is loaded (pointers or TMA) or the expert's row count. Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per
 pair, and sorted with routing blocks of 16), 64 or 128 weight rows as the wgmma's M side, so
 every batch size runs the in-block dots on fp8 wgmma (fp8.py says why an unswapped tile below 64
 rows would not). Tested bitwise under the interpreter with a K-ordered dot
@@ -47,7 +47,7 @@ from bi_core.kernels.fp8 import (
     check_wgmma_tile,
     quantize_act,
 )
-from bi_core.kernels.gemm import MAX_LOCKS, tile_locks
+from bi_core.kernels.gemm import MAX_LOCKS, _tma_ready, tile_locks
 from bi_core.kernels.moe import Routing, _combine, _expert_of, align, moe_combine
 
 
@@ -258,11 +258,22 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
 # one K loop, instead of 64-row tiles that are three quarters padding. On an H200 (section 33):
 # 101 vs 121 us at 16 tokens, 189 vs 224 at 64, the same bits; 35B-A3B FP8 decode B=64 15.14 ->
 # 13.77 ms, B=8 5.93 -> 5.33 (before PAIR_TOKENS = 8): the per-pair kernels' tiles (PAIR_UP, PAIR_DOWN).
+# Prefill: routing blocks of at most ROUTE_BLOCK_MAX rows, on 64 x 128 tiles (4 warps, 4 stages)
+# whose weight tiles come by TMA. At about 140 pairs an expert, 128-row blocks pad about half the
+# experts to 256 rows. On an H200 (fp8_kernel_bench.py --moe-prefill, benchmarks section 40), the
+# routed experts of 35B-A3B took 765 vs 933 us at 4,096 tokens and 2,415 vs 2,696 at 16,384,
+# against 128-row blocks on 128 x 128 tiles, 8 warps (the same bits: checked there and in the tests).
+ROUTE_BLOCK_MAX = 64
+PREFILL_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SWAP": False, "TMA": True}
+
+
 def grouped_config(route_m: int, silu_mul: bool = True) -> dict:
     """Launch shape from the routing block (speed only: the K order is fixed by K)."""
     if route_m <= SWAP_BLOCK_M:
         return _pair_tile(PAIR_UP if silu_mul else PAIR_DOWN)
-    block_m = max(64, route_m)
+    if route_m == PREFILL_TILE["BLOCK_M"]:  # 33 to 64 pairs an expert, and prefill (ROUTE_BLOCK_MAX)
+        return dict(PREFILL_TILE)
+    block_m = max(64, route_m)  # 32-row blocks; and 128 (tests, benchmarks: ROUTE_BLOCK_MAX raised)
     return {"BLOCK_M": block_m, "BLOCK_N": 64 if route_m <= 32 else 128, "num_warps": 8 if block_m == 128 else 4,
             "num_stages": 3, "SWAP": False}
 
@@ -287,10 +298,10 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     assert cfg["BLOCK_M"] >= routing.block_m, f"BLOCK_M {cfg['BLOCK_M']} < the routing block {routing.block_m}"
     check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SWAP"])
     grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
-    if cfg.get("TMA"):  # the weight tiles by TMA (unswapped tiles; a config key until measured)
+    # the weight tiles by TMA where the weights allow it; else the same tiles by pointers (the same bits)
+    if cfg.get("TMA") and not cfg["SWAP"] and w.is_contiguous() and _tma_ready(xq, w.view(-1, k)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        assert not cfg["SWAP"] and w.is_contiguous(), "TMA: unswapped tiles of contiguous weights"
         w_desc = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], BLOCK])
         _fp8_grouped_tma_kernel[grid](xq, xs, w_desc, w_scale, out, routing.sorted_pairs, routing.block_expert,
                                       routing.num_pairs, n, k, num_experts, w.shape[1], xq.stride(0), xs.stride(0),
@@ -325,7 +336,7 @@ def fp8_fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         return torch.empty_like(x)
     if per_pair if per_pair is not None else (num_tokens <= PAIR_TOKENS and config is None):
         return _fp8_moe_per_pair(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, shared_logits, x_fp8=x_fp8)
-    routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None)
+    routing = align(topk_ids, w13.shape[0], shared=shared_logits is not None, max_block_m=ROUTE_BLOCK_MAX)
     xq, xs = quantize_act(x) if x_fp8 is None else x_fp8
     h = fp8_grouped_gemm(xq, xs, w13, w13_scale, routing, routing.slots, silu_mul=True, out_dtype=x.dtype,
                          config=config)

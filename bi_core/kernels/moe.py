@@ -95,15 +95,15 @@ def max_rows_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, shared: bool) -> Routing:
-    """Pairs sorted by expert; ``num_experts`` counts the shared expert (the last) when ``shared``.
-    Up to SORT_CHUNK pairs (decode, verify) one Triton launch does it all; more (prefill) go
-    through torch ops. Both give the same rows (a stable sort by expert), and no row's result
-    would depend on them anyway (see the module docstring)."""
+def align(topk_ids: torch.Tensor, num_experts: int, shared: bool, max_block_m: int = 128) -> Routing:
+    """Pairs sorted by expert in blocks of up to ``max_block_m`` rows; ``num_experts`` counts the
+    shared expert (the last) when ``shared``. Up to SORT_CHUNK pairs (decode, verify) one Triton
+    launch does it all; more (prefill) go through torch ops. Both give the same rows (a stable sort
+    by expert), and no row's result would depend on them anyway (see the module docstring)."""
     num_tokens, top_k = topk_ids.shape
     slots = top_k + (1 if shared else 0)
     num_pairs = num_tokens * slots
-    bm = block_m_for(triton.cdiv(num_pairs, num_experts))  # rows per expert, not per batch: decode gets 16
+    bm = min(block_m_for(triton.cdiv(num_pairs, num_experts)), max_block_m)  # rows an expert: decode 16
     max_rows = max_rows_for(num_pairs, num_experts, bm)
     max_blocks = max_rows // bm
     dev = topk_ids.device

@@ -617,6 +617,29 @@ def test_fp8_moe_rows_invariant(device):
     assert not torch.equal(bits(pipeline(every[:8], per_tensor)[:1]), bits(pipeline(every[:1], per_tensor)))
 
 
+@pytest.mark.usefixtures("ordered_dot")
+def test_fp8_moe_prefill_routing(device, monkeypatch):
+    """From 65 pairs an expert moe.align picks 128-row routing blocks; fp8_fused_moe caps them at
+    ROUTE_BLOCK_MAX (64) and runs PREFILL_TILE (weight tiles by TMA on SM90 and in the
+    interpreter). 88 tokens (the 22 four times) give each copy the 22 tokens' bits, and the same
+    bits as 128-row routing blocks on the old 128 x 128 tiles."""
+    from bi_core.kernels import fp8_moe
+    from bi_core.kernels.moe import align
+
+    x, shared, wts, ids, w13, s13, w2, s2 = _moe_inputs(device)
+    run = lambda reps: fp8_moe.fp8_fused_moe(x.repeat(reps, 1), wts.repeat(reps, 1), ids.repeat(reps, 1), w13, s13,
+                                             w2, s2, shared.repeat(reps))
+    blocks = []  # the routing of each call
+    monkeypatch.setattr(fp8_moe, "align", lambda *a, **kw: blocks.append(align(*a, **kw)) or blocks[-1])
+    assert align(ids.repeat(4, 1), MOE_E + 1, shared=True).block_m == 128  # 264 pairs, 4 experts
+    assert fp8_moe.grouped_config(fp8_moe.ROUTE_BLOCK_MAX) == fp8_moe.PREFILL_TILE and fp8_moe.PREFILL_TILE["TMA"]
+    ref = bits(run(1))
+    assert torch.equal(bits(run(4)), ref.repeat(4, 1)) and blocks[-1].block_m == fp8_moe.ROUTE_BLOCK_MAX == 64
+    monkeypatch.setattr(fp8_moe, "ROUTE_BLOCK_MAX", 128)  # the routing before the cap, on its own tile
+    assert torch.equal(bits(run(4)), ref.repeat(4, 1)) and blocks[-1].block_m == 128
+    assert fp8_moe.grouped_config(128) == {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "SWAP": False}
+
+
 # ------------------------------------------------------------------------------ GPU only
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware's side: needs a CUDA GPU")
