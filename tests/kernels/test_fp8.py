@@ -730,7 +730,8 @@ def test_gpu_moe_rows_invariant_model_shapes(dtype):
     the shared expert; fp32 activations so order changes show, and bf16, the engine's, where every
     rounding to the model dtype counts: a per-token down kernel passed fp32 and gave other bits in
     bf16, benchmarks section 35): a token's output is bitwise the same alone, in batches of 2..512
-    tokens (up to 8 per pair, then routing blocks of 16 to 128 rows), permuted, and with either
+    tokens (up to 8 per pair, then routing blocks of 16 to 64 rows: from 300 tokens 64-row blocks on
+    fp8_moe.PREFILL_TILE, whose weight tiles come by TMA), permuted, and with either
     path forced on the same 8 tokens."""
     from bi_core.kernels.fp8_moe import fp8_fused_moe
 
