@@ -28,7 +28,9 @@ def _label(cfg: EngineConfig) -> str:
     model = cfg.model.random.preset if cfg.model.random else cfg.model.path
     layers = f"/{cfg.model.random.num_hidden_layers}L" if cfg.model.random and cfg.model.random.num_hidden_layers else ""
     mode = "invariant" if cfg.policy.batch_invariant else "default"
-    extras = "".join(f" {op}={','.join(b)}" for op, b in cfg.policy.ops.items())
+    extras = f" quantization={cfg.model.quantization}" if cfg.model.quantization not in (None, "none") else ""
+    extras += "".join(f" {op}={','.join(b)}" for op, b in cfg.policy.ops.items())
+    extras += f" kv={cfg.cache.kv_cache_dtype}" if cfg.cache.kv_cache_dtype != "auto" else ""
     extras += f" state={cfg.cache.ssm_state_dtype}" if cfg.cache.ssm_state_dtype != "float32" else ""
     extras += f" strategy={cfg.strategy.name}" if cfg.strategy.name != "ar" else ""
     extras += f" tp={cfg.parallel.tensor_parallel_size}" if cfg.parallel.tensor_parallel_size > 1 else ""
@@ -170,6 +172,25 @@ def bench_transformers(cfg: EngineConfig, batch_sizes=(1, 16), prompt_len: int =
     return out
 
 
+def print_comparisons(results: list[dict]) -> None:
+    """Every config's figures against the first's: decode step time, throughput, and the prefill's
+    median pass time beside its device time (a pass's wall time also moves with the host's pace:
+    benchmarks section 40)."""
+    base = results[0]
+    for other in results[1:]:
+        print(f"== {other['label']} vs {base['label']}")
+        for a, b in zip(other["decode"], base["decode"]):
+            print(f"  decode B={a['batch']:<4} ctx {a['context_len']:<5} {a['ms_per_step'] / b['ms_per_step']:.3f}x time")
+        if "throughput" in other and "throughput" in base:
+            ratio = base["throughput"]["seconds"] / other["throughput"]["seconds"]
+            print(f"  throughput {ratio:.3f}x")
+        a, b = other.get("prefill"), base.get("prefill")
+        if a and b and (a["batch"], a["length"]) == (b["batch"], b["length"]):
+            device = (f", {a['kernel_seconds'] / b['kernel_seconds']:.3f}x device time"
+                      if a.get("kernel_seconds") and b.get("kernel_seconds") else "")
+            print(f"  prefill {a['batch']} x {a['length']} {a['seconds'] / b['seconds']:.3f}x time (median pass){device}")
+
+
 def run_bench(args, configs: list[EngineConfig]) -> int:
     check_bench_args(args)
     if not torch.cuda.is_available():
@@ -186,14 +207,7 @@ def run_bench(args, configs: list[EngineConfig]) -> int:
     if args.transformers:
         print("== transformers baseline", flush=True)
         report["transformers"] = bench_transformers(configs[0])
-    base = report["configs"][0]
-    for other in report["configs"][1:]:
-        print(f"== {other['label']} vs {base['label']}")
-        for a, b in zip(other["decode"], base["decode"]):
-            print(f"  decode B={a['batch']:<4} ctx {a['context_len']:<5} {a['ms_per_step'] / b['ms_per_step']:.3f}x time")
-        if "throughput" in other and "throughput" in base:
-            ratio = base["throughput"]["seconds"] / other["throughput"]["seconds"]
-            print(f"  throughput {ratio:.3f}x")
+    print_comparisons(report["configs"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -54,3 +54,25 @@ def test_a_step_well_over_its_kernels_time_is_flagged_host_bound():
     assert host_bound_note(28.3, 14.7).startswith("  HOST-BOUND? 1.93x its kernels' 14.70 ms")
     assert host_bound_note(15.2, 14.7) == "" and host_bound_note(HOST_BOUND_RATIO * 10, 10.0) == ""
     assert host_bound_note(28.3, None) == ""  # kernels not counted (tensor parallel)
+
+
+def test_comparisons_name_what_differs_and_give_the_prefill_device_time(capsys):
+    """Two runs of one model that differ only in quantization and KV dtype get different labels,
+    and the comparison gives the prefill's median pass ratio beside its device-time ratio (only
+    where both runs timed their kernels, only between prefills of one shape)."""
+    from bi_core.tools.bench_report import _label, print_comparisons
+
+    bf16 = _label(EngineConfig.from_dict(tiny_config()))
+    fp8 = _label(EngineConfig.from_dict(tiny_config(model={"quantization": "fp8"}, cache={"kv_cache_dtype": "fp8"})))
+    assert fp8 == bf16 + " quantization=fp8 kv=fp8"
+    decode = lambda ms: [{"batch": 1, "context_len": 512, "ms_per_step": ms}]
+    prefill = lambda s, k, length=2048: {"batch": 8, "length": length, "seconds": s, "kernel_seconds": k}
+    print_comparisons([{"label": fp8, "decode": decode(2.0), "prefill": prefill(0.3, 0.24)},
+                       {"label": bf16, "decode": decode(3.0), "prefill": prefill(0.27, 0.26)},
+                       {"label": "no kernels", "decode": decode(2.0), "prefill": prefill(0.6, None)},
+                       {"label": "other shape", "decode": decode(2.0), "prefill": prefill(0.6, 0.5, 512)}])
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == [f"== {bf16} vs {fp8}", "  decode B=1    ctx 512   1.500x time",
+                       "  prefill 8 x 2048 0.900x time (median pass), 1.083x device time"]
+    assert "  prefill 8 x 2048 2.000x time (median pass)" in out
+    assert sum("prefill" in line for line in out) == 2  # none for the other shape
