@@ -1,7 +1,6 @@
 """Block-FP8 linear kernels at the 35B-A3B shape's dense GEMMs, one H200/H100 call: fp8_linear as
-configured (activation quantization fused into the GEMM up to FUSE_QUANT_MAX_M rows), the same
-with quantization fused (rows quantized inside the GEMM, up to 32 rows) and as its own launch,
-quantize_act alone, and the bf16 Triton GEMM for comparison; microseconds per call (CUDA graphs of
+configured (quantize_act, then the GEMM), quantize_act alone, and the bf16 Triton GEMM for
+comparison; microseconds per call (CUDA graphs of
 20 calls: launch gaps inside a graph do count, as in the engine's graphs), and each one's weight
 bytes over the copy bandwidth (the floor). Then the routed experts (35B-A3B: 256 experts, top 8,
 H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles, FP8 sorted (6
@@ -39,7 +38,7 @@ from itertools import product
 
 import torch
 
-from bi_core.kernels.fp8 import FUSED_ROWS_MAX, fp8_config, fp8_linear, quantize_act
+from bi_core.kernels.fp8 import fp8_config, fp8_linear, quantize_act
 from bi_core.kernels.gemm import linear
 from bi_core.quant.fp8 import quantize_blocks
 from bi_core.tools.bench import measure_bandwidth
@@ -161,12 +160,10 @@ def prefill_sweep(ms: list[int]) -> None:
         before = pre_tma_config(m, n, k)
         rows.append((f"pointer, pre-TMA tiles (BLOCK_N {before['BLOCK_N']})",
                      timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=before))))
-        for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (False, True)):
-            if persistent and (bm, bn) != (base["BLOCK_M"], base["BLOCK_N"]):
-                continue  # persistent programs lost with every tile (section 39): the table's tile only
+        for bm, bn, warps, stages in PREFILL_TILES:  # (persistent programs lost with every tile: section 39)
             cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
-                   "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
-            name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+                   "INLINE": True, "SWAP": False}
+            name = f"TMA {bm}x{bn} {warps}w {stages}st"
             try:
                 same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
                 rows.append((name + ("" if same else " (OTHER BITS)"),
@@ -221,7 +218,7 @@ def swap_probe(ms: list[int]) -> None:
                 rows.append((t, t_l, cfg, "same bits" if same else "DIFFERENT BITS"))
             rows.sort(key=lambda r: r[0])
             print(f"{n:>6} x {k:<5} M={m:<3} tree GEMM {t_base:6.1f}us, linear {t_lin:6.1f}us (BLOCK_N {base['BLOCK_N']}, "
-                  f"split {base['SPLIT_K']}, fused quant {base['FUSE_QUANT']}); floor {n * k / bw * 1e6:.1f}us; swapped:")
+                  f"split {base['SPLIT_K']}); floor {n * k / bw * 1e6:.1f}us; swapped:")
             for t, t_l, cfg, note in rows[:3]:
                 print(f"      GEMM {t:6.1f}us linear {t_l:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} "
                       f"stages {cfg['num_stages']}  ({note})")
@@ -385,17 +382,13 @@ def main() -> None:
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 fused':>10} {'fp8 2 launches':>15} {'quant':>7} "
-          f"{'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
+    print(f"{'N x K':>12} {'M':>4} {'fp8 linear':>11} {'quant':>7} {'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
     for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
         cfg = fp8_config(m, n, k)
         t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
-        t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
-        t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
-            if m <= FUSED_ROWS_MAX else float("nan")
         t_q = timed_us(partial(quantize_act, x))
         t_b = timed_us(partial(linear, x, wb))
-        print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
+        print(f"{n:>6} x {k:<5} {m:>4} {t_set:>9.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
               f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
 
 

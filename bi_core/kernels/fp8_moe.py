@@ -85,14 +85,14 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     kb = tl.cdiv(K, 128)
     if SWAP and SILU_MUL:  # gate and up in one K loop, one A tile (two [BLOCK_N, 16] accumulators)
         acc, up = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                            stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, True)
+                            stride_wsn, N, BLOCK_M, BLOCK_N, True, DOT, True)
     else:
         acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                           stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
+                           stride_wsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP)
         up = acc
         if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
             up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm,
-                              stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
+                              stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP)
     out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
     c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
@@ -126,7 +126,7 @@ def _fp8_grouped_tma_kernel(A, AS, w_desc, WS, C, SORTED, BLOCK_EXPERT, num_pair
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, kb_total):
-        a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm, tl.float8e4nv, BLOCK_M, 0)
+        a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm)
         w = w_desc.load([w_row, kb * 128]).T
         w_s = tl.load(ws_e + (rn // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
         acc = _block_step(a, a_s, w, w_s, acc, zero, DOT)
@@ -134,7 +134,7 @@ def _fp8_grouped_tma_kernel(A, AS, w_desc, WS, C, SORTED, BLOCK_EXPERT, num_pair
     if SILU_MUL:  # the up rows [N, 2N) in a second pass, as the pointer kernel
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, kb_total):
-            a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm, tl.float8e4nv, BLOCK_M, 0)
+            a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm)
             w = w_desc.load([w_row + N, kb * 128]).T
             w_s = tl.load(ws_e + ((rn + N) // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
             up = _block_step(a, a_s, w, w_s, up, zero, DOT)
@@ -171,7 +171,7 @@ def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, str
     row0 = tl.arange(0, BLOCK_M) == 0
     rows = tl.where(row0, p // SLOTS, 0).to(tl.int64)
     acc, up = _k_blocks(XQ, XS, W + e * stride_we, WS + e * stride_wse, rows, row0, rn.to(tl.int64), n_ok, K, 0,
-                        tl.cdiv(K, 128), stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, SWAP)
+                        tl.cdiv(K, 128), stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, True, DOT, SWAP)
     out = _epilogue(acc, up, H.dtype.element_ty, True)
     h_ptr = H + p.to(tl.int64) * stride_h + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
     tl.store(h_ptr, out, mask=row0[:, None] & n_ok[None, :])
@@ -196,7 +196,7 @@ def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, 
     e = _expert_of(IDS, p, p + 1, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
     row0 = tl.arange(0, BLOCK_M) == 0
     acc, _ = _k_blocks(HQ, HS, W + e * stride_we, WS + e * stride_wse, tl.where(row0, p, 0), row0, rn.to(tl.int64),
-                       n_ok, K, 0, tl.cdiv(K, 128), stride_h, stride_hs, stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0,
+                       n_ok, K, 0, tl.cdiv(K, 128), stride_h, stride_hs, stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N,
                        False, DOT, SWAP)
     y_ptr = Y + p * N + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
     tl.store(y_ptr, acc.to(dt), mask=row0[:, None] & n_ok[None, :])
