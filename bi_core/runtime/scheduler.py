@@ -73,7 +73,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._preempted_now: set[int] = set()  # see _prefill
         self.num_prompt_tokens_computed = 0  # prompt tokens the model ran (not cached, not shared by n samples)
         self._logged_preemptions, self._logged_at = 0, time.monotonic()
 
@@ -121,8 +120,11 @@ class Scheduler:
         return min(size, end - seq.num_computed)
 
     def schedule(self) -> list[Scheduled]:
-        """The next step: every decoding sequence's row, then prompt chunks (``_prefill``)."""
+        """The next step: every decoding sequence's row, then prompt chunks (``_prefill``). A step
+        that preempted admits nothing from the queue (as vLLM's scheduler): its pages were short,
+        and the preempted request would otherwise come straight back to recompute what it lost."""
         budget = self.config.max_num_batched_tokens
+        preempted = self.num_preemptions
         out: list[Scheduled] = []
         for seq in list(self.running):  # a decode row counts decode_tokens (1 + drafts verified)
             if seq.status is Status.RUNNING and not seq.fork_pending and seq.is_decoding:
@@ -130,28 +132,26 @@ class Scheduler:
                 if self._ensure_pages(seq, seq.num_computed + n, out):
                     out.append(Scheduled(seq, n))
                     budget -= self.decode_tokens
-        self._prefill(out, budget)
+        self._prefill(out, budget, preempted)
         return out
 
-    def _prefill(self, out: list[Scheduled], budget: int) -> None:
+    def _prefill(self, out: list[Scheduled], budget: int, preempted: int) -> None:
         """Prompt chunks (and scoring continuations, rebuilds) in the budget the decode rows left:
         running and waiting requests in arrival order (request id; a preempted request keeps its
         own), each its next chunk if that fits in what is left, else it waits and the ones behind
         it go on (of the queue, up to max_num_seqs passed over in a step). A waiting request that
         cannot get its pages or a slot stops admissions for this step (first come, first served
-        under memory pressure); running ones still go on."""
+        under memory pressure), as does a preemption in this step (``preempted``: the count before
+        it); running ones still go on."""
         partial = sorted((s for s in self.running if s.status is Status.RUNNING and not s.fork_pending
                           and not s.is_decoding), key=lambda s: s.request_id)
         # the queue is in request-id order: merge it with the partial prompts, and stop reading it
         # once admissions stop or the budget is spent (a scan of the whole queue each step cost
         # 18 ms at 20,000 queued requests)
         admitting, p, i, passed = True, 0, 0, 0
-        self._preempted_now = preempted = set()  # queued by this call's own preemptions: not admitted in it
         while True:
+            admitting = admitting and self.num_preemptions == preempted
             w = self.waiting[i] if admitting and budget > 0 and i < len(self.waiting) else None
-            if w is not None and id(w) in preempted:
-                i += 1
-                continue
             if p < len(partial) and (w is None or partial[p].request_id < w.request_id):
                 seq, p = partial[p], p + 1
                 n = self._chunk(seq)
@@ -355,7 +355,6 @@ class Scheduler:
             self._release(f)
             f.status = Status.WAITING
         self._enqueue(seq)
-        self._preempted_now.add(id(seq))
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)

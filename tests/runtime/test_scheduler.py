@@ -217,6 +217,24 @@ def test_invariant_preemption_rebuilds_generated_tokens_in_decode_arithmetic():
             assert ran[:3] == [(16, False), (16, False), (16, False)]
 
 
+def test_a_step_that_preempts_admits_nothing_from_the_queue():
+    """Pages run out while a decode row grows: the youngest running request is preempted, and that
+    step admits nothing from the queue, neither the victim (it would recompute at once what it
+    just lost) nor a request behind it; the next step may. Before this rule the victim came back
+    in the very step that preempted it."""
+    sim = Sim(scheduler(seqs=4, budget=64, blocks=9))
+    a, b = sim.add(40, max_new=60), sim.add(40, max_new=60)  # 100 tokens, 7 pages each: 9 do not hold both
+    while sim.s.num_preemptions == 0:
+        sim.step()
+    victim = b if b.num_preemptions else a
+    assert [r for r, *_ in sim.log[-1]] == [(a if victim is b else b).request_id]  # the decode row alone
+    assert victim in sim.s.waiting
+    sim.run()
+    assert a.finish_reason == b.finish_reason == "length"
+    steps = [i for i, step in enumerate(sim.log) if any(r == victim.request_id and start == 0 for r, start, _, _ in step)]
+    assert len(steps) >= 2 and steps[1] > steps[0]  # re-admitted from 0, in a later step
+
+
 # ---------------------------------------------------------------- the one writer of sequence state
 
 
