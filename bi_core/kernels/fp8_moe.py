@@ -17,8 +17,9 @@ projection the same GEMM arithmetic, rounded to x's dtype; the token's k rows co
 Invariance: routing is moe.py's (``align``: the pairs sorted by expert, each expert's run padded
 to the routing block of 16..64 rows here (``ROUTE_BLOCK_MAX``), chosen from the pair count); a
 pair's row is its own dot products in the same K order wherever it lands, whatever the routing
-block, the tile, the way its weight tile is loaded (pointers or TMA) or the expert's row count. Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per
-pair, and sorted with routing blocks of 16), 64 or 128 weight rows as the wgmma's M side, so
+block, the tile, the way its weight tile is loaded (pointers or TMA) or the expert's row count.
+Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per pair, and sorted
+with routing blocks of 16), 64 or 128 weight rows as the wgmma's M side, so
 every batch size runs the in-block dots on fp8 wgmma (fp8.py says why an unswapped tile below 64
 rows would not). Tested bitwise under the interpreter with a K-ordered dot
 (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert shapes; the per-pair tiles were
@@ -60,6 +61,22 @@ def _epilogue(acc, up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
     return acc.to(dt)
 
 
+@triton.jit
+def _block_pairs(SORTED, b, num_pairs, A_ROW_DIV: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Routing block b's pairs in the first ROUTE_M rows of a BLOCK_M-row tile: (pair ids, the real
+    ones, their A rows ``pair // A_ROW_DIV``)."""
+    r = tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
+    return pairs, pairs < num_pairs, (pairs // A_ROW_DIV).to(tl.int64)
+
+
+@triton.jit
+def _store_pairs(C, pairs, valid, rn, n_ok, acc, up, stride_cm, SILU_MUL: tl.constexpr):
+    """The tile's outputs (``_epilogue``) into rows ``pairs`` of C."""
+    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
+    tl.store(C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :], out, mask=valid[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_asm,
                         stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
@@ -73,10 +90,7 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
     e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
     if e >= num_experts:
         return
-    r = tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
-    valid = pairs < num_pairs
-    rows = (pairs // A_ROW_DIV).to(tl.int64)
+    pairs, valid, rows = _block_pairs(SORTED, b, num_pairs, A_ROW_DIV, ROUTE_M, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     cols = rn.to(tl.int64)
@@ -93,9 +107,22 @@ def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, 
         if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
             up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm,
                               stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP)
-    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
-    c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+    _store_pairs(C, pairs, valid, rn, n_ok, acc, up, stride_cm, SILU_MUL)
+
+
+@triton.jit
+def _tma_k_blocks(A, AS, rows, valid, K, w_desc, w_row, WS_E, cols, n_ok, stride_am, stride_asm, stride_wsn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """``_k_blocks``' unswapped arithmetic with the weight tile by TMA: rows ``w_row ..`` of
+    ``w_desc`` (weight rows ``cols`` of the expert, whose scales are at WS_E)."""
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, 128)):
+        a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm)
+        w = w_desc.load([w_row, kb * 128]).T
+        w_s = tl.load(WS_E + (cols // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
+        acc = _block_step(a, a_s, w, w_s, acc, zero, DOT)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -113,34 +140,19 @@ def _fp8_grouped_tma_kernel(A, AS, w_desc, WS, C, SORTED, BLOCK_EXPERT, num_pair
     e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
     if e >= num_experts:
         return
-    r = tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
-    valid = pairs < num_pairs
-    rows = (pairs // A_ROW_DIV).to(tl.int64)
+    pairs, valid, rows = _block_pairs(SORTED, b, num_pairs, A_ROW_DIV, ROUTE_M, BLOCK_M)
     on = tl.program_id(1) * BLOCK_N
     rn = on + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     ws_e = WS + e * stride_wse
     w_row = (e * W_ROWS).to(tl.int32) + on
-    kb_total = tl.cdiv(K, 128)
-    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, kb_total):
-        a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm)
-        w = w_desc.load([w_row, kb * 128]).T
-        w_s = tl.load(ws_e + (rn // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
-        acc = _block_step(a, a_s, w, w_s, acc, zero, DOT)
+    acc = _tma_k_blocks(A, AS, rows, valid, K, w_desc, w_row, ws_e, rn, n_ok, stride_am, stride_asm, stride_wsn,
+                        BLOCK_M, BLOCK_N, DOT)
     up = acc
     if SILU_MUL:  # the up rows [N, 2N) in a second pass, as the pointer kernel
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, kb_total):
-            a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm)
-            w = w_desc.load([w_row + N, kb * 128]).T
-            w_s = tl.load(ws_e + ((rn + N) // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
-            up = _block_step(a, a_s, w, w_s, up, zero, DOT)
-    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
-    c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+        up = _tma_k_blocks(A, AS, rows, valid, K, w_desc, w_row + N, ws_e, rn + N, n_ok, stride_am, stride_asm,
+                           stride_wsn, BLOCK_M, BLOCK_N, DOT)
+    _store_pairs(C, pairs, valid, rn, n_ok, acc, up, stride_cm, SILU_MUL)
 
 
 # up to this many tokens the experts run per pair. Both paths swapped, on an H200
