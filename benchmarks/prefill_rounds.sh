@@ -2,7 +2,7 @@
 # Prefill tok/s of several configs over ROUNDS rounds, each config in a fresh process, the configs
 # alternating (a, b, c, a, b, c, ...): one engine run's prefill figure moved 25% between calls on one
 # tree (benchmarks section 39), so a comparison takes every config's rounds. Each line is the
-# bench's own prefill line: the median of 3 passes and each pass.
+# bench's own prefill line: the median of 3 passes, each pass, and one more pass's kernel time.
 #   bash benchmarks/prefill_rounds.sh ROUNDS CONFIG... [-- BENCH ARGS]   (default: --prefill 8x2048)
 set -uo pipefail
 rounds=$1; shift
