@@ -3,7 +3,8 @@ configured (quantize_act, then the GEMM), quantize_act alone, and the bf16 Trito
 comparison; microseconds per call (CUDA graphs of
 20 calls: launch gaps inside a graph do count, as in the engine's graphs), and each one's weight
 bytes over the copy bandwidth (the floor). Then the routed experts (35B-A3B: 256 experts, top 8,
-H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles, FP8 sorted (6
+H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles (weight tiles by
+pointers, and by TMA), FP8 sorted (6
 launches; as configured, swapped up to 16-row routing blocks, and with 64-row tiles, "sorted 64":
 the same bits, checked) and bf16 per pair (2 launches), each against its weight bytes' floor.
 
@@ -337,19 +338,29 @@ def moe(ts: list[int]) -> None:
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
-        tiles = []
-        # swapped dots: >= 64 weight rows a tile; (columns, warps) of the gate/up and the down kernels
-        for (bn_up, w_up), (bn_down, w_down) in product(((64, 4), (128, 4), (128, 8)), ((64, 4), (128, 4), (256, 4),
-                                                                                      (256, 8))):
-            for stages in (3, 4):
-                up = {"BLOCK_N": bn_up, "num_warps": w_up, "num_stages": stages, "SWAP": True}
-                down = {"BLOCK_N": bn_down, "num_warps": w_down, "num_stages": stages, "SWAP": True}
+        tiles = {False: [], True: []}
+        # swapped dots: >= 64 weight rows a tile; (columns, warps) of the gate/up and the down kernels;
+        # the weight tiles by pointers or by TMA (the same bits: checked)
+        for (bn_up, w_up), (bn_down, w_down) in product(((64, 4), (128, 4)), ((64, 4), (128, 4), (256, 4))):
+            for stages, tma in product((3, 4, 6), (False, True)):
+                up = {"BLOCK_N": bn_up, "num_warps": w_up, "num_stages": stages, "SWAP": True, "TMA": tma}
+                down = {"BLOCK_N": bn_down, "num_warps": w_down, "num_stages": stages, "SWAP": True, "TMA": tma}
                 run = partial(_fp8_moe_per_pair, *args[:7], args[7], up, down)
-                if not torch.equal(run(), fp8_fused_moe(*args, per_pair=False)):
+                try:
+                    same = torch.equal(run(), fp8_fused_moe(*args, per_pair=False))
+                except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                    print(f"      {up} {down}: {type(e).__name__}")
+                    continue
+                if not same:
                     raise SystemExit(f"per-pair tiles {up} {down}: bits differ from the sorted path")
-                tiles.append((timed_us(run), f"up {bn_up}/{w_up}w", f"down {bn_down}/{w_down}w", f"{stages} stages"))
-        best = min(tiles)
+                tiles[tma].append((timed_us(run), f"up {bn_up}/{w_up}w", f"down {bn_down}/{w_down}w",
+                                   f"{stages} stages"))
+        best, best_tma = min(tiles[False]), min(tiles[True])
         t_sorted = timed_us(partial(fp8_fused_moe, *args, per_pair=False))
+        sorted_tma = partial(fp8_fused_moe, *args, per_pair=False, config={"TMA": True})
+        if not torch.equal(sorted_tma(), fp8_fused_moe(*args, per_pair=False)):
+            raise SystemExit("sorted path: TMA weight tiles give other bits")
+        t_sorted_tma = timed_us(sorted_tma)
         unswapped = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SWAP": False}
         if not torch.equal(fp8_fused_moe(*args, config=unswapped), fp8_fused_moe(*args, per_pair=False)):
             raise SystemExit("sorted path: swapped bits differ from 64-row tiles")
@@ -359,7 +370,10 @@ def moe(ts: list[int]) -> None:
         fp8_bytes = n_exp * 3 * INTER * HIDDEN
         print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
               f"{fp8_bytes / bw * 1e6:>7.1f}us {2 * fp8_bytes / bw * 1e6:>8.1f}us  {same}; "
-              f"{best[0]:.1f}us at {best[1:]}")
+              f"{best[0]:.1f}us at {best[1:]}; TMA: {best_tma[0]:.1f}us at {best_tma[1:]}; sorted TMA {t_sorted_tma:.1f}us")
+        by_tile = {row[1:]: row[0] for row in tiles[False]}
+        for us, *tile in sorted(tiles[True])[:6]:  # the fastest TMA tiles beside the same tiles by pointers
+            print(f"      TMA {us:6.1f}us  pointers {by_tile.get(tuple(tile), float('nan')):6.1f}us  {tile}")
 
 
 def main() -> None:

@@ -140,13 +140,18 @@ def _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm):
 
 
 @triton.jit
-def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn):
-    """K block ``kb`` (< cdiv(K, 128)) of the B tile (rows ``cols`` of [N, K]) and its column scales."""
+def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA: tl.constexpr):
+    """K block ``kb`` (< cdiv(K, 128)) of the B tile (rows ``cols`` of [N, K]) as [128, BLOCK_N],
+    and its column scales. TMA: B is a tensor descriptor (blocks [BLOCK_N, 128]) and the tile is its
+    rows ``B_ROW ..`` (B_ROW the descriptor's row of cols[0]); a block past K reads zeros, as the
+    masked load does, and rows past col_ok read what is there (their outputs are masked)."""
+    b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok, other=0.0)
+    if TMA:
+        return B.load([B_ROW, kb * _BK]).T, b_s
     rk = tl.arange(0, _BK)
     k_ok = rk + kb * _BK < K
     b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
                 other=0.0)
-    b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok, other=0.0)
     return b, b_s
 
 
@@ -160,7 +165,7 @@ def _block_step(a, a_s, b, b_s, acc, zero, DOT: tl.constexpr):
 @triton.jit
 def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
               stride_bsn, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-              DOT: tl.constexpr, SWAP: tl.constexpr):
+              DOT: tl.constexpr, SWAP: tl.constexpr, B_ROW, TMA: tl.constexpr):
     """K blocks [kb_lo, kb_hi) of a tile (B rows ``cols``: int64 indices) in ascending order, from
     zero: per block a 128-deep dot from zero, times the row scales, fma'd with the column scales
     into the fp32 accumulator. The one copy of the GEMM arithmetic: the dense, grouped and per-pair
@@ -169,6 +174,9 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
 
     - TWO: a second accumulator over B rows ``cols + UP`` (an expert's up projection beside its
       gate), sharing each block's A tile: (acc, acc_up), each the same sums as its own call.
+
+    - TMA: the B tiles by TMA (``_b_block``: B a descriptor, rows ``B_ROW ..``, the up rows
+      ``B_ROW + UP ..``); the same values in the same operations, so the same bits.
 
     - SWAP: each block's dot with the operands' roles swapped, ``w @ a^T`` ([BLOCK_N, BLOCK_M],
       the weight rows as the tensor core's M side), the accumulators transposed back at the end:
@@ -186,11 +194,11 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
         for kb in range(kb_lo, kb_hi):
             a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm)
             a_t = tl.trans(a)
-            b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
+            b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA)
             part = mma(tl.trans(b), a_t, zero_t, DOT)
             acc_t = tl.fma(part * a_s[None, :], b_s[:, None], acc_t)
             if TWO:
-                b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
+                b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn, B_ROW + UP, TMA)
                 part_up = mma(tl.trans(b_up), a_t, zero_t, DOT)
                 up_t = tl.fma(part_up * a_s[None, :], s_up[:, None], up_t)
         return tl.trans(acc_t), tl.trans(up_t)
@@ -199,10 +207,10 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm)
-        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
+        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA)
         acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
         if TWO:
-            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
+            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn, B_ROW + UP, TMA)
             acc_up = _block_step(a, a_s, b_up, s_up, acc_up, zero, DOT)
     return acc, acc_up
 
@@ -284,13 +292,14 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
             lo = s * KB_PER_SPLIT
             acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo,
                                tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am, stride_asm, stride_bn, stride_bsn,
-                               0, BLOCK_M, BLOCK_N, False, DOT, SWAP)
+                               0, BLOCK_M, BLOCK_N, False, DOT, SWAP, 0, False)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is (a -0.0 stays -0.0, as in the fix-up)
         tl.store(c_ptr, total.to(dt), mask=c_mask)
     else:  # a constexpr branch: without splits the workspace code is never compiled (WS, LOCKS may be C)
         lo = split * KB_PER_SPLIT
         acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
-                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP)
+                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP, 0,
+                           False)
         if SPLIT_K == 1:
             tl.store(c_ptr, acc.to(dt), mask=c_mask)
         else:
