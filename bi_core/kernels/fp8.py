@@ -146,12 +146,13 @@ def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA: tl.c
     rows ``B_ROW ..`` (B_ROW the descriptor's row of cols[0]); a block past K reads zeros, as the
     masked load does, and rows past col_ok read what is there (their outputs are masked)."""
     b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok, other=0.0)
-    if TMA:
-        return B.load([B_ROW, kb * _BK]).T, b_s
-    rk = tl.arange(0, _BK)
-    k_ok = rk + kb * _BK < K
-    b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0)
+    if TMA:  # (if/else, not an early return: the compiler would still build the pointer code for a descriptor)
+        b = B.load([B_ROW, kb * _BK]).T
+    else:
+        rk = tl.arange(0, _BK)
+        k_ok = rk + kb * _BK < K
+        b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                    other=0.0)
     return b, b_s
 
 

@@ -80,9 +80,11 @@ def _expert_b(W, e, tile, stride_we, stride_wn, BLOCK_N: tl.constexpr, TMA: tl.c
     """Expert e's weights as ``_k_blocks``' B for column tile ``tile``: (B, B_ROW). TMA: W is a
     descriptor over the experts' weights as one [E * rows, K] matrix (contiguous: rows =
     stride_we // stride_wn) and B_ROW the tile's first row in it; else the pointer to expert e."""
-    if TMA:
-        return W, (e * (stride_we // stride_wn)).to(tl.int32) + tile * BLOCK_N
-    return W + e * stride_we, 0
+    if TMA:  # (if/else: after an early return the compiler would still build W + ... for a descriptor)
+        b, b_row = W, (e * (stride_we // stride_wn)).to(tl.int32) + tile * BLOCK_N
+    else:
+        b, b_row = W + e * stride_we, 0
+    return b, b_row
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
