@@ -143,9 +143,11 @@ def _weight_operand(w: torch.Tensor, block_n: int, a: torch.Tensor, tma: bool) -
 PAIR_TOKENS = 8
 PAIR_BLOCK_M = 64  # unswapped, the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
 # swapped dots (fp8._k_blocks' SWAP): on an H200 (fp8_kernel_bench.py --swap, benchmarks section 32)
-# 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits
-PAIR_UP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP": True}
-PAIR_DOWN = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SWAP": True}
+# 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits.
+# The weight tiles by TMA (section 41, fp8_kernel_bench.py --moe): 60.3 vs 61.1 us at 8 tokens, 14.7
+# vs 14.1 at 1, same bits (the sorted path at 16 tokens, which uses these tiles: 99.7 vs 101.3)
+PAIR_UP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP": True, "TMA": True}
+PAIR_DOWN = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SWAP": True, "TMA": True}
 
 
 @triton.jit

@@ -579,7 +579,7 @@ def test_fp8_moe_rows_invariant(device):
         assert torch.equal(bits(run(every, tma)), ref)
         assert torch.equal(bits(run(perm[:12], {**tma, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[perm[:12]])
     assert align(ids[:12], MOE_E + 1, shared=True).block_m == 16  # sorted, swapped (16 rows against 128 weight rows)
-    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP": True})), ref[:12])
+    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP": True, "TMA": False})), ref[:12])
     assert torch.equal(bits(run(perm[:12], {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "TMA": True})), ref[perm[:12]])
     with pytest.raises(AssertionError, match="SWAP"):  # the sorted path refuses a tile off the wgmma too
         run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 32, "SWAP": True})
@@ -591,9 +591,11 @@ def test_fp8_moe_rows_invariant(device):
     from bi_core.kernels.fp8_moe import PAIR_DOWN, PAIR_UP, _fp8_moe_per_pair
 
     rows = perm[:5]  # the per-pair path under other tiles: swapped (64 or 128 weight rows) and not
-    tma = {"TMA": True}  # the weight tiles by TMA (on SM90 and in the interpreter; else by pointers)
-    for up, down in (({"BLOCK_N": 128}, {"BLOCK_N": 64}), ({"BLOCK_N": 32, "SWAP": False}, {"BLOCK_N": 64, "SWAP": False}),
-                     (tma, tma), ({"BLOCK_N": 128, **tma}, {"BLOCK_N": 64, "SWAP": False, **tma})):
+    # the weight tiles by TMA (the default; on SM90 and in the interpreter, else by pointers) and by pointers
+    tma, ptr = {"TMA": True}, {"TMA": False}
+    for up, down in (({"BLOCK_N": 128, **ptr}, {"BLOCK_N": 64, **ptr}), (ptr, ptr),
+                     ({"BLOCK_N": 32, "SWAP": False, **ptr}, {"BLOCK_N": 64, "SWAP": False, **ptr}),
+                     ({"BLOCK_N": 128, **tma}, {"BLOCK_N": 64, "SWAP": False, **tma})):
         other = _fp8_moe_per_pair(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
                                   {**PAIR_UP, **up}, {**PAIR_DOWN, **down})
         assert torch.equal(bits(other), ref[rows]), (up, down)
