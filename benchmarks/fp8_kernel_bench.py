@@ -1,10 +1,10 @@
 """Block-FP8 linear kernels at the 35B-A3B shape's dense GEMMs, one H200/H100 call: fp8_linear as
-configured (activation quantization fused into the GEMM up to FUSE_QUANT_MAX_M rows), the same
-with quantization fused (rows quantized inside the GEMM, up to 32 rows) and as its own launch,
-quantize_act alone, and the bf16 Triton GEMM for comparison; microseconds per call (CUDA graphs of
+configured (quantize_act, then the GEMM), quantize_act alone, and the bf16 Triton GEMM for
+comparison; microseconds per call (CUDA graphs of
 20 calls: launch gaps inside a graph do count, as in the engine's graphs), and each one's weight
 bytes over the copy bandwidth (the floor). Then the routed experts (35B-A3B: 256 experts, top 8,
-H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles, FP8 sorted (6
+H 2048, I 512, plus the shared expert) at 1..8 tokens: FP8 per pair (4 launches: forced past PAIR_TOKENS) and at the best of a few tiles (weight tiles by
+pointers, and by TMA), FP8 sorted (6
 launches; as configured, swapped up to 16-row routing blocks, and with 64-row tiles, "sorted 64":
 the same bits, checked) and bf16 per pair (2 launches), each against its weight bytes' floor.
 
@@ -39,7 +39,7 @@ from itertools import product
 
 import torch
 
-from bi_core.kernels.fp8 import FUSED_ROWS_MAX, fp8_config, fp8_linear, quantize_act
+from bi_core.kernels.fp8 import fp8_config, fp8_linear, quantize_act
 from bi_core.kernels.gemm import linear
 from bi_core.quant.fp8 import quantize_blocks
 from bi_core.tools.bench import measure_bandwidth
@@ -161,12 +161,10 @@ def prefill_sweep(ms: list[int]) -> None:
         before = pre_tma_config(m, n, k)
         rows.append((f"pointer, pre-TMA tiles (BLOCK_N {before['BLOCK_N']})",
                      timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=before))))
-        for (bm, bn, warps, stages), persistent in product(PREFILL_TILES, (False, True)):
-            if persistent and (bm, bn) != (base["BLOCK_M"], base["BLOCK_N"]):
-                continue  # persistent programs lost with every tile (section 39): the table's tile only
+        for bm, bn, warps, stages in PREFILL_TILES:  # (persistent programs lost with every tile: section 39)
             cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True,
-                   "PERSISTENT": persistent, "INLINE": True, "SWAP": False}
-            name = f"TMA {bm}x{bn} {warps}w {stages}st{' persistent' if persistent else ''}"
+                   "INLINE": True, "SWAP": False}
+            name = f"TMA {bm}x{bn} {warps}w {stages}st"
             try:
                 same = torch.equal(fp8_gemm(xq, xs, wq, ws, config=cfg), ref)
                 rows.append((name + ("" if same else " (OTHER BITS)"),
@@ -221,7 +219,7 @@ def swap_probe(ms: list[int]) -> None:
                 rows.append((t, t_l, cfg, "same bits" if same else "DIFFERENT BITS"))
             rows.sort(key=lambda r: r[0])
             print(f"{n:>6} x {k:<5} M={m:<3} tree GEMM {t_base:6.1f}us, linear {t_lin:6.1f}us (BLOCK_N {base['BLOCK_N']}, "
-                  f"split {base['SPLIT_K']}, fused quant {base['FUSE_QUANT']}); floor {n * k / bw * 1e6:.1f}us; swapped:")
+                  f"split {base['SPLIT_K']}); floor {n * k / bw * 1e6:.1f}us; swapped:")
             for t, t_l, cfg, note in rows[:3]:
                 print(f"      GEMM {t:6.1f}us linear {t_l:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} "
                       f"stages {cfg['num_stages']}  ({note})")
@@ -340,19 +338,29 @@ def moe(ts: list[int]) -> None:
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
         t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
-        tiles = []
-        # swapped dots: >= 64 weight rows a tile; (columns, warps) of the gate/up and the down kernels
-        for (bn_up, w_up), (bn_down, w_down) in product(((64, 4), (128, 4), (128, 8)), ((64, 4), (128, 4), (256, 4),
-                                                                                      (256, 8))):
-            for stages in (3, 4):
-                up = {"BLOCK_N": bn_up, "num_warps": w_up, "num_stages": stages, "SWAP": True}
-                down = {"BLOCK_N": bn_down, "num_warps": w_down, "num_stages": stages, "SWAP": True}
+        tiles = {False: [], True: []}
+        # swapped dots: >= 64 weight rows a tile; (columns, warps) of the gate/up and the down kernels;
+        # the weight tiles by pointers or by TMA (the same bits: checked)
+        for (bn_up, w_up), (bn_down, w_down) in product(((64, 4), (128, 4)), ((64, 4), (128, 4), (256, 4))):
+            for stages, tma in product((3, 4, 6), (False, True)):
+                up = {"BLOCK_N": bn_up, "num_warps": w_up, "num_stages": stages, "SWAP": True, "TMA": tma}
+                down = {"BLOCK_N": bn_down, "num_warps": w_down, "num_stages": stages, "SWAP": True, "TMA": tma}
                 run = partial(_fp8_moe_per_pair, *args[:7], args[7], up, down)
-                if not torch.equal(run(), fp8_fused_moe(*args, per_pair=False)):
+                try:
+                    same = torch.equal(run(), fp8_fused_moe(*args, per_pair=False))
+                except Exception as e:  # a tile that does not fit: reported, the sweep goes on
+                    print(f"      {up} {down}: {type(e).__name__}")
+                    continue
+                if not same:
                     raise SystemExit(f"per-pair tiles {up} {down}: bits differ from the sorted path")
-                tiles.append((timed_us(run), f"up {bn_up}/{w_up}w", f"down {bn_down}/{w_down}w", f"{stages} stages"))
-        best = min(tiles)
+                tiles[tma].append((timed_us(run), f"up {bn_up}/{w_up}w", f"down {bn_down}/{w_down}w",
+                                   f"{stages} stages"))
+        best, best_tma = min(tiles[False]), min(tiles[True])
         t_sorted = timed_us(partial(fp8_fused_moe, *args, per_pair=False))
+        sorted_tma = partial(fp8_fused_moe, *args, per_pair=False, config={"TMA": True})
+        if not torch.equal(sorted_tma(), fp8_fused_moe(*args, per_pair=False)):
+            raise SystemExit("sorted path: TMA weight tiles give other bits")
+        t_sorted_tma = timed_us(sorted_tma)
         unswapped = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SWAP": False}
         if not torch.equal(fp8_fused_moe(*args, config=unswapped), fp8_fused_moe(*args, per_pair=False)):
             raise SystemExit("sorted path: swapped bits differ from 64-row tiles")
@@ -362,7 +370,10 @@ def moe(ts: list[int]) -> None:
         fp8_bytes = n_exp * 3 * INTER * HIDDEN
         print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
               f"{fp8_bytes / bw * 1e6:>7.1f}us {2 * fp8_bytes / bw * 1e6:>8.1f}us  {same}; "
-              f"{best[0]:.1f}us at {best[1:]}")
+              f"{best[0]:.1f}us at {best[1:]}; TMA: {best_tma[0]:.1f}us at {best_tma[1:]}; sorted TMA {t_sorted_tma:.1f}us")
+        by_tile = {row[1:]: row[0] for row in tiles[False]}
+        for us, *tile in sorted(tiles[True])[:6]:  # the fastest TMA tiles beside the same tiles by pointers
+            print(f"      TMA {us:6.1f}us  pointers {by_tile.get(tuple(tile), float('nan')):6.1f}us  {tile}")
 
 
 def main() -> None:
@@ -385,17 +396,13 @@ def main() -> None:
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'N x K':>12} {'M':>4} {'fp8 (as set)':>13} {'fp8 fused':>10} {'fp8 2 launches':>15} {'quant':>7} "
-          f"{'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
+    print(f"{'N x K':>12} {'M':>4} {'fp8 linear':>11} {'quant':>7} {'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
     for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
         cfg = fp8_config(m, n, k)
         t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
-        t_two = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": False}))
-        t_fused = timed_us(partial(fp8_linear, x, wq, ws, config={**cfg, "FUSE_QUANT": True})) \
-            if m <= FUSED_ROWS_MAX else float("nan")
         t_q = timed_us(partial(quantize_act, x))
         t_b = timed_us(partial(linear, x, wb))
-        print(f"{n:>6} x {k:<5} {m:>4} {t_set:>11.1f}us {t_fused:>8.1f}us {t_two:>13.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
+        print(f"{n:>6} x {k:<5} {m:>4} {t_set:>9.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
               f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
 
 

@@ -33,9 +33,8 @@ Arithmetic (every operation below is in float32 and rounds to nearest even):
 
 Invariance: quantization reads one row's group only. The GEMM's K order (BLOCK_K = 128, the
 split count and ranges) is fixed by (N, K) alone (``split_k_for``), never by M. The M bucket of
-``fp8_config`` picks only BLOCK_M, BLOCK_N, warps, stages, INLINE and whether ``fp8_linear``
-quantizes inside the GEMM launch: none of these changes a row's operations or their order (the
-fused quantization is the same ``quant_group`` code on the same (row, group) values). Every
+``fp8_config`` picks only BLOCK_M, BLOCK_N, warps, stages, SWAP, INLINE and TMA: none of these
+changes a row's operations or their order. Every
 batch size runs its in-block dots on the same instruction, Hopper's fp8 wgmma: BLOCK_M is 64 or
 128, or (up to SWAP_M_MAX rows) the dot is swapped, ``w @ a^T`` with 64 weight rows as the wgmma's
 M side and 16 activation rows as its N side (compiled for sm_90 with Triton 3.9, an unswapped
@@ -51,8 +50,8 @@ bitwise over M = 1..1024 and row permutations at the model shapes, dense and MoE
 an H200 (docs/benchmarks.md sections 16, 20, 21).
 
 Tuning: the split counts follow the bf16 GEMM's reasoning (decode GEMVs need about
-TARGET_PROGRAMS programs: split-K fixed by (N, K)); the decode tiles and the fused quantization's
-bounds come from sweeps on an H200 (``benchmarks/fp8_kernel_bench.py``; docs/benchmarks.md).
+TARGET_PROGRAMS programs: split-K fixed by (N, K)); the decode tiles come from sweeps on an H200
+(``benchmarks/fp8_kernel_bench.py``; docs/benchmarks.md).
 
 API for the backends (all tensors on one CUDA device, or the CPU under TRITON_INTERPRET=1):
 
@@ -62,9 +61,8 @@ API for the backends (all tensors on one CUDA device, or the CPU under TRITON_IN
   xq ``[M, K]`` float8_e4m3fn, xs ``[M, ceil(K/128)]`` float32 (both unit column stride), wq
   ``[N, K]`` float8_e4m3fn row-major, ws ``[ceil(N/128), ceil(K/128)]`` float32 (unit column
   stride): the checkpoint's ``weight`` and ``weight_scale_inv`` as stored.
-- ``fp8_linear(x [..., K], wq, ws, out=None, config=None)`` -> ``[..., N]`` in x's dtype: the
-  same bits as ``fp8_gemm(*quantize_act(x), wq, ws, x.dtype)``; up to FUSE_QUANT_MAX_M rows the
-  quantization runs inside the GEMM launch (one launch, no xq/xs round trip).
+- ``fp8_linear(x [..., K], wq, ws, out=None, config=None)`` -> ``[..., N]`` in x's dtype:
+  ``fp8_gemm(*quantize_act(x), wq, ws, x.dtype)``.
 - ``fp8_config(m, n, k)``: the tile table (``config`` overrides it, for benchmarks and tests;
   a different SPLIT_K is a different K order).
 - Routed experts: ``fp8_moe.fp8_fused_moe`` (the same per-block arithmetic, ``_k_blocks``).
@@ -84,18 +82,10 @@ BLOCK = GROUP  # activation group width = weight block side = the GEMM's BLOCK_K
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs), as in gemm.py
 DECODE_BLOCK_N = 32  # the tile width split counts are planned against (a decode GEMV's)
 MIN_SPLIT_BLOCKS = 4  # no split range shorter than 4 K blocks (512 bytes of a weight row, gemm.py's minimum)
-# fp8_linear quantizes inside the GEMM launch (one row at a time, ``_quant_rows``: 128 divisions
-# a row and block) at up to FUSE_QUANT_MAX_M rows and FUSE_QUANT_MAX_N columns: every column tile
-# quantizes its rows again, in the K loop's latency chain. On an H200 (fp8_kernel_bench.py, CUDA
-# graphs) fusing won at M = 1 up to N = 2048 against 64-row quantize tiles (section 20). Since
-# quantize_act runs one-row tiles at M = 1 (1.1 us) and the dots are swapped, the kernel bench
-# has it losing everywhere (M = 1: 6.8 vs 6.0 us at 2048 x 4096, 4.0 vs 3.3 at 2048 x 512; section
-# 32), and off (0) the engine's B=1 decode went from 2.920 to 2.872 ms (35B-A3B FP8, section 33).
-# The fused path stays a config key (FUSE_QUANT; tests keep its bits equal to the two launches').
-# FUSED_ROWS_MAX bounds the config key (the row loop is unrolled).
-FUSE_QUANT_MAX_M = 0
-FUSE_QUANT_MAX_N = 2048
-FUSED_ROWS_MAX = 32
+# (Removed in the thirty-first session, after losing everywhere: quantizing the activation inside
+# the GEMM's launch, each column tile again. It won at M = 1 against 64-row quantize tiles (section
+# 20); against one-row quantize tiles and swapped dots it lost at every M (section 32), and turning
+# it off took 35B-A3B FP8 decode at B=1 from 2.920 to 2.872 ms (section 33).)
 SMALL_M_MAX = 64  # rows up to which the decode tiles are used
 # up to SWAP_M_MAX rows each block's dot is swapped (``_k_blocks``' SWAP): 16-row activation tiles,
 # 64 weight rows as the wgmma's M side. On an H200 (fp8_kernel_bench.py --swap, benchmarks section
@@ -139,52 +129,30 @@ def _quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.
 
 
 @triton.jit
-def _quant_rows(A, row0, nrows, stride_am, k, K, BLOCK_M: tl.constexpr, QROWS: tl.constexpr):
-    """A tile's activation block in the GEMM's launch: rows ``row0 .. row0 + nrows`` (nrows <=
-    QROWS <= BLOCK_M, all in the tile's first rows), columns ``[k, k + 128)`` of the unquantized
-    A, each row quantized on its own (``quant_group`` on a [1, 128] slice: 128 divisions per
-    row, not BLOCK_M * 128) -> (e4m3 values as float32 [BLOCK_M, 128], scales [BLOCK_M]); rows
-    past nrows are zeros with scale 0, as the GEMM's masked rows are."""
-    rk = tl.arange(0, _BK)
-    k_ok = k + rk < K
-    r = tl.arange(0, BLOCK_M)
-    a = tl.zeros((BLOCK_M, _BK), dtype=tl.float32)
-    a_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for m in tl.static_range(QROWS):
-        ok = tl.full((_BK,), m, tl.int32) < nrows  # the row is real (a vector: a mask's type everywhere)
-        x = tl.load(A + (row0 + m).to(tl.int64) * stride_am + k + rk, mask=k_ok & ok, other=0.0).to(tl.float32)
-        x = tl.where(ok, x, 1.0)  # a row past nrows as ones (never used): an all-zero row takes div_rn's slow path
-        q, s = quant_group(x[None, :])
-        mine = (r == m) & (m < nrows)
-        a = tl.where(mine[:, None], q, a)
-        a_s = tl.where(mine, s, a_s)
-    return a, a_s
-
-
-@triton.jit
-def _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-             QROWS: tl.constexpr):
-    """K block ``kb`` (< cdiv(K, 128)) of the A tile and its row scales (QROWS: see ``_k_blocks``)."""
-    rk = tl.arange(0, _BK)
-    if QROWS == 0:
-        k_ok = rk + kb * _BK < K
-        a = tl.load(A + rows[:, None] * stride_am + (rk + kb * _BK)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        a_s = tl.load(AS + rows * stride_asm + kb, mask=row_ok, other=0.0)
-    else:
-        q, a_s = _quant_rows(A, rows, row_ok, stride_am, kb * _BK, K, BLOCK_M, QROWS)
-        a = q.to(DTYPE)  # exact: q holds e4m3 values
-    return a, a_s
-
-
-@triton.jit
-def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn):
-    """K block ``kb`` (< cdiv(K, 128)) of the B tile (rows ``cols`` of [N, K]) and its column scales."""
+def _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm):
+    """K block ``kb`` (< cdiv(K, 128)) of the A tile (rows ``rows`` where ``row_ok``) and its row scales."""
     rk = tl.arange(0, _BK)
     k_ok = rk + kb * _BK < K
-    b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
+    a = tl.load(A + rows[:, None] * stride_am + (rk + kb * _BK)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0)
+    a_s = tl.load(AS + rows * stride_asm + kb, mask=row_ok, other=0.0)
+    return a, a_s
+
+
+@triton.jit
+def _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA: tl.constexpr):
+    """K block ``kb`` (< cdiv(K, 128)) of the B tile (rows ``cols`` of [N, K]) as [128, BLOCK_N],
+    and its column scales. TMA: B is a tensor descriptor (blocks [BLOCK_N, 128]) and the tile is its
+    rows ``B_ROW ..`` (B_ROW the descriptor's row of cols[0]); a block past K reads zeros, as the
+    masked load does, and rows past col_ok read what is there (their outputs are masked)."""
     b_s = tl.load(BS + (cols // _BK) * stride_bsn + kb, mask=col_ok, other=0.0)
+    if TMA:  # (if/else, not an early return: the compiler would still build the pointer code for a descriptor)
+        b = B.load([B_ROW, kb * _BK]).T
+    else:
+        rk = tl.arange(0, _BK)
+        k_ok = rk + kb * _BK < K
+        b = tl.load(B + cols[None, :] * stride_bn + (rk + kb * _BK)[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                    other=0.0)
     return b, b_s
 
 
@@ -197,20 +165,19 @@ def _block_step(a, a_s, b, b_s, acc, zero, DOT: tl.constexpr):
 
 @triton.jit
 def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_am, stride_asm, stride_bn,
-              stride_bsn, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr,
-              TWO: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr):
+              stride_bsn, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
+              DOT: tl.constexpr, SWAP: tl.constexpr, B_ROW, TMA: tl.constexpr):
     """K blocks [kb_lo, kb_hi) of a tile (B rows ``cols``: int64 indices) in ascending order, from
     zero: per block a 128-deep dot from zero, times the row scales, fma'd with the column scales
     into the fp32 accumulator. The one copy of the GEMM arithmetic: the dense, grouped and per-pair
-    kernels all run it.
+    kernels all run it. A is quantized (A, AS: ``quantize_act``'s xq, xs), tile rows ``rows``
+    (int64 [BLOCK_M]) where ``row_ok``.
 
-    - QROWS == 0: A is quantized (A, AS: ``quantize_act``'s xq, xs), tile rows ``rows`` (int64
-      [BLOCK_M]) where ``row_ok``.
-    - QROWS > 0: A is the unquantized activation; ``rows`` is the first row (a scalar) and
-      ``row_ok`` the number of real rows (<= QROWS), quantized here block by block
-      (``_quant_rows``: the same values and scales as quantize_act's), in the tile's first rows.
     - TWO: a second accumulator over B rows ``cols + UP`` (an expert's up projection beside its
       gate), sharing each block's A tile: (acc, acc_up), each the same sums as its own call.
+
+    - TMA: the B tiles by TMA (``_b_block``: B a descriptor, rows ``B_ROW ..``, the up rows
+      ``B_ROW + UP ..``); the same values in the same operations, so the same bits.
 
     - SWAP: each block's dot with the operands' roles swapped, ``w @ a^T`` ([BLOCK_N, BLOCK_M],
       the weight rows as the tensor core's M side), the accumulators transposed back at the end:
@@ -221,19 +188,18 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
 
     Tried and measured slower on an H200 (benchmarks section 20): two blocks' dots issued before
     either is scaled (same bits, 10-40% slower per GEMV)."""
-    dt = B.dtype.element_ty
     if SWAP:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         zero_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):
-            a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, dt, BLOCK_M, QROWS)
+            a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm)
             a_t = tl.trans(a)
-            b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
+            b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA)
             part = mma(tl.trans(b), a_t, zero_t, DOT)
             acc_t = tl.fma(part * a_s[None, :], b_s[:, None], acc_t)
             if TWO:
-                b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
+                b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn, B_ROW + UP, TMA)
                 part_up = mma(tl.trans(b_up), a_t, zero_t, DOT)
                 up_t = tl.fma(part_up * a_s[None, :], s_up[:, None], up_t)
         return tl.trans(acc_t), tl.trans(up_t)
@@ -241,11 +207,11 @@ def _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, kb_lo, kb_hi, stride_
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
-        a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm, dt, BLOCK_M, QROWS)
-        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn)
+        a, a_s = _a_block(A, AS, rows, row_ok, K, kb, stride_am, stride_asm)
+        b, b_s = _b_block(B, BS, cols, col_ok, K, kb, stride_bn, stride_bsn, B_ROW, TMA)
         acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
         if TWO:
-            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn)
+            b_up, s_up = _b_block(B, BS, cols + UP, col_ok, K, kb, stride_bn, stride_bsn, B_ROW + UP, TMA)
             acc_up = _block_step(a, a_s, b_up, s_up, acc_up, zero, DOT)
     return acc, acc_up
 
@@ -262,49 +228,45 @@ def _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, k
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, KB_PER_SPLIT, stride_asm, stride_bsn, stride_cm,
-                         NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, DOT: tl.constexpr, FLATTEN: tl.constexpr,
-                         PDL: tl.constexpr, pdl_early):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """``_fp8_gemm_kernel``'s INLINE form (one program adds its tile's ranges in range order) for
-    prefill-sized M on SM90, as gemm.py's ``_gemm_tma_kernel``: both FP8 operands come by TMA
-    (a block past K or past the rows reads zeros, as the masked loads do), the scales by plain
-    loads, and ``NUM_PROGRAMS`` programs loop over the tiles (persistent when fewer than the
-    tiles; FLATTEN fuses the tile and K loops of an unsplit GEMM into one pipeline). Per block the
-    same ``_block_step`` in the same order: every bit is the pointer kernel's."""
+    prefill-sized M on SM90, as gemm.py's ``_gemm_tma_kernel``, a program a tile: both FP8 operands
+    come by TMA (a block past K or past the rows reads zeros, as the masked loads do), the scales
+    by plain loads. Per block the same ``_block_step`` in the same order: every bit is the pointer
+    kernel's. (Persistent programs looping over the tiles lost at every tile: section 39.)"""
     pdl_start(PDL, pdl_early)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     kb_total = tl.cdiv(K, _BK)
-    dt = C.dtype.element_ty
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
-        om = pid_m * BLOCK_M
-        on = pid_n * BLOCK_N
-        rm = om + tl.arange(0, BLOCK_M)
-        rn = on + tl.arange(0, BLOCK_N)
-        row_ok = rm < M
-        col_ok = rn < N
-        a_rows = rm.to(tl.int64) * stride_asm
-        b_rows = (rn // _BK).to(tl.int64) * stride_bsn
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(0, SPLIT_K):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            lo = s * KB_PER_SPLIT
-            hi = tl.minimum(kb_total, lo + KB_PER_SPLIT)
-            for kb in range(lo, hi):
-                a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
-                acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
-            total = tl.where(s == 0, acc, total + acc)  # range 0 as is, as in _fp8_gemm_kernel
-        tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], total.to(dt),
-                 mask=row_ok[:, None] & col_ok[None, :])
+    pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    om = pid_m * BLOCK_M
+    on = pid_n * BLOCK_N
+    rm = om + tl.arange(0, BLOCK_M)
+    rn = on + tl.arange(0, BLOCK_N)
+    row_ok = rm < M
+    col_ok = rn < N
+    a_rows = rm.to(tl.int64) * stride_asm
+    b_rows = (rn // _BK).to(tl.int64) * stride_bsn
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        lo = s * KB_PER_SPLIT
+        hi = tl.minimum(kb_total, lo + KB_PER_SPLIT)
+        for kb in range(lo, hi):
+            a, a_s, b, b_s = _tma_block(a_desc, b_desc, AS, BS, a_rows, b_rows, row_ok, col_ok, om, on, kb)
+            acc = _block_step(a, a_s, b, b_s, acc, zero, DOT)
+        total = tl.where(s == 0, acc, total + acc)  # range 0 as is, as in _fp8_gemm_kernel
+    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], total.to(C.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])  # M changes every step: no compiled variant per M % 16
 def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_am, stride_asm, stride_bn,
                      stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                     INLINE: tl.constexpr, QROWS: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
-                     SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
+                     INLINE: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
+                     PDL: tl.constexpr, pdl_early):
     pdl_start(PDL, pdl_early)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -319,12 +281,8 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb_total = tl.cdiv(K, _BK)
     cols = rn.to(tl.int64)
-    if QROWS == 0:
-        rows = rm.to(tl.int64)
-        row_ok = rm < M
-    else:  # quantized here: the tile's first row and its count of real rows (_k_blocks)
-        rows = pid_m * BLOCK_M
-        row_ok = M - pid_m * BLOCK_M
+    rows = rm.to(tl.int64)
+    row_ok = rm < M
     col_ok = rn < N
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     c_ptr = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
@@ -335,13 +293,14 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, WS, LOCKS, M, N, K, KB_PER_SPLIT, stride_a
             lo = s * KB_PER_SPLIT
             acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo,
                                tl.minimum(kb_total, lo + KB_PER_SPLIT), stride_am, stride_asm, stride_bn, stride_bsn,
-                               0, BLOCK_M, BLOCK_N, QROWS, False, DOT, SWAP)
+                               0, BLOCK_M, BLOCK_N, False, DOT, SWAP, 0, False)
             total = tl.where(s == 0, acc, total + acc)  # range 0 as is (a -0.0 stays -0.0, as in the fix-up)
         tl.store(c_ptr, total.to(dt), mask=c_mask)
     else:  # a constexpr branch: without splits the workspace code is never compiled (WS, LOCKS may be C)
         lo = split * KB_PER_SPLIT
         acc, _ = _k_blocks(A, AS, B, BS, rows, row_ok, cols, col_ok, K, lo, tl.minimum(kb_total, lo + KB_PER_SPLIT),
-                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, QROWS, False, DOT, SWAP)
+                           stride_am, stride_asm, stride_bn, stride_bsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP, 0,
+                           False)
         if SPLIT_K == 1:
             tl.store(c_ptr, acc.to(dt), mask=c_mask)
         else:
@@ -371,9 +330,9 @@ def fp8_config(m: int, n: int, k: int) -> dict:
     """SPLIT_K (with BLOCK_K = 128) is the K order, from (N, K) alone. The M bucket (<= 16, <= 64,
     <= 256, more rows) picks only what cannot change a row's arithmetic: SWAP with 16-row tiles
     and BLOCK_N 64, else BLOCK_M 64 or 128 (the in-block dots stay on wgmma at every M: a swapped
-    dot's M side is BLOCK_N), BLOCK_N, warps, stages, INLINE (the same range sums in the same
-    order, in one program) and FUSE_QUANT (the same quantization, in the GEMM's launch). The
-    decode tiles come from sweeps on an H200; the others follow gemm.py's reasoning."""
+    dot's M side is BLOCK_N), BLOCK_N, warps, stages and INLINE (the same range sums in the same
+    order, in one program). The decode tiles come from sweeps on an H200; the others follow
+    gemm.py's reasoning."""
     split = split_k_for(n, k)
     swap = m <= SWAP_M_MAX
     if swap:  # decode: 16 activation rows against 64 weight rows a tile, the dot swapped (_k_blocks)
@@ -395,7 +354,6 @@ def fp8_config(m: int, n: int, k: int) -> dict:
         (bm, bn, warps, stages), inline = TMA_TILE, True
     bn = min(bn, max(64 if swap else 16, triton.next_power_of_2(n)))  # a swapped tile's weight rows: >= 64
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "INLINE": inline, "SWAP": swap,
-           "FUSE_QUANT": m <= FUSE_QUANT_MAX_M and n <= FUSE_QUANT_MAX_N,
            "num_warps": warps, "num_stages": stages}
     if tma:
         cfg["TMA"] = True
@@ -437,11 +395,10 @@ def check_wgmma_tile(block_m: int, block_n: int, swap: bool) -> None:
     assert side % 64 == 0, f"fp8 tile {block_m} x {block_n} (SWAP={swap}): the wgmma's M side must be a multiple of 64"
 
 
-def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
-    """``quant_rows`` 0: a, a_scale are quantize_act's output; > 0 (a power of two >= m): a is the
-    unquantized activation, quantized row by row inside the GEMM (a_scale unused)."""
+def _launch(a, a_scale, wq, ws, out, m, n, k, cfg):
+    """a, a_scale: quantize_act's output."""
     check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SWAP", False))
-    if cfg.get("TMA") and not quant_rows and not cfg.get("SWAP") and _tma_ready(a, wq):
+    if cfg.get("TMA") and not cfg.get("SWAP") and _tma_ready(a, wq):
         return _launch_tma(a, a_scale, wq, ws, out, m, n, k, cfg)
     split = cfg["SPLIT_K"]
     kb_per_split = triton.cdiv(triton.cdiv(k, BLOCK), split)
@@ -455,8 +412,7 @@ def _launch(a, a_scale, wq, ws, out, m, n, k, cfg, quant_rows: int = 0):
     _fp8_gemm_kernel[(tiles, grid_split)](
         a, a_scale, wq, ws, out, ws_buf, locks, m, n, k, kb_per_split, a.stride(0), a_scale.stride(0), wq.stride(0),
         ws.stride(0), out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, INLINE=inline,
-        QROWS=quant_rows, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg.get("SWAP", False),
-        num_warps=cfg["num_warps"],
+        GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg.get("SWAP", False), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl())
 
 
@@ -466,16 +422,11 @@ def _launch_tma(a, a_scale, wq, ws, out, m, n, k, cfg):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    persistent = cfg.get("PERSISTENT") and a.is_cuda  # a program per SM (torch caches the properties)
-    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count) if persistent else tiles
-    programs = cfg.get("PROGRAMS", programs)  # tests: the persistent loop under the interpreter
-    _fp8_gemm_tma_kernel[(programs,)](
+    _fp8_gemm_tma_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
         TensorDescriptor.from_tensor(a, [bm, BLOCK]), a_scale, TensorDescriptor.from_tensor(wq, [bn, BLOCK]), ws, out,
-        m, n, k, triton.cdiv(triton.cdiv(k, BLOCK), split), a_scale.stride(0), ws.stride(0), out.stride(0), programs,
+        m, n, k, triton.cdiv(triton.cdiv(k, BLOCK), split), a_scale.stride(0), ws.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, DOT=dot_mode(torch.float8_e4m3fn),
-        FLATTEN=bool(cfg.get("PERSISTENT")) and split == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl())
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
 def _out(m: int, n: int, dtype: torch.dtype, device, out: torch.Tensor | None) -> torch.Tensor:
@@ -508,9 +459,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
     """``x [..., K]`` (bf16/fp16/fp32) through a block-FP8 linear -> ``[..., N]`` in x's dtype:
-    bitwise ``fp8_gemm(*quantize_act(x), wq, ws, x.dtype)``. Up to FUSE_QUANT_MAX_M rows (the
-    config's FUSE_QUANT) the activation is quantized inside the GEMM's programs (one launch);
-    beyond, every column tile would quantize its rows again, so it runs the two kernels."""
+    ``fp8_gemm(*quantize_act(x), wq, ws, x.dtype)``."""
     shape = x.shape
     a = x.reshape(-1, shape[-1])
     if a.stride(-1) != 1:
@@ -519,12 +468,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out: torch.T
     n = _check_weight(wq, ws, k)
     c = _out(m, n, x.dtype, x.device, out)
     if m and n and k:
-        cfg = config or fp8_config(m, n, k)
-        if cfg["FUSE_QUANT"]:
-            assert m <= min(FUSED_ROWS_MAX, cfg["BLOCK_M"]), f"FUSE_QUANT: at most {FUSED_ROWS_MAX} rows, got {m}"
-            _launch(a, a, wq, ws, c, m, n, k, cfg, quant_rows=triton.next_power_of_2(m))
-        else:
-            _launch(*quantize_act(a), wq, ws, c, m, n, k, cfg)
+        _launch(*quantize_act(a), wq, ws, c, m, n, k, config or fp8_config(m, n, k))
     elif m and n:
         c.zero_()
     return c.view(*shape[:-1], n)

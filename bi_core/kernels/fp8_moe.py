@@ -17,8 +17,9 @@ projection the same GEMM arithmetic, rounded to x's dtype; the token's k rows co
 Invariance: routing is moe.py's (``align``: the pairs sorted by expert, each expert's run padded
 to the routing block of 16..64 rows here (``ROUTE_BLOCK_MAX``), chosen from the pair count); a
 pair's row is its own dot products in the same K order wherever it lands, whatever the routing
-block, the tile, the way its weight tile is loaded (pointers or TMA) or the expert's row count. Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per
-pair, and sorted with routing blocks of 16), 64 or 128 weight rows as the wgmma's M side, so
+block, the tile, the way its weight tile is loaded (pointers or TMA) or the expert's row count.
+Tiles are max(64, routing block) rows, or 16 rows with the dots swapped (per pair, and sorted
+with routing blocks of 16), 64 or 128 weight rows as the wgmma's M side, so
 every batch size runs the in-block dots on fp8 wgmma (fp8.py says why an unswapped tile below 64
 rows would not). Tested bitwise under the interpreter with a K-ordered dot
 (tests/kernels/test_fp8.py) and on an H200 at the 35B-A3B expert shapes; the per-pair tiles were
@@ -41,8 +42,6 @@ from bi_core.kernels.common import dot_mode, pdl, pdl_start
 from bi_core.kernels.fp8 import (
     BLOCK,
     SWAP_BLOCK_M,
-    _a_block,
-    _block_step,
     _k_blocks,
     check_wgmma_tile,
     quantize_act,
@@ -60,87 +59,81 @@ def _epilogue(acc, up, dt: tl.constexpr, SILU_MUL: tl.constexpr):
     return acc.to(dt)
 
 
+@triton.jit
+def _block_pairs(SORTED, b, num_pairs, A_ROW_DIV: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Routing block b's pairs in the first ROUTE_M rows of a BLOCK_M-row tile: (pair ids, the real
+    ones, their A rows ``pair // A_ROW_DIV``)."""
+    r = tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
+    return pairs, pairs < num_pairs, (pairs // A_ROW_DIV).to(tl.int64)
+
+
+@triton.jit
+def _store_pairs(C, pairs, valid, rn, n_ok, acc, up, stride_cm, SILU_MUL: tl.constexpr):
+    """The tile's outputs (``_epilogue``) into rows ``pairs`` of C."""
+    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
+    tl.store(C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :], out, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_b(W, e, tile, stride_we, stride_wn, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """Expert e's weights as ``_k_blocks``' B for column tile ``tile``: (B, B_ROW). TMA: W is a
+    descriptor over the experts' weights as one [E * rows, K] matrix (contiguous: rows =
+    stride_we // stride_wn) and B_ROW the tile's first row in it; else the pointer to expert e."""
+    if TMA:  # (if/else: after an early return the compiler would still build W + ... for a descriptor)
+        b, b_row = W, (e * (stride_we // stride_wn)).to(tl.int32) + tile * BLOCK_N
+    else:
+        b, b_row = W + e * stride_we, 0
+    return b, b_row
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _fp8_grouped_kernel(A, AS, W, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, stride_am, stride_asm,
                         stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
                         SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
+                        BLOCK_N: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
+                        PDL: tl.constexpr, pdl_early):
     """Program (routing block b, column tile): the block's ROUTE_M pairs in the first rows of a
     BLOCK_M-row tile (BLOCK_M >= ROUTE_M; >= 64, or 16 with the dots swapped), A rows
-    ``pair // A_ROW_DIV``, expert BLOCK_EXPERT[b]; out row = pair id."""
+    ``pair // A_ROW_DIV``, expert BLOCK_EXPERT[b]; out row = pair id. TMA: the weight tiles by TMA
+    (``_expert_b``; the A rows are gathered pairs, loaded by pointers either way). A tile's columns
+    past N then read the next expert's rows (zeros past the last): their outputs are masked."""
     pdl_start(PDL, pdl_early)
     b = tl.program_id(0)
     e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
     if e >= num_experts:
         return
-    r = tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
-    valid = pairs < num_pairs
-    rows = (pairs // A_ROW_DIV).to(tl.int64)
+    pairs, valid, rows = _block_pairs(SORTED, b, num_pairs, A_ROW_DIV, ROUTE_M, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     cols = rn.to(tl.int64)
-    w_e = W + e * stride_we
+    w_e, w_row = _expert_b(W, e, tl.program_id(1), stride_we, stride_wn, BLOCK_N, TMA)
     ws_e = WS + e * stride_wse
     kb = tl.cdiv(K, 128)
     if SWAP and SILU_MUL:  # gate and up in one K loop, one A tile (two [BLOCK_N, 16] accumulators)
         acc, up = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                            stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, True)
+                            stride_wsn, N, BLOCK_M, BLOCK_N, True, DOT, True, w_row, TMA)
     else:
         acc, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols, n_ok, K, 0, kb, stride_am, stride_asm, stride_wn,
-                           stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
+                           stride_wsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP, w_row, TMA)
         up = acc
         if SILU_MUL:  # the up rows in a second pass (one pass with two [128, 128] accumulators: register pressure)
             up, _ = _k_blocks(A, AS, w_e, ws_e, rows, valid, cols + N, n_ok, K, 0, kb, stride_am, stride_asm,
-                              stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0, False, DOT, SWAP)
-    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
-    c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+                              stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, False, DOT, SWAP, w_row + N, TMA)
+    _store_pairs(C, pairs, valid, rn, n_ok, acc, up, stride_cm, SILU_MUL)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _fp8_grouped_tma_kernel(A, AS, w_desc, WS, C, SORTED, BLOCK_EXPERT, num_pairs, N, K, num_experts, W_ROWS,
-                            stride_am, stride_asm, stride_wse, stride_wsn, stride_cm, A_ROW_DIV: tl.constexpr,
-                            SILU_MUL: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, pdl_early):
-    """``_fp8_grouped_kernel``'s unswapped tiles with the weight tile by TMA (``w_desc``: the experts'
-    weights as one [E * W_ROWS, K] matrix, blocks [BLOCK_N, 128]); the A rows are gathered pairs,
-    loaded as there. Per K block the same ``_block_step`` in the same order (gate, then up in a
-    second pass), so every bit is the pointer kernel's. A tile's columns past N read the next
-    expert's rows (zeros past the last): their outputs are masked, and no column reads another's."""
-    pdl_start(PDL, pdl_early)
-    b = tl.program_id(0)
-    e = tl.load(BLOCK_EXPERT + b).to(tl.int64)
-    if e >= num_experts:
-        return
-    r = tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + b * ROUTE_M + r, mask=r < ROUTE_M, other=num_pairs)
-    valid = pairs < num_pairs
-    rows = (pairs // A_ROW_DIV).to(tl.int64)
-    on = tl.program_id(1) * BLOCK_N
-    rn = on + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    ws_e = WS + e * stride_wse
-    w_row = (e * W_ROWS).to(tl.int32) + on
-    kb_total = tl.cdiv(K, 128)
-    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, kb_total):
-        a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm, tl.float8e4nv, BLOCK_M, 0)
-        w = w_desc.load([w_row, kb * 128]).T
-        w_s = tl.load(ws_e + (rn // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
-        acc = _block_step(a, a_s, w, w_s, acc, zero, DOT)
-    up = acc
-    if SILU_MUL:  # the up rows [N, 2N) in a second pass, as the pointer kernel
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, kb_total):
-            a, a_s = _a_block(A, AS, rows, valid, K, kb, stride_am, stride_asm, tl.float8e4nv, BLOCK_M, 0)
-            w = w_desc.load([w_row + N, kb * 128]).T
-            w_s = tl.load(ws_e + ((rn + N) // 128).to(tl.int64) * stride_wsn + kb, mask=n_ok, other=0.0)
-            up = _block_step(a, a_s, w, w_s, up, zero, DOT)
-    out = _epilogue(acc, up, C.dtype.element_ty, SILU_MUL)
-    c_ptr = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptr, out, mask=valid[:, None] & n_ok[None, :])
+def _weight_operand(w: torch.Tensor, block_n: int, a: torch.Tensor, tma: bool) -> tuple[object, bool]:
+    """The kernels' W for experts' weights ``w [E, rows, K]``: with ``tma``, where the weights allow
+    it (SM90 or the interpreter, contiguous, 16-byte aligned: ``gemm._tma_ready``), a descriptor
+    over ``[E * rows, K]`` in [block_n, 128] blocks; else the tensor (the same tiles by pointers,
+    the same bits). -> (W, whether it is a descriptor)."""
+    flat = w.view(-1, w.shape[-1]) if w.is_contiguous() else None
+    if not (tma and flat is not None and _tma_ready(a, flat)):
+        return w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(flat, [block_n, BLOCK]), True
 
 
 # up to this many tokens the experts run per pair. Both paths swapped, on an H200
@@ -150,19 +143,21 @@ def _fp8_grouped_tma_kernel(A, AS, w_desc, WS, C, SORTED, BLOCK_EXPERT, num_pair
 PAIR_TOKENS = 8
 PAIR_BLOCK_M = 64  # unswapped, the pair in row 0 of a 64-row tile: the in-block dots stay on fp8 wgmma (fp8.py)
 # swapped dots (fp8._k_blocks' SWAP): on an H200 (fp8_kernel_bench.py --swap, benchmarks section 32)
-# 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits
-PAIR_UP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP": True}
-PAIR_DOWN = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SWAP": True}
+# 19.4 vs 23.9 us at 1 token and 27.8 vs 34.2 at 2 against 64-row tiles of 32 / 64 columns, same bits.
+# The weight tiles by TMA (section 41, fp8_kernel_bench.py --moe): 60.3 vs 61.1 us at 8 tokens, 14.7
+# vs 14.1 at 1, same bits (the sorted path at 16 tokens, which uses these tiles: 99.7 vs 101.3)
+PAIR_UP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP": True, "TMA": True}
+PAIR_DOWN = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SWAP": True, "TMA": True}
 
 
 @triton.jit
 def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, stride_x, stride_xs, stride_we, stride_wn,
                         stride_wse, stride_wsn, stride_h, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                         E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                        SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
+                        SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, pdl_early):
     """Program (pair p, column tile): token p // SLOTS's quantized row in row 0 of the tile, its
     expert's gate and up rows in one K loop (two accumulators, one A tile), moe.py's epilogue:
-    h[p] = silu(gate) * up."""
+    h[p] = silu(gate) * up. TMA: the weight tiles by TMA (``_expert_b``)."""
     pdl_start(PDL, pdl_early)
     p = tl.program_id(0)
     e = _expert_of(IDS, p, num_pairs, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
@@ -170,8 +165,9 @@ def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, str
     n_ok = rn < N
     row0 = tl.arange(0, BLOCK_M) == 0
     rows = tl.where(row0, p // SLOTS, 0).to(tl.int64)
-    acc, up = _k_blocks(XQ, XS, W + e * stride_we, WS + e * stride_wse, rows, row0, rn.to(tl.int64), n_ok, K, 0,
-                        tl.cdiv(K, 128), stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, 0, True, DOT, SWAP)
+    w_e, w_row = _expert_b(W, e, tl.program_id(1), stride_we, stride_wn, BLOCK_N, TMA)
+    acc, up = _k_blocks(XQ, XS, w_e, WS + e * stride_wse, rows, row0, rn.to(tl.int64), n_ok, K, 0, tl.cdiv(K, 128),
+                        stride_x, stride_xs, stride_wn, stride_wsn, N, BLOCK_M, BLOCK_N, True, DOT, SWAP, w_row, TMA)
     out = _epilogue(acc, up, H.dtype.element_ty, True)
     h_ptr = H + p.to(tl.int64) * stride_h + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
     tl.store(h_ptr, out, mask=row0[:, None] & n_ok[None, :])
@@ -181,8 +177,9 @@ def _fp8_pair_up_kernel(XQ, XS, W, WS, H, IDS, num_pairs, N, K, num_experts, str
 def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, N, K, num_experts, stride_h,
                           stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_sl, TOP_K: tl.constexpr,
                           SLOTS: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, pdl_early):
-    """Program (pair p, column tile): h[p]'s quantized row in row 0 of the tile, the down projection,
+                          DOT: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    """Program (pair p, column tile): h[p]'s quantized row in row 0 of the tile, the down projection
+    (TMA: the weight tiles by TMA, ``_expert_b``),
     stored rounded to Y; the last of a token's SLOTS programs to arrive (a per-(token, tile)
     counter, left at zero) combines the token's rows in slot order (moe.py's ``_combine``). The
     counter elects who adds; it orders nothing arithmetic."""
@@ -195,9 +192,10 @@ def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, 
     dt = OUT.dtype.element_ty
     e = _expert_of(IDS, p, p + 1, TOP_K, SLOTS, num_experts, E_BLOCK).to(tl.int64)
     row0 = tl.arange(0, BLOCK_M) == 0
-    acc, _ = _k_blocks(HQ, HS, W + e * stride_we, WS + e * stride_wse, tl.where(row0, p, 0), row0, rn.to(tl.int64),
-                       n_ok, K, 0, tl.cdiv(K, 128), stride_h, stride_hs, stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, 0,
-                       False, DOT, SWAP)
+    w_e, w_row = _expert_b(W, e, tile, stride_we, stride_wn, BLOCK_N, TMA)
+    acc, _ = _k_blocks(HQ, HS, w_e, WS + e * stride_wse, tl.where(row0, p, 0), row0, rn.to(tl.int64), n_ok, K, 0,
+                       tl.cdiv(K, 128), stride_h, stride_hs, stride_wn, stride_wsn, 0, BLOCK_M, BLOCK_N, False, DOT,
+                       SWAP, w_row, TMA)
     y_ptr = Y + p * N + tl.arange(0, BLOCK_M)[:, None] * 0 + rn[None, :]
     tl.store(y_ptr, acc.to(dt), mask=row0[:, None] & n_ok[None, :])
     tl.debug_barrier()  # every thread's row is written before the arrival is counted
@@ -211,7 +209,7 @@ def _fp8_pair_down_kernel(HQ, HS, W, WS, Y, WTS, IDS, SHARED_LOGIT, OUT, LOCKS, 
 def _pair_tile(cfg: dict) -> dict:
     """A per-pair kernel's launch shape with its row count: 16 rows swapped, 64 not (a tile given
     without SWAP is unswapped); refused off the fp8 wgmma (``fp8.check_wgmma_tile``)."""
-    tile = {"SWAP": False, **cfg}
+    tile = {"SWAP": False, "TMA": False, **cfg}
     tile["BLOCK_M"] = SWAP_BLOCK_M if tile["SWAP"] else PAIR_BLOCK_M
     check_wgmma_tile(tile["BLOCK_M"], tile["BLOCK_N"], tile["SWAP"])
     return tile
@@ -237,8 +235,9 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     up, down = _pair_tile(up), _pair_tile(down)
     xq, xs = quantize_act(x) if x_fp8 is None else x_fp8
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    w13_op, up["TMA"] = _weight_operand(w13, up["BLOCK_N"], xq, up["TMA"])
     _fp8_pair_up_kernel[(num_pairs, triton.cdiv(inter, up["BLOCK_N"]))](
-        xq, xs, w13, w13_scale, h, ids, num_pairs, inter, hidden, num_experts, xq.stride(0), xs.stride(0),
+        xq, xs, w13_op, w13_scale, h, ids, num_pairs, inter, hidden, num_experts, xq.stride(0), xs.stride(0),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0), TOP_K=top_k, SLOTS=slots,
         E_BLOCK=e_block, DOT=dot, **up, **pdl())
     hq, hs = quantize_act(h)
@@ -246,8 +245,9 @@ def _fp8_moe_per_pair(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     assert num_tokens * triton.cdiv(hidden, down["BLOCK_N"]) <= MAX_LOCKS  # a counter per (token, column tile)
     logits = shared_logits if shared_logits is not None else topk_weights
+    w2_op, down["TMA"] = _weight_operand(w2, down["BLOCK_N"], hq, down["TMA"])
     _fp8_pair_down_kernel[(num_pairs, triton.cdiv(hidden, down["BLOCK_N"]))](
-        hq, hs, w2, w2_scale, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter,
+        hq, hs, w2_op, w2_scale, y, topk_weights.contiguous(), ids, logits, out, tile_locks(x.device), hidden, inter,
         num_experts, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         logits.stride(0), TOP_K=top_k, SLOTS=slots, E_BLOCK=e_block, DOT=dot, **down, **pdl())
     return out
@@ -298,25 +298,13 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     assert cfg["BLOCK_M"] >= routing.block_m, f"BLOCK_M {cfg['BLOCK_M']} < the routing block {routing.block_m}"
     check_wgmma_tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SWAP"])
     grid = (routing.block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
-    # the weight tiles by TMA where the weights allow it; else the same tiles by pointers (the same bits)
-    if cfg.get("TMA") and not cfg["SWAP"] and w.is_contiguous() and _tma_ready(xq, w.view(-1, k)):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], BLOCK])
-        _fp8_grouped_tma_kernel[grid](xq, xs, w_desc, w_scale, out, routing.sorted_pairs, routing.block_expert,
-                                      routing.num_pairs, n, k, num_experts, w.shape[1], xq.stride(0), xs.stride(0),
-                                      w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
-                                      SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
-                                      BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn),
-                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
-        return out
-    _fp8_grouped_kernel[grid](xq, xs, w, w_scale, out, routing.sorted_pairs, routing.block_expert, routing.num_pairs,
-                              n, k, num_experts, xq.stride(0), xs.stride(0), w.stride(0), w.stride(1),
-                              w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
+    w_op, tma = _weight_operand(w, cfg["BLOCK_N"], xq, cfg.get("TMA", False))
+    _fp8_grouped_kernel[grid](xq, xs, w_op, w_scale, out, routing.sorted_pairs, routing.block_expert,
+                              routing.num_pairs, n, k, num_experts, xq.stride(0), xs.stride(0), w.stride(0),
+                              w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
                               SILU_MUL=silu_mul, ROUTE_M=routing.block_m, BLOCK_M=cfg["BLOCK_M"],
-                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg["SWAP"],
-                              num_warps=cfg["num_warps"],
-                              num_stages=cfg["num_stages"], **pdl())
+                              BLOCK_N=cfg["BLOCK_N"], DOT=dot_mode(torch.float8_e4m3fn), SWAP=cfg["SWAP"], TMA=tma,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
     return out
 
 

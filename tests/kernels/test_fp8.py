@@ -7,11 +7,11 @@ interpreter or on a GPU.
 - Under the interpreter, the GEMM bitwise against a numpy emulation of the documented arithmetic
   (K blocks in order, scales and fma, split ranges added in order), with ``ordered_dot``.
 - Batch invariance, bitwise: every row alone, in batches of 1..264 rows (crossing the M buckets),
-  permuted, and under every bucket's tiles, split programs vs INLINE, fused vs separate
-  quantization. Negative controls: a split count that follows M, and a batch-wide activation
+  permuted, and under every bucket's tiles, split programs vs INLINE. Negative controls: a split count that follows M, and a batch-wide activation
   scale, must be caught; constructed inputs where two K orders cannot round alike.
 - The routed-expert MoE the same way: grouped rows within the bound, tokens bitwise across
-  batch sizes (routing blocks of 16 and 32 rows), with a per-tensor-scale negative control.
+  batch sizes (routing blocks of 16 to 128 rows, weight tiles by pointers and by TMA), with a
+  per-tensor-scale negative control.
 - GPU only (skipped here): the same at the model's shapes, M = 1..1024, and the same bits as a
   kernel in vLLM's order.
 
@@ -283,9 +283,9 @@ def test_fp8_gemm_numerics(device, shape):
     the interpreter truncates to bf16 where the GPU rounds). u = 2**-24 for fp32 sums; on the GPU
     the fp8 wgmma keeps fewer accumulator bits inside a block (about 14 per DeepSeek-V3's report,
     not measured here), so u = 2**-13 there. The bound must be tight enough to fail a wrong scale
-    (the last K block's weight scales doubled). fp8_linear on the unquantized activation, fused
-    and not, equals quantize_act + fp8_gemm bitwise."""
-    from bi_core.kernels.fp8 import FUSED_ROWS_MAX, fp8_config, fp8_gemm, fp8_linear, quantize_act
+    (the last K block's weight scales doubled). fp8_linear on the unquantized activation equals
+    quantize_act + fp8_gemm bitwise."""
+    from bi_core.kernels.fp8 import fp8_config, fp8_gemm, fp8_linear, quantize_act
 
     m, n, k = shape
     wq, ws = _weights(n, k, device)
@@ -309,9 +309,7 @@ def test_fp8_gemm_numerics(device, shape):
     assert fp8_config(m, n, k)["SPLIT_K"] == (2 if k == 1024 else 1)
     xb = x.to(torch.bfloat16)
     want = fp8_gemm(*quantize_act(xb), wq, ws, torch.bfloat16)
-    for fuse in (True, False) if m <= FUSED_ROWS_MAX else (False,):
-        got = fp8_linear(xb, wq, ws, config={**fp8_config(m, n, k), "FUSE_QUANT": fuse})
-        assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(fp8_linear(xb, wq, ws)), bits(want))
     assert fp8_linear(xb[:0], wq, ws).shape == (0, n)
 
 
@@ -323,7 +321,7 @@ def test_fp8_gemm_arithmetic_bitwise(device, shape, split):
     """Under the interpreter, with a K-ordered dot, the GEMM is bit for bit the documented
     arithmetic (numpy emulation): per block a dot from zero, ``fma(dot * xs, ws, acc)``, blocks in
     ascending order; split ranges of ceil(KB / SPLIT_K) blocks (3 over K = 960: 3, 3 and a ragged
-    2) added in range order, by the fix-up program or INLINE, with fused quantization too."""
+    2) added in range order, by the fix-up program or INLINE, and through fp8_linear."""
     from bi_core.kernels.fp8 import fp8_config, fp8_gemm, fp8_linear, quantize_act
 
     m, n, k = shape
@@ -333,7 +331,7 @@ def test_fp8_gemm_arithmetic_bitwise(device, shape, split):
     want = bits(emulate_gemm(xq, xs, wq, ws, split))
     cfg = {**fp8_config(m, n, k), "SPLIT_K": split}
     assert torch.equal(bits(fp8_gemm(xq, xs, wq, ws, torch.float32, config={**cfg, "INLINE": False})), want)
-    assert torch.equal(bits(fp8_linear(x, wq, ws, config={**cfg, "INLINE": split > 1, "FUSE_QUANT": True})), want)
+    assert torch.equal(bits(fp8_linear(x, wq, ws, config={**cfg, "INLINE": split > 1})), want)
 
 
 @pytest.mark.usefixtures("ordered_dot")
@@ -342,8 +340,7 @@ def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
     ranges added in the program): bitwise the documented arithmetic (numpy emulation), the
     pointer kernel with the same tiles, and each row computed alone (swapped dots, split programs
     and the fix-up), over a ragged N and K (the blocks past them read as zeros by TMA), unsplit
-    and split, and with fewer programs than tiles (the persistent loop; unsplit, its flattened
-    form). Negative control: another split count differs."""
+    and split. Negative control: another split count differs."""
     from bi_core.kernels import fp8
     from bi_core.kernels.fp8 import TMA_MIN_M, TMA_TILE, fp8_config, fp8_gemm, fp8_linear, quantize_act
 
@@ -363,8 +360,6 @@ def test_fp8_tma_rows_equal_the_pointer_and_decode_rows(device, monkeypatch):
         if INTERPRET:
             assert torch.equal(bits(full), bits(emulate_gemm(xq, xs, wq, ws, split)))
         assert torch.equal(bits(full), bits(gemm(every, {**cfg, "TMA": False})))
-        persistent = {**cfg, "PERSISTENT": True, "PROGRAMS": 2}  # 18 tiles, 2 programs
-        assert torch.equal(bits(full), bits(gemm(every, persistent)))
         for i in (0, 1, 63, 64, 128, x.shape[0] - 1):
             alone = {**fp8_config(1, INV_N, INV_K), "SPLIT_K": split, "INLINE": False}
             assert torch.equal(bits(gemm(every[i:i + 1], alone)), bits(full[i:i + 1])), f"row {i}, split {split}"
@@ -398,7 +393,7 @@ def test_config_k_order_fixed_by_n_k():
     assert split_k_for(2048, 2048) == 4 and split_k_for(136, 1024) == 2
     shapes = {tuple(fp8_config(m, INV_N, INV_K)[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "SWAP"))
               for m in INV_SIZES + (INV_ROWS,)}
-    assert len(shapes) >= 3, shapes  # the invariance tests add FUSE_QUANT and INLINE variants of their own
+    assert len(shapes) >= 3, shapes  # the invariance tests add INLINE variants of their own
 
 
 def invariance_mismatches(fn, num_rows: int, sizes, device, variants=()) -> list[str]:
@@ -436,9 +431,8 @@ def _inv_config(m: int, **over) -> dict:
 def test_fp8_rows_invariant(device, dtype):
     """Each row of fp8_linear (and its quantize_act) is bitwise the same alone, in the first 3..257
     rows, in all 264, permuted, and under the other buckets' launch shapes: swapped dots on 16-row
-    tiles (alone: quantization fused at 1 row), 64 x 32 tiles with
-    quantization fused, 64-row and 128-row tiles with 4 and 8 warps, split programs with a fix-up
-    vs INLINE, fused vs separate quantization (the K order, 2 ranges, fixed throughout). fp32
+    tiles, 64 x 32 tiles, 64-row and 128-row tiles with 4 and 8 warps, split programs with a fix-up
+    vs INLINE (the K order, 2 ranges, fixed throughout). fp32
     outputs are the ones with teeth (bf16 hides most order changes); bf16 checks the bf16 input
     and output paths on 65 rows."""
     from bi_core.kernels.fp8 import fp8_linear, quantize_act
@@ -452,9 +446,9 @@ def test_fp8_rows_invariant(device, dtype):
 
     if dtype == torch.float32:
         rows, sizes = INV_ROWS, INV_SIZES
-        variants = [_inv_config(1, FUSE_QUANT=False),  # swapped dots, 16-row tiles (two of them)
+        variants = [_inv_config(1),  # swapped dots, 16-row tiles (two of them)
                     _inv_config(1, SWAP=False, BLOCK_M=64, BLOCK_N=32, INLINE=True), _inv_config(100),
-                    _inv_config(INV_ROWS, FUSE_QUANT=True), _inv_config(INV_ROWS, BLOCK_N=128, INLINE=True)]
+                    _inv_config(INV_ROWS), _inv_config(INV_ROWS, BLOCK_N=128, INLINE=True)]
     else:  # 65 rows: the small bucket's edge
         rows, sizes, variants = 65, (1, 64), [_inv_config(INV_ROWS)]
     assert invariance_mismatches(run, rows, sizes, device, variants) == []
@@ -585,7 +579,8 @@ def test_fp8_moe_rows_invariant(device):
         assert torch.equal(bits(run(every, tma)), ref)
         assert torch.equal(bits(run(perm[:12], {**tma, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8})), ref[perm[:12]])
     assert align(ids[:12], MOE_E + 1, shared=True).block_m == 16  # sorted, swapped (16 rows against 128 weight rows)
-    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP": True})), ref[:12])
+    assert torch.equal(bits(run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP": True, "TMA": False})), ref[:12])
+    assert torch.equal(bits(run(perm[:12], {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "TMA": True})), ref[perm[:12]])
     with pytest.raises(AssertionError, match="SWAP"):  # the sorted path refuses a tile off the wgmma too
         run(every[:12], {"BLOCK_M": 16, "BLOCK_N": 32, "SWAP": True})
     per_pair = lambda rows, forced: fp8_fused_moe(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
@@ -596,7 +591,11 @@ def test_fp8_moe_rows_invariant(device):
     from bi_core.kernels.fp8_moe import PAIR_DOWN, PAIR_UP, _fp8_moe_per_pair
 
     rows = perm[:5]  # the per-pair path under other tiles: swapped (64 or 128 weight rows) and not
-    for up, down in (({"BLOCK_N": 128}, {"BLOCK_N": 64}), ({"BLOCK_N": 32, "SWAP": False}, {"BLOCK_N": 64, "SWAP": False})):
+    # the weight tiles by TMA (the default; on SM90 and in the interpreter, else by pointers) and by pointers
+    tma, ptr = {"TMA": True}, {"TMA": False}
+    for up, down in (({"BLOCK_N": 128, **ptr}, {"BLOCK_N": 64, **ptr}), (ptr, ptr),
+                     ({"BLOCK_N": 32, "SWAP": False, **ptr}, {"BLOCK_N": 64, "SWAP": False, **ptr}),
+                     ({"BLOCK_N": 128, **tma}, {"BLOCK_N": 64, "SWAP": False, **tma})):
         other = _fp8_moe_per_pair(x[rows], wts[rows], ids[rows], w13, s13, w2, s2, shared[rows],
                                   {**PAIR_UP, **up}, {**PAIR_DOWN, **down})
         assert torch.equal(bits(other), ref[rows]), (up, down)
@@ -654,7 +653,7 @@ def test_gpu_rows_invariant_model_shapes(n, k):
     changes show) is bitwise the same at M = 1..1024 (swapped dots up to 16 rows, not beyond),
     permuted, and under every bucket's launch
     shape forced on the whole batch (wgmma with 64 x 32 .. 128 x 128 tiles, 4 or 8 warps, split
-    programs or INLINE, fused quantization or not); bf16 at a few sizes. Negative control: the
+    programs or INLINE); bf16 at a few sizes. Negative control: the
     same rows with another split count differ."""
     from bi_core.kernels.fp8 import fp8_config, fp8_linear, split_k_for
 
@@ -665,15 +664,10 @@ def test_gpu_rows_invariant_model_shapes(n, k):
     perm = torch.randperm(1024, device="cuda")
     assert torch.equal(bits(fp8_linear(x[perm], wq, ws)), bits(ref[perm]))
     split = split_k_for(n, k)
-    variants = [{**fp8_config(m, n, k), "FUSE_QUANT": False} for m in (1, 100, 1024)]
-    variants += [{**v, "INLINE": inline, "FUSE_QUANT": False} for v in variants[:1] + variants[2:]
-                  for inline in (False, True)]
+    variants = [fp8_config(m, n, k) for m in (1, 100, 1024)]
+    variants += [{**v, "INLINE": inline} for v in variants[:1] + variants[2:] for inline in (False, True)]
     variants += [{**variants[2], "BLOCK_M": 64, "BLOCK_N": bn, "num_warps": w} for bn in (64, 128) for w in (4, 8)]
     bad += [v for v in variants if not torch.equal(bits(fp8_linear(x, wq, ws, config=v)), bits(ref))]
-    fused = [{**fp8_config(m, n, k), "FUSE_QUANT": True, "INLINE": inline} for m in (1, 2, 3, 8, 32)
-             for inline in (False, True)]  # the activation quantized inside the GEMM, row by row
-    bad += [(c, m) for c in fused for m in (1, 2, 3, 8, 32)  # up to a tile's rows (16 swapped, 32 not)
-            if m <= c["BLOCK_M"] and not torch.equal(bits(fp8_linear(x[:m], wq, ws, config=c)), bits(ref[:m]))]
     assert bad == []
     xb = x.to(torch.bfloat16)
     ref_b = fp8_linear(xb, wq, ws)
