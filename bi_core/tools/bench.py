@@ -7,7 +7,7 @@ did not run every row at the stated context, or a prefill the prefix cache serve
 device time is printed with a ``HOST-BOUND?`` note; a prefill figure (the median of its timed
 passes) comes with one more pass's kernel time, for the same reading. Where a step's time goes:
 ``BI_BENCH_TOP_KERNELS=N`` prints one eager step's N costliest kernels and how many timed steps
-replayed a CUDA graph; ``BI_BENCH_PROFILE_HOST=N`` the host's N costliest functions over the
+replayed a CUDA graph; ``BI_BENCH_PROFILE_HOST=N`` the host's N costliest functions (decode and prefill) over the
 timed steps (cProfile)."""
 
 from __future__ import annotations
@@ -186,11 +186,7 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
     for _ in range(3):
         engine.step()
     replays = _graph_replays(engine)
-    host = None
-    if os.environ.get("BI_BENCH_PROFILE_HOST"):  # where the host's part of a timed step goes (cProfile)
-        import cProfile
-
-        host = cProfile.Profile()
+    host = _host_profiler()
     with main_model_batches(engine) as batches:
         _sync(engine)
         if host is not None:
@@ -202,11 +198,7 @@ def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, c
         ms = (time.perf_counter() - t0) / steps * 1e3
         if host is not None:
             host.disable()
-    if host is not None:
-        import pstats
-
-        print(f"    B={len(prompts)}: host profile of {steps} timed steps ({ms:.3f} ms a step)")
-        pstats.Stats(host).sort_stats("tottime").print_stats(int(os.environ["BI_BENCH_PROFILE_HOST"]))
+    _print_host_profile(host, f"B={len(prompts)}: host profile of {steps} timed steps ({ms:.3f} ms a step)")
     if os.environ.get("BI_BENCH_TOP_KERNELS"):
         print(f"    B={len(prompts)}: {_graph_replays(engine) - replays} of {steps} timed steps replayed a graph; "
               f"{ms:.3f} ms a step")
@@ -332,6 +324,26 @@ def prefill_flops(engine: LLMEngine, lengths: list[int]) -> float:
 PREFILL_PASSES = 3  # timed prefill passes, the median reported: one pass ranged 39.7k-52.5k tok/s on one tree (2026-11-28b)
 
 
+def _host_profiler():
+    """``BI_BENCH_PROFILE_HOST=N``: a cProfile profiler for the timed part (where the host's time
+    goes: the launching thread's Python, or its waits), else None."""
+    if not os.environ.get("BI_BENCH_PROFILE_HOST"):
+        return None
+    import cProfile
+
+    return cProfile.Profile()
+
+
+def _print_host_profile(host, label: str) -> None:
+    """The profiler's N costliest functions by their own time (``BI_BENCH_PROFILE_HOST=N``)."""
+    if host is None:
+        return
+    import pstats
+
+    print(f"    {label}")
+    pstats.Stats(host).sort_stats("tottime").print_stats(int(os.environ["BI_BENCH_PROFILE_HOST"]))
+
+
 def _prefill_kernel_seconds(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float | None:
     """The device time of one more prefill pass's kernels (torch profiler; other fresh prompts):
     beside the passes' wall time it tells a device-bound pass from a host-bound one. None where
@@ -357,18 +369,25 @@ def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: floa
     engine.generate(_prompts(engine, batch, length, seed + 1000), params)  # same shapes, other tokens
     floor = prefill_flops(engine, [length] * batch) / matmul_flops
     times = []
+    host = _host_profiler()
     for i in range(passes):
         prompts = _prompts(engine, batch, length, seed + i)
         _sync(engine)
+        if host is not None:
+            host.enable()
         t0 = time.perf_counter()
         out = engine.generate(prompts, params)
         _sync(engine)
         times.append(time.perf_counter() - t0)
+        if host is not None:
+            host.disable()
         cached = sum(o.num_cached_tokens for o in out)
         if cached or any(o.finish_reason != "length" for o in out):
             raise BenchError(f"prefill {batch} x {length}: {cached} prompt tokens came from the prefix cache or a "
                              "request failed; the figure would not be a prefill")
     dt = statistics.median(times)
+    _print_host_profile(host, f"prefill {batch} x {length}: host profile of {passes} timed passes "
+                              f"({'/'.join(f'{t * 1e3:.0f}' for t in times)} ms)")
     kernel_s = _prefill_kernel_seconds(engine, _prompts(engine, batch, length, seed + passes), params)
     if min(times) < floor:
         raise BenchError(f"prefill {batch} x {length} measured {min(times) * 1e3:.1f} ms, below its FLOP floor "

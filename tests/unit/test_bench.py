@@ -46,6 +46,18 @@ def test_prefill_is_timed_on_fresh_prompts_and_checked_against_its_floor():
                                                    if n.startswith("layers.") and p.dim() == 2)
 
 
+def test_host_profile_covers_the_prefill_passes(monkeypatch, capsys):
+    """BI_BENCH_PROFILE_HOST=N profiles the timed prefill passes too (the prefill's wall time varied
+    1.1-2x over the same kernels, benchmarks sections 40-41), and only when asked."""
+    eng = engine()
+    bench_prefill(eng, 2, 64, matmul_flops=1e15)
+    assert "host profile" not in capsys.readouterr().out
+    monkeypatch.setenv("BI_BENCH_PROFILE_HOST", "5")
+    bench_prefill(eng, 2, 64, matmul_flops=1e15, seed=50)
+    out = capsys.readouterr().out
+    assert "prefill 2 x 64: host profile of 3 timed passes" in out and "tottime" in out
+
+
 def test_a_step_well_over_its_kernels_time_is_flagged_host_bound():
     """Section 37: graphed FP8 steps took 28.3 ms over 14.7 ms of kernels (a slow eviction on the
     host), and the bench printed the figure as if it were the device's."""
