@@ -36,10 +36,17 @@ def plan_batch(
     for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
         flat += ids
         n = len(ids)
-        for t, pos in enumerate(range(past, past + n)):
-            positions.append(pos)
-            slots.append(blk[pos // block_size] * block_size + pos % block_size)
-            token_states.append(base * ring + (past + t + 1) % ring)
+        end = past + n
+        positions += range(past, end)
+        pos = past  # the KV slots a page at a time (a prefill's 8,192 tokens: one range per page, not per token)
+        while pos < end:
+            page, off = divmod(pos, block_size)
+            take = min(block_size - off, end - pos)
+            first = blk[page] * block_size + off
+            slots += range(first, first + take)
+            pos += take
+        # the state after the token at position p goes to slot (p + 1) % ring of the sequence's ring
+        token_states += [base] * n if ring == 1 else [base * ring + (p + 1) % ring for p in range(past, end)]
         if logits_rows is None:
             rows.append(offset + n - 1)
         else:

@@ -34,6 +34,8 @@ def as_ints(prompt, what: str) -> list[int]:
         raise RequestError(f"{what} must be a str or a sequence of token ids, got {type(prompt).__name__}")
     else:
         ids = list(prompt)
+    if all(type(t) is int for t in ids):  # the common case, checked at C speed (a bool's type is bool)
+        return ids
     bad = [t for t in ids if not is_token_id(t)]
     if bad:
         raise RequestError(f"{what} has token ids that are not integers: {bad[:5]!r}")
