@@ -269,8 +269,9 @@ def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, ba
 
 
 def host_bound_note(ms_per_step: float, kernel_ms: float | None) -> str:
-    """A warning when a timed step takes well over its kernels' device time: the device waited
-    for the host (a graphed step whose planning is slow, section 37's prefix-cache eviction)."""
+    """A warning when a timed step (or prefill pass) takes well over its kernels' device time: the
+    device waited for the host (a graphed step whose planning is slow, section 37's prefix-cache
+    eviction; the eager prefill's launches, section 41)."""
     if not kernel_ms or ms_per_step <= HOST_BOUND_RATIO * kernel_ms:
         return ""
     return (f"  HOST-BOUND? {ms_per_step / kernel_ms:.2f}x its kernels' {kernel_ms:.2f} ms "
