@@ -23,7 +23,8 @@ import triton.language as tl
 from bi_core.kernels.common import dot_mode, mma, pdl, pdl_start
 from bi_core.kernels.gemm import MAX_LOCKS, block_k_for, block_m_for, tile_locks
 
-SORT_CHUNK = 4096  # pairs sorted at once by the routing program (more are sorted chunk by chunk)
+SORT_CHUNK = 4096  # up to this many pairs one routing launch does it all (_align_kernel); more: _align_chunked
+ROUTE_CHUNK = 1024  # pairs a program of _align_chunked counts and places
 
 
 @attrs.frozen
@@ -98,8 +99,9 @@ def max_rows_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 def align(topk_ids: torch.Tensor, num_experts: int, shared: bool, max_block_m: int = 128) -> Routing:
     """Pairs sorted by expert in blocks of up to ``max_block_m`` rows; ``num_experts`` counts the
     shared expert (the last) when ``shared``. Up to SORT_CHUNK pairs (decode, verify) one Triton
-    launch does it all; more (prefill) go through torch ops. Both give the same rows (a stable sort
-    by expert), and no row's result would depend on them anyway (see the module docstring)."""
+    launch does it all; more (prefill) take two, chunk by chunk (``_align_chunked``). Both give the
+    same rows (a stable sort by expert), and no row's result would depend on them anyway (see the
+    module docstring)."""
     num_tokens, top_k = topk_ids.shape
     slots = top_k + (1 if shared else 0)
     num_pairs = num_tokens * slots
@@ -108,7 +110,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool, max_block_m: i
     max_blocks = max_rows // bm
     dev = topk_ids.device
     if num_pairs > SORT_CHUNK:
-        return _align_sorted(topk_ids, num_experts, shared, bm, max_rows)
+        return _align_chunked(topk_ids, num_experts, slots, bm, max_rows)
     sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     if num_pairs:
@@ -121,26 +123,82 @@ def align(topk_ids: torch.Tensor, num_experts: int, shared: bool, max_block_m: i
     return Routing(sorted_pairs, block_expert, bm, num_pairs, slots)
 
 
-def _align_sorted(topk_ids: torch.Tensor, num_experts: int, shared: bool, bm: int, max_rows: int) -> Routing:
-    """The same routing through torch ops (a stable sort of the pairs by expert; static shapes)."""
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "rows_per_program"])  # batch-dependent
+def _align_count_kernel(IDS, COUNTS, SORTED, num_pairs, max_rows, rows_per_program, TOP_K: tl.constexpr,
+                        SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        FILL: tl.constexpr, PDL: tl.constexpr, pdl_early):
+    """Program c: chunk c's pairs counted per expert (COUNTS[c]), and its share of SORTED's rows set
+    to the padding id (num_pairs), which ``_align_place_kernel`` then writes the pairs over."""
+    pdl_start(PDL, pdl_early)
+    c = tl.program_id(0)
+    e = _expert_of(IDS, c * CHUNK + tl.arange(0, CHUNK), num_pairs, TOP_K, SLOTS, NUM_EXPERTS, E_BLOCK)
+    tl.store(COUNTS + c * E_BLOCK + tl.arange(0, E_BLOCK), tl.histogram(e, E_BLOCK))
+    lo = c * rows_per_program
+    hi = tl.minimum(lo + rows_per_program, max_rows)
+    for r0 in range(lo, hi, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(SORTED + r, num_pairs, mask=r < hi)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])  # batch-dependent
+def _align_place_kernel(IDS, COUNTS, SORTED, BLOCK_EXPERT, num_pairs, num_chunks, max_blocks, TOP_K: tl.constexpr,
+                        SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_BLOCK: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+                        pdl_early):
+    """Program c < num_chunks: from every chunk's counts, where each expert's rows start (its
+    count padded to BLOCK_M, in expert order) and how many of its pairs come before chunk c; then
+    chunk c's pairs sorted by (expert, pair) and written there, each after the earlier pairs of
+    its expert: the stable counting sort of ``_align_kernel``, the same rows. Program num_chunks:
+    each block's expert (NUM_EXPERTS past the last expert's blocks)."""
+    pdl_start(PDL, pdl_early)
+    c = tl.program_id(0)
+    e_range = tl.arange(0, E_BLOCK)
+    total = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    before = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for j in range(0, num_chunks):
+        counts = tl.load(COUNTS + j * E_BLOCK + e_range)
+        total += counts
+        before += tl.where(j < c, counts, 0)
+    total = tl.where(e_range < NUM_EXPERTS, total, 0)  # drop the padding bin
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, axis=0) - padded
+    if c < num_chunks:
+        local = tl.arange(0, CHUNK)
+        e = _expert_of(IDS, c * CHUNK + local, num_pairs, TOP_K, SLOTS, NUM_EXPERTS, E_BLOCK)
+        keys = tl.sort(e * CHUNK + local)  # by expert, then by pair: stable
+        e_sorted = keys // CHUNK
+        hist = tl.histogram(e, E_BLOCK)
+        rank = local - tl.gather(tl.cumsum(hist, axis=0) - hist, e_sorted, 0)  # among the chunk's pairs of its expert
+        row = tl.gather(start + before, e_sorted, 0) + rank
+        tl.store(SORTED + row, c * CHUNK + keys % CHUNK, mask=e_sorted < NUM_EXPERTS)
+    else:
+        end = start + padded
+        for b0 in range(0, max_blocks, FILL):
+            b = b0 + tl.arange(0, FILL)
+            done = (end[None, :] <= (b * BLOCK_M)[:, None]) & (e_range < NUM_EXPERTS)[None, :]
+            tl.store(BLOCK_EXPERT + b, tl.sum(done.to(tl.int32), axis=1), mask=b < max_blocks)
+
+
+def _align_chunked(topk_ids: torch.Tensor, num_experts: int, slots: int, bm: int, max_rows: int) -> Routing:
+    """``align`` past SORT_CHUNK pairs (prefill): two launches over chunks of ROUTE_CHUNK pairs,
+    whatever the count (before, about 25 torch ops a layer: host time in a host-bound prefill,
+    benchmarks section 41), no host sync (CUDA graphs capture it)."""
     num_tokens, top_k = topk_ids.shape
-    ids = topk_ids
-    if shared:
-        ids = torch.cat([ids, torch.full((num_tokens, 1), num_experts - 1, dtype=ids.dtype, device=ids.device)], 1)
-    flat = ids.reshape(-1)
-    num_pairs = flat.shape[0]
-    order = torch.argsort(flat, stable=True)
-    # scatter_add, not bincount: bincount reads the max back to the host (no CUDA-graph capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bm - 1) // bm * bm
-    padded_end = torch.cumsum(padded, 0)
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs.scatter_(0, (padded_end - padded)[expert_of] + rank, order.to(torch.int32))
-    block_start = torch.arange(0, max_rows, bm, device=flat.device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    return Routing(sorted_pairs, block_expert, bm, num_pairs, ids.shape[1])
+    num_pairs = num_tokens * slots
+    dev = topk_ids.device
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    e_block = triton.next_power_of_2(num_experts + 1)
+    chunks = triton.cdiv(num_pairs, ROUTE_CHUNK)
+    max_blocks = max_rows // bm
+    counts = torch.empty((chunks, e_block), dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    meta = {"TOP_K": top_k, "SLOTS": slots, "NUM_EXPERTS": num_experts, "E_BLOCK": e_block, "CHUNK": ROUTE_CHUNK}
+    _align_count_kernel[(chunks,)](ids, counts, sorted_pairs, num_pairs, max_rows, triton.cdiv(max_rows, chunks),
+                                   FILL=1024, num_warps=4, **meta, **pdl())
+    _align_place_kernel[(chunks + 1,)](ids, counts, sorted_pairs, block_expert, num_pairs, chunks, max_blocks,
+                                       BLOCK_M=bm, FILL=64, num_warps=4, **meta, **pdl())
+    return Routing(sorted_pairs, block_expert, bm, num_pairs, slots)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

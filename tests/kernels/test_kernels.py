@@ -532,15 +532,41 @@ def test_sampler(device):
     assert a[3] == b[0] and a.tolist() != c.tolist()
 
 
-@pytest.mark.parametrize("tokens,k,e", [(1, 8, 256), (200, 4, 16), (400, 8, 64)])
+def _align_by_torch(topk_ids, num_experts, shared, bm, max_rows):
+    """The routing as torch ops (the path prefill took before ``moe._align_chunked``): a stable
+    sort of the pairs by expert, each expert's rows padded to bm -> (sorted pairs, block experts)."""
+    num_tokens, _ = topk_ids.shape
+    ids = topk_ids
+    if shared:
+        ids = torch.cat([ids, torch.full((num_tokens, 1), num_experts - 1, dtype=ids.dtype, device=ids.device)], 1)
+    flat = ids.reshape(-1)
+    num_pairs = flat.shape[0]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm
+    padded_end = torch.cumsum(padded, 0)
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs.scatter_(0, (padded_end - padded)[expert_of] + rank, order.to(torch.int32))
+    block_expert = torch.searchsorted(padded_end, torch.arange(0, max_rows, bm, device=flat.device), right=True)
+    return sorted_pairs, block_expert.to(torch.int32)
+
+
+@pytest.mark.parametrize("tokens,k,e", [(1, 8, 256), (200, 4, 16), (400, 8, 64), (600, 8, 64), (1000, 8, 256)])
 def test_align_paths_agree(device, tokens, k, e):
-    """The Triton routing (a program per expert) and the torch sort give the same rows for the
-    same pairs: one token over 257 experts (decode), one chunk of pairs, several chunks."""
-    from bi_core.kernels.moe import SORT_CHUNK, _align_sorted, align, max_rows_for
+    """Both Triton routings give the torch sort's rows for the same pairs: up to SORT_CHUNK pairs
+    one launch (a program per expert: one token over 257 experts, one chunk of pairs, several);
+    past it two launches over chunks of ROUTE_CHUNK pairs (5,400 pairs: 6 chunks, the last
+    partial; 9,000 over 257 experts). Each expert's blocks name it, and an empty block names
+    num_experts (clamped: the one-launch path may name any id past the last expert)."""
+    from bi_core.kernels.moe import SORT_CHUNK, align, max_rows_for
 
     ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(tokens)])
     r = align(ids, e + 1, True)
-    assert r.num_pairs <= SORT_CHUNK
-    s = _align_sorted(ids, e + 1, True, r.block_m, max_rows_for(r.num_pairs, e + 1, r.block_m))
-    assert torch.equal(r.sorted_pairs, s.sorted_pairs) and torch.equal(r.block_expert.clamp(max=e + 1),
-                                                                       s.block_expert.clamp(max=e + 1))
+    assert (r.num_pairs <= SORT_CHUNK) == (tokens <= 400)
+    pairs, blocks = _align_by_torch(ids, e + 1, True, r.block_m, max_rows_for(r.num_pairs, e + 1, r.block_m))
+    assert torch.equal(r.sorted_pairs, pairs)
+    assert torch.equal(r.block_expert.clamp(max=e + 1), blocks.clamp(max=e + 1))
+    if r.num_pairs > SORT_CHUNK:  # the chunked path names empty blocks exactly
+        assert torch.equal(r.block_expert, blocks)
