@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: unpack GPU deps, then each step in order. Logs under $OUT.
 # Env: STEP_TIMEOUT (a step's limit, s), BG_TIMEOUT (a bg: step's, default 540), SAVE_TRITON=1 (bring
-# Triton's cache back; see below).
+# Triton's cache back; see below; SAVE_TRITON=new: only the entries this call compiled).
 # Steps: tests | tests-all | fi-warm | bg:<command> (in the background, waited for at the end) |
 # pytest:<args> | compare[:--sweep] (kernel_bench in .baseline and in this
 # tree, then the side-by-side table) | old:<cmd> (a command run with the pre-change tree first on
@@ -101,9 +101,12 @@ if [ -d /tmp/fiws/.cache ] && { [ -n "$built" ] || ! ls .fi-jit/fi-jit.part-* >/
   size=$(stat -c %s /tmp/fi-jit.tar.xz); echo "FlashInfer JIT cache: $((size >> 20)) MiB compressed"
   [ "$size" -lt $((40 << 20)) ] && split -b 15M /tmp/fi-jit.tar.xz "$OUT/fi-jit.part-"
 fi
-if [ "${SAVE_TRITON:-0}" = 1 ]; then
+if [ "${SAVE_TRITON:-0}" != 0 ]; then
   if [ -n "$(find "$triton_cache" -type f -newer /tmp/triton-marker -print -quit)" ]; then
-    tar -c -C "$triton_cache" . | xz -T0 -6 > /tmp/triton.tar.xz
+    if [ "$SAVE_TRITON" = new ]; then  # only this call's entries (merge them here: benchmarks/triton_cache_merge.sh)
+      (cd "$triton_cache" && find . -mindepth 1 -maxdepth 1 -newer /tmp/triton-marker -print0 | tar -c --null -T -) \
+        | xz -T0 -6 > /tmp/triton.tar.xz
+    else tar -c -C "$triton_cache" . | xz -T0 -6 > /tmp/triton.tar.xz; fi
     size=$(stat -c %s /tmp/triton.tar.xz); echo "Triton cache: $((size >> 20)) MiB compressed"
     if [ "$size" -lt $((24 << 20)) ]; then split -b 15M /tmp/triton.tar.xz "$OUT/triton.part-"
     else echo "Triton cache over 24 MiB compressed: not brought back"; fi

@@ -369,17 +369,18 @@ def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: floa
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     engine.generate(_prompts(engine, batch, length, seed + 1000), params)  # same shapes, other tokens
     floor = prefill_flops(engine, [length] * batch) / matmul_flops
-    times = []
+    times, host_times = [], []  # wall time, and the launching thread's CPU time (its share: how host-bound)
     host = _host_profiler()
     for i in range(passes):
         prompts = _prompts(engine, batch, length, seed + i)
         _sync(engine)
         if host is not None:
             host.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = engine.generate(prompts, params)
         _sync(engine)
         times.append(time.perf_counter() - t0)
+        host_times.append(time.thread_time() - c0)
         if host is not None:
             host.disable()
         cached = sum(o.num_cached_tokens for o in out)
@@ -395,7 +396,8 @@ def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: floa
                          f"{floor * 1e3:.1f} ms: a measurement bug, not a result")
     result = {"batch": batch, "length": length, "seconds": dt, "prefill_tokens_per_s": batch * length / dt,
               "floor_s": floor, "over_floor": dt / floor, "prefix_cache": engine.cache.prefix is not None,
-              "cached_tokens": 0, "pass_seconds": times, "kernel_seconds": kernel_s}
+              "cached_tokens": 0, "pass_seconds": times, "kernel_seconds": kernel_s,
+              "host_cpu_seconds": statistics.median(host_times)}
     if batch == 1:
         result["ttft_ms"] = dt * 1e3
     return result

@@ -120,6 +120,7 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
         kernel_ms = r["kernel_seconds"] * 1e3 if r["kernel_seconds"] is not None else None
         if kernel_ms is not None:  # a pass well over its kernels' time waited for the host
             spread += f", a pass's kernels {kernel_ms:.0f}"
+        spread += f", the launching thread's CPU {r['host_cpu_seconds'] * 1e3:.0f}"
         print(f"  prefill {pre[0]} x {pre[1]}: {r['prefill_tokens_per_s']:.0f} tok/s{ttft}  floor "
               f"{r['floor_s'] * 1e3:.1f} ms  x{r['over_floor']:.2f}  (median of passes {spread} ms; fresh prompts, "
               f"{cache}){host_bound_note(r['seconds'] * 1e3, kernel_ms)}", flush=True)
