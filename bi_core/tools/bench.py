@@ -25,6 +25,7 @@ from bi_core.models.qwen3_5 import local_args
 from bi_core.quant.sizing import state_bytes
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
+from bi_core.tools.host_probe import HostProbe
 
 
 class BenchError(BiEngineError):
@@ -369,24 +370,29 @@ def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: floa
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     engine.generate(_prompts(engine, batch, length, seed + 1000), params)  # same shapes, other tokens
     floor = prefill_flops(engine, [length] * batch) / matmul_flops
-    times, host_times = [], []  # wall time, and the launching thread's CPU time (its share: how host-bound)
+    times = []
+    probe = HostProbe()  # where the host's time went, a pass (tools/host_probe.py)
     host = _host_profiler()
-    for i in range(passes):
-        prompts = _prompts(engine, batch, length, seed + i)
-        _sync(engine)
-        if host is not None:
-            host.enable()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        out = engine.generate(prompts, params)
-        _sync(engine)
-        times.append(time.perf_counter() - t0)
-        host_times.append(time.thread_time() - c0)
-        if host is not None:
-            host.disable()
-        cached = sum(o.num_cached_tokens for o in out)
-        if cached or any(o.finish_reason != "length" for o in out):
-            raise BenchError(f"prefill {batch} x {length}: {cached} prompt tokens came from the prefix cache or a "
-                             "request failed; the figure would not be a prefill")
+    try:
+        for i in range(passes):
+            prompts = _prompts(engine, batch, length, seed + i)
+            _sync(engine)
+            if host is not None:
+                host.enable()
+            probe.start()
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, params)
+            _sync(engine)
+            times.append(time.perf_counter() - t0)
+            probe.stop()
+            if host is not None:
+                host.disable()
+            cached = sum(o.num_cached_tokens for o in out)
+            if cached or any(o.finish_reason != "length" for o in out):
+                raise BenchError(f"prefill {batch} x {length}: {cached} prompt tokens came from the prefix cache or a "
+                                 "request failed; the figure would not be a prefill")
+    finally:
+        probe.close()
     dt = statistics.median(times)
     _print_host_profile(host, f"prefill {batch} x {length}: host profile of {passes} timed passes "
                               f"({'/'.join(f'{t * 1e3:.0f}' for t in times)} ms)")
@@ -397,7 +403,7 @@ def bench_prefill(engine: LLMEngine, batch: int, length: int, matmul_flops: floa
     result = {"batch": batch, "length": length, "seconds": dt, "prefill_tokens_per_s": batch * length / dt,
               "floor_s": floor, "over_floor": dt / floor, "prefix_cache": engine.cache.prefix is not None,
               "cached_tokens": 0, "pass_seconds": times, "kernel_seconds": kernel_s,
-              "host_cpu_seconds": statistics.median(host_times)}
+              "host": probe.summary()}
     if batch == 1:
         result["ttft_ms"] = dt * 1e3
     return result

@@ -21,6 +21,7 @@ from bi_core.tools.bench import (
     measure_matmul_flops,
 )
 from bi_core.tools.flags import positive_ints
+from bi_core.tools.host_probe import describe
 
 
 def _label(cfg: EngineConfig) -> str:
@@ -120,10 +121,10 @@ def bench_engine(cfg: EngineConfig, args, bandwidth: float, matmul_flops: float)
         kernel_ms = r["kernel_seconds"] * 1e3 if r["kernel_seconds"] is not None else None
         if kernel_ms is not None:  # a pass well over its kernels' time waited for the host
             spread += f", a pass's kernels {kernel_ms:.0f}"
-        spread += f", the launching thread's CPU {r['host_cpu_seconds'] * 1e3:.0f}"
         print(f"  prefill {pre[0]} x {pre[1]}: {r['prefill_tokens_per_s']:.0f} tok/s{ttft}  floor "
               f"{r['floor_s'] * 1e3:.1f} ms  x{r['over_floor']:.2f}  (median of passes {spread} ms; fresh prompts, "
               f"{cache}){host_bound_note(r['seconds'] * 1e3, kernel_ms)}", flush=True)
+        print(f"    host, a pass: {describe(r['host'])}", flush=True)
     out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     out["tensor_parallel_size"] = cfg.parallel.tensor_parallel_size
     engine.close()  # tensor parallel: stop the other ranks before the next config starts its own

@@ -8,6 +8,7 @@ from helpers import tiny_config
 
 from bi_core import EngineConfig, build_engine
 from bi_core.tools.bench import BenchError, _prompts, bench_prefill, prefill_flops, time_decode_steps
+from bi_core.tools.host_probe import describe
 
 
 def engine(**scheduler):
@@ -41,7 +42,8 @@ def test_prefill_is_timed_on_fresh_prompts_and_checked_against_its_floor():
     assert r["over_floor"] > 1 and len(r["pass_seconds"]) == 3  # each pass on its own fresh prompts (no hit: above)
     assert r["kernel_seconds"] is None  # no device for the profiler to time here
     # the CPU engine computes on the launching thread (and torch's others): a share of the pass, never more
-    assert 0.1 * r["seconds"] < r["host_cpu_seconds"] <= max(r["pass_seconds"]) * 1.05
+    assert 0.1 * r["seconds"] < r["host"]["launching_cpu_s"] <= max(r["pass_seconds"]) * 1.05
+    assert r["host"]["device_allocs"] == 0 and "GC" in describe(r["host"])
     with pytest.raises(BenchError, match="below its FLOP floor"):
         bench_prefill(eng, 2, 64, matmul_flops=1.0)  # one FLOP a second: no real run beats that floor
     assert prefill_flops(eng, [64]) > 2 * 64 * sum(p.numel() for n, p in eng.model.named_parameters()
@@ -90,3 +92,4 @@ def test_comparisons_name_what_differs_and_give_the_prefill_device_time(capsys):
                        "  prefill 8 x 2048 0.900x time (median pass), 1.083x device time"]
     assert "  prefill 8 x 2048 2.000x time (median pass)" in out
     assert sum("prefill" in line for line in out) == 2  # none for the other shape
+
