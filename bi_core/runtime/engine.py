@@ -40,6 +40,7 @@ from bi_core.runtime.sequence import (
     Status,
     request_output,
 )
+from bi_core.runtime.threads import size_gpu_engine_threads
 from bi_core.runtime.warmup import wants_warmup, warm_up
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class LLMEngine(RolloutAPI):
             self.warmup = warm_up(self)  # every rank runs the same warm-up, before the lock-step starts
         else:  # (the warm-up joins it first)
             self.compile_ahead.join()  # the kernels compiled ahead are installed before any request
+        if self.device.type == "cuda":
+            size_gpu_engine_threads()  # after the load and warm-up (their CPU work keeps torch's default)
         if driver is not None:
             driver.started = True
             self._driver = driver

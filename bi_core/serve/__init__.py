@@ -63,9 +63,9 @@ def run_server(config: EngineConfig) -> int:
     except ImportError as e:
         raise BiEngineError(f"bi-engine serve needs the serve extra (pip install 'bi-engine[serve]'): {e}") from None
     from bi_core.models.tokenizer import tokenizer_for
+    from bi_core.runtime.threads import size_http_threads
     from bi_core.serve.client import EngineClient
     from bi_core.serve.metrics import Metrics
-    from bi_core.serve.threads import size_http_threads
 
     s = config.serve
     check_port(s.host, s.port)

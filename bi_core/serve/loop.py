@@ -48,6 +48,7 @@ from bi_core.errors import (
 )
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Sequence, Status
+from bi_core.runtime.threads import size_engine_threads
 from bi_core.serve.messages import (
     TO_ENGINE,
     Abort,
@@ -81,7 +82,6 @@ from bi_core.serve.messages import (
     WireDelta,
 )
 from bi_core.serve.metrics import StepCounter
-from bi_core.serve.threads import size_engine_threads
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
@@ -441,7 +441,8 @@ def engine_main(config, channel) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:  [engine] %(message)s")
-    logging.getLogger("bi_core.serve").setLevel(logging.INFO)
+    for name in ("bi_core.serve", "bi_core.runtime.threads"):  # the server's own lines, and its thread sizing
+        logging.getLogger(name).setLevel(logging.INFO)
     from bi_core import build_engine
 
     try:

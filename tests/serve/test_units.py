@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import API_KEY, httpx
 
+from bi_core.runtime.threads import available_cores, engine_threads, size_gpu_engine_threads
 from bi_core.serve.dev import CollectiveRpcBody
 from bi_core.serve.errors import param_of
 from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
-from bi_core.serve.threads import available_cores, engine_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +31,20 @@ def test_engine_threads_leave_a_core_and_respect_omp_num_threads():
     assert engine_threads(16, 2, {}) == 7  # each tensor-parallel rank
     assert engine_threads(2, 1, {}) == 1 and engine_threads(1, 1, {}) == 1
     assert engine_threads(16, 1, {"OMP_NUM_THREADS": "4"}) is None  # the user's choice stands
+
+
+def test_a_gpu_engine_takes_one_torch_thread_unless_the_user_chose(monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    size_gpu_engine_threads()
+    assert calls == [1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice stands
+    size_gpu_engine_threads()
+    assert calls == [1]
 
 
 def test_the_engine_process_logs_its_thread_count(server):

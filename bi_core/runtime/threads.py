@@ -1,9 +1,14 @@
-"""CPU threads of the server's two processes. On a CPU device torch's default (a thread per core)
-in the engine process competes with the HTTP process for the same cores: on a machine shared with
-other work, concurrent requests ran many times slower than with OMP_NUM_THREADS=1 (the measurement
-is in the message of commit 55704a2, which added this module). So the engine process takes the
-cores it may run on but one (split between its ranks with tensor parallelism), the HTTP process
-one thread, and a user's OMP_NUM_THREADS wins over both."""
+"""Torch's CPU threads in the engine's processes; a user's OMP_NUM_THREADS always wins.
+
+- The server on a CPU device: torch's default (a thread per core) in the engine process competes
+  with the HTTP process for the same cores: on a machine shared with other work, concurrent
+  requests ran many times slower than with OMP_NUM_THREADS=1 (the measurement is in the message of
+  commit 55704a2, which added this module). So the engine process takes the cores it may run on
+  but one (split between its ranks with tensor parallelism), the HTTP process one thread.
+- A GPU engine, once built (its weights loaded: a load's CPU work keeps the default): one thread,
+  as vLLM's processes run. Its OpenMP threads spun beside the launching thread: 187-267 ms of CPU
+  over a 250-ms eager prefill pass of the 35B-A3B shape, and none with one thread, at the same wall
+  time on that machine (section 42)."""
 
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ def engine_threads(num_cores: int, num_ranks: int, env: Mapping[str, str]) -> in
 
 def size_engine_threads(config) -> None:
     """In the engine process, before the engine is built: size torch's thread pool (and, through
-    OMP_NUM_THREADS, the tensor-parallel ranks it starts) and log the decision. GPU engines keep
-    torch's default: their CPU threads mostly wait."""
+    OMP_NUM_THREADS, the tensor-parallel ranks it starts) and log the decision. A GPU engine sizes
+    its own, once built (``size_gpu_engine_threads``)."""
     import torch
 
     from bi_core.policies.checks import planned_device
@@ -50,6 +55,19 @@ def size_engine_threads(config) -> None:
     torch.set_num_threads(n)
     log.info("CPU threads: %d per engine process (%d rank(s)) of the %d cores available, one left for the HTTP "
              "process; set OMP_NUM_THREADS to choose", n, ranks, cores)
+
+
+def size_gpu_engine_threads() -> None:
+    """In a GPU engine's process, once the engine is built: one torch thread (the device computes;
+    the host launches from one thread), unless the user set OMP_NUM_THREADS."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    if torch.get_num_threads() != 1:
+        log.info("CPU threads: 1 in this GPU engine's process (was %d; their OpenMP threads spun beside the "
+                 "launching one); set OMP_NUM_THREADS to choose", torch.get_num_threads())
+        torch.set_num_threads(1)
 
 
 def size_http_threads() -> None:
