@@ -36,9 +36,12 @@ def test_other_threads_cpu_sees_a_busy_thread_and_not_the_launching_one():
     stop.set()
     for t in threads:
         t.join()
-    me = threading.get_native_id()
-    others = other_threads_cpu(before, after, me)
-    assert 0.05 < sum(others.values()) < 0.65 and after[me][1] - before[me][1] > 0.05
+    me, spinner, sleeper = threading.get_native_id(), threads[0].native_id, threads[1].native_id
+    spun = after[spinner][1] - before[spinner][1]
+    assert spun > 0.05 and after[sleeper][1] - before[sleeper][1] < 0.05 and after[me][1] - before[me][1] > 0.05
+    # (the process may hold other busy threads, from other tests: the spinner's name holds at least its CPU)
+    assert other_threads_cpu(before, after, me)[after[spinner][0]] >= spun - 1e-9
+    assert other_threads_cpu(before, {me: after[me]}, me) == {}  # the launching thread is never counted
 
 
 def test_probe_counts_collections_in_a_pass_and_none_outside():
@@ -54,8 +57,8 @@ def test_probe_counts_collections_in_a_pass_and_none_outside():
     finally:
         probe.close()
     s = probe.summary()
-    assert s["gc_collections"] == 2 and s["gc_s"] > 0
+    assert s["gc_collections"] >= 2 and s["gc_s"] > 0  # (another thread of the process may collect meanwhile)
     assert 0.03 < s["launching_cpu_s"] < 5 and s["device_allocs"] == 0
     assert probe._on_gc not in gc.callbacks  # closed: no callback left behind
     line = describe(s)
-    assert "GC 2.0 collections" in line and "launching thread's CPU" in line
+    assert f"GC {s['gc_collections']:.1f} collections" in line and "launching thread's CPU" in line
