@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import threading
 import time
 
@@ -122,8 +123,7 @@ class HostProbe:
     def summary(self) -> dict:
         """A pass's mean figures (the launching thread's: the median)."""
         n = max(1, len(self.launching_cpu))
-        cpu = sorted(self.launching_cpu)
-        return {"launching_cpu_s": cpu[len(cpu) // 2] if cpu else 0.0,
+        return {"launching_cpu_s": statistics.median(self.launching_cpu) if self.launching_cpu else 0.0,
                 "other_threads_cpu_s": {k: v / n for k, v in sorted(self.others.items(), key=lambda kv: -kv[1])},
                 "gc_collections": self.gc_count / n, "gc_s": self.gc_seconds / n,
                 "device_allocs": self.allocs / n, "device_frees": self.frees / n,

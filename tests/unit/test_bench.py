@@ -92,4 +92,3 @@ def test_comparisons_name_what_differs_and_give_the_prefill_device_time(capsys):
                        "  prefill 8 x 2048 0.900x time (median pass), 1.083x device time"]
     assert "  prefill 8 x 2048 2.000x time (median pass)" in out
     assert sum("prefill" in line for line in out) == 2  # none for the other shape
-
