@@ -2,8 +2,10 @@
 on, from a tiny compressed-tensors FP8 checkpoint made in the test (tests/quant/fp8_fixtures.py):
 a prompt's tokens and logprobs are the same alone and among other prompts (bitwise); scales of 1
 give the unscaled FP8 cache's bits; the checkpoint's scales are live (other logprobs) and score
-the engine's tokens as the reference backend does on the same checkpoint and cache, where keys
-and values written unscaled but read at the scales do not (negative control)."""
+as close to the bf16 cache as the unscaled FP8 cache does, where keys and values written unscaled
+but read at the scales do not (negative control). (The reference backend's side of the same
+arithmetic, bitwise per kernel: tests/kernels/test_invariance_interp.py; the invariant backend
+serves bf16 only, so no float32 comparison here.)"""
 
 from __future__ import annotations
 
@@ -28,13 +30,11 @@ PARAMS = SamplingParams(max_new_tokens=12, temperature=0.7, seed=3, ignore_eos=T
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-def config(path, backend="cuda_hopper_invariant", dtype="bfloat16"):
+def config(path, kv="fp8"):
     return EngineConfig.from_dict(tiny_config(
-        model={"random": None, "path": str(path), "dtype": dtype, "device": "cuda"}, backend=backend,
-        policy={"batch_invariant": backend == "cuda_hopper_invariant"},
-        graph={"enabled": backend != "reference", "warmup": False},
-        scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 1024},
-        cache={"num_blocks": 1024, "kv_cache_dtype": "fp8"}))
+        model={"random": None, "path": str(path), "dtype": "bfloat16", "device": "cuda"},
+        backend="cuda_hopper_invariant", policy={"batch_invariant": True}, graph={"enabled": True, "warmup": False},
+        scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 1024}, cache={"num_blocks": 1024, "kv_cache_dtype": kv}))
 
 
 def prompts(n, seed):
@@ -68,23 +68,25 @@ def test_kv_scaled_fp8_cache_invariant_and_as_the_reference(tmp_path, monkeypatc
     plain = run(build_engine(config(kv_scaled_checkpoint(hf, tmp_path / "plain", None, scheme=None))), needle, [])
     assert ones == plain  # scale 1 is the unscaled cache, bit for bit
     assert alone[1] != ones[1]  # the checkpoint's scales are live
-    # against the reference on the same checkpoint and cache, in float32 (in bf16 this tiny random
-    # model's own rounding moves its logprobs about as much as the negative control does)
+    # accuracy against the bf16 cache, all on this engine in bf16, teacher-forced on the same tokens:
+    # the scaled cache is as close as the unscaled FP8 cache; keys and values written at scale 1 but
+    # read at the checkpoint's scales (layer 3's scores 20x too small) are far off (negative control).
+    # On the CPU (the reference backend in bf16, prompts seeded 5..7): 0.07-0.13, 0.09-0.12 and 0.53-0.86.
     ps = prompts(4, seed=5)
-    tokens = [o.token_ids for o in build_engine(config(path, dtype="float32")).generate(ps, GREEDY)]
-    ref = build_engine(config(path, "reference", "float32")).score(ps, tokens)
+    tokens = [o.token_ids for o in build_engine(config(path, kv="auto")).generate(ps, GREEDY)]
 
-    def mean_error(backend_patch):
-        with monkeypatch.context() as m:
-            backend_patch(m)
-            got = build_engine(config(path, dtype="float32")).score(ps, tokens)
-        diffs = [abs(a - b) for g, r in zip(got, ref) for a, b in zip(g.token_logprobs, r.token_logprobs)]
-        return sum(diffs) / len(diffs)
+    def logprobs(p, kv="fp8"):
+        return [x for o in build_engine(config(p, kv=kv)).score(ps, tokens) for x in o.token_logprobs]
 
-    err = mean_error(lambda m: None)
-    # negative control: written at scale 1 but read at the checkpoint's (layer 3's scores 20x too small)
-    wrong = mean_error(lambda m: m.setattr(cuda_attention, "inv_scale", lambda scale: 1.0))
-    print(f"mean |logprob - reference| over {len(ps)} x 12 tokens: scaled {err:.4f}, written unscaled {wrong:.4f}")
-    # on the CPU, the reference written unscaled was 0.41-0.71 off on average over 12 tokens, and the
-    # bf16 reference 0.12-0.39; FP8 weights on the tensor cores are within 0.35 at most (tests/kernels/test_engine_triton.py)
-    assert err < 0.5 * wrong and err < 0.2
+    full = logprobs(path, "auto")
+
+    def mean_error(p):
+        got = logprobs(p)
+        return sum(abs(a - b) for a, b in zip(got, full)) / len(full)
+
+    scaled, unscaled = mean_error(path), mean_error(tmp_path / "plain")
+    monkeypatch.setattr(cuda_attention, "inv_scale", lambda scale: 1.0)
+    wrong = mean_error(path)
+    print(f"mean |logprob - bf16 cache's| over {len(full)} tokens: scaled {scaled:.4f}, unscaled FP8 {unscaled:.4f}, "
+          f"written unscaled and read scaled {wrong:.4f}")
+    assert scaled < 2 * unscaled + 0.05 and wrong > 2 * max(scaled, unscaled)
