@@ -1,4 +1,4 @@
-"""Compile the FP8 kernels (and the MoE routing's) for sm_90 on any machine, GPU or not: Triton's front end, its passes and
+"""Compile the FP8 kernels (and the MoE routing's, and the FP8 KV cache's write) for sm_90 on any machine, GPU or not: Triton's front end, its passes and
 its bundled ptxas run on the CPU. The interpreter (TRITON_INTERPRET=1, what the CPU tests run)
 executes the kernels as Python and misses what only the compiler rejects: in the thirty-second
 session an early ``return`` under a constexpr ``if`` passed every interpreter test and failed to
@@ -23,7 +23,12 @@ WARPS, STAGES = 4, 4
 def variants():
     """(name, kernel, argument types, constexprs, whether the weight tiles should come by TMA,
     whether it has dots: each one an fp8 wgmma)."""
-    from bi_core.kernels import fp8, fp8_moe, moe
+    from bi_core.kernels import fp8, fp8_moe, moe, qk_norm_rope
+
+    yield ("KV write, FP8 cache at k/v scales", qk_norm_rope._qk_norm_rope_kernel,
+           {"QKV": "*bf16", "QW": "*bf16", "KW": "*bf16", "INV_FREQ": "*fp32", "POS": "*i64", "SLOTS": "*i64",
+            "QOUT": "*bf16", "KC": "*fp8e4nv", "VC": "*fp8e4nv", "eps": "fp32", "k_inv": "fp32", "v_inv": "fp32"},
+           {"NUM_HEADS": 16, "NUM_KV_HEADS": 2, "D": 256, "ROT": 64, "KV_FP8": True, "PDL": True}, False, False)
 
     routing = {"TOP_K": 8, "SLOTS": 9, "NUM_EXPERTS": 257, "E_BLOCK": 512, "CHUNK": moe.ROUTE_CHUNK, "PDL": True}
     yield ("routing, chunks counted", moe._align_count_kernel, {"IDS": "*i64", "COUNTS": "*i32", "SORTED": "*i32"},

@@ -40,12 +40,13 @@ def _norm_rope(X, W, d, pos, inv_freq_ptr, eps, D: tl.constexpr, ROT: tl.constex
 
 
 @triton.jit
-def _kv_value(x, KV_FP8: tl.constexpr):
-    """A key or value as its cache stores it: as is, or (FP8 cache, scale 1) clamped to +-448 and
-    rounded to the nearest e4m3 value in float32 arithmetic (``e4m3.round_e4m3``: the cast that
-    follows is exact, on the GPU and under the interpreter alike)."""
+def _kv_value(x, inv_scale, KV_FP8: tl.constexpr):
+    """A key or value as its cache stores it: as is, or (FP8 cache) times ``inv_scale`` (1 / the
+    layer's k or v scale, as float32; 1: exact) clamped to +-448 and rounded to the nearest e4m3
+    value in float32 arithmetic (``e4m3.round_e4m3``: the cast that follows is exact, on the GPU and
+    under the interpreter alike)."""
     if KV_FP8:  # a constexpr branch each way, one return: the two values' types differ (bf16 models)
-        y = round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -_KV_FP8_MAX), _KV_FP8_MAX))
+        y = round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -_KV_FP8_MAX), _KV_FP8_MAX))
     else:
         y = x
     return y
@@ -53,6 +54,7 @@ def _kv_value(x, KV_FP8: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_kernel(QKV, QW, KW, INV_FREQ, POS, SLOTS, QOUT, KC, VC, stride_t, stride_qt, stride_qh, eps,
+                         k_inv, v_inv,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                          KV_FP8: tl.constexpr, PDL: tl.constexpr, pdl_early):
     pdl_start(PDL, pdl_early)
@@ -69,16 +71,17 @@ def _qk_norm_rope_kernel(QKV, QW, KW, INV_FREQ, POS, SLOTS, QOUT, KC, VC, stride
         k = _norm_rope(row + 2 * NUM_HEADS * D + kvh * D, KW, d, pos, INV_FREQ, eps, D, ROT)
         v = tl.load(row + (2 * NUM_HEADS + NUM_KV_HEADS) * D + kvh * D + d)
         slot = tl.load(SLOTS + t).to(tl.int64)
-        tl.store(KC + (slot * NUM_KV_HEADS + kvh) * D + d, _kv_value(k, KV_FP8).to(KC.dtype.element_ty))
-        tl.store(VC + (slot * NUM_KV_HEADS + kvh) * D + d, _kv_value(v, KV_FP8).to(VC.dtype.element_ty))
+        tl.store(KC + (slot * NUM_KV_HEADS + kvh) * D + d, _kv_value(k, k_inv, KV_FP8).to(KC.dtype.element_ty))
+        tl.store(VC + (slot * NUM_KV_HEADS + kvh) * D + d, _kv_value(v, v_inv, KV_FP8).to(VC.dtype.element_ty))
 
 
 def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
                        positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, num_heads: int, eps: float, rotary_dim: int) -> torch.Tensor:
+                       v_cache: torch.Tensor, num_heads: int, eps: float, rotary_dim: int,
+                       inv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """``qkv [T, 2*Hq*D + 2*Hkv*D]`` -> q ``[T, Hq, D]`` (normalised, rotated); k, v into the caches
-    ``[pages, page_size, Hkv, D]`` at ``slot_mapping`` (in the model dtype, or float8_e4m3fn at
-    scale 1: ops/attention.py's KV_CACHE_DTYPES)."""
+    ``[pages, page_size, Hkv, D]`` at ``slot_mapping`` (in the model dtype, or float8_e4m3fn at the
+    scales whose float32 reciprocals ``inv_scales`` are: ops/attention.py's KV_CACHE_DTYPES)."""
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2:]
     assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -86,7 +89,7 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens, num_heads + num_kv_heads)](
             qkv, q_norm, k_norm, inv_freq, positions, slot_mapping, q, k_cache, v_cache, qkv.stride(0),
-            q.stride(0), q.stride(1), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
+            q.stride(0), q.stride(1), eps, *inv_scales, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
             ROT=rotary_dim, KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=2, **pdl())
     return q
 

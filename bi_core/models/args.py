@@ -43,6 +43,12 @@ class ModelArgs:
     kv_cache_dtype: str = "auto"  # the attention layers' KV cache: auto (the model dtype) | fp8_e4m3 (cache.kv_cache_dtype)
 
     @property
+    def kv_scales(self) -> bool:
+        """The attention layers store and read an FP8 cache at the checkpoint's calibrated k/v scales
+        (one each per layer: ``self_attn.k_scale`` / ``v_scale``); else at scale 1."""
+        return self.kv_cache_dtype == "fp8_e4m3" and self.quantization is not None and self.quantization.kv_scales
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 

@@ -268,6 +268,9 @@ def load_weights(model: torch.nn.Module, source) -> None:
         if hasattr(module, "zero_padding"):
             module.zero_padding()
     _copy(dict(model.named_parameters()), source, steps, args.quantization)
+    for module in model.modules():  # the FP8 cache's k/v scales, read once as numbers (attention launches take them)
+        if hasattr(module, "read_kv_scales"):
+            module.read_kv_scales()
     unused = [n for n in unknown if not (args.tie_word_embeddings and n == "lm_head.weight")]
     mtp = [n for n in unused if n.startswith("mtp.")]
     if mtp and not args.mtp_num_hidden_layers:
@@ -342,6 +345,9 @@ def check_update(model: torch.nn.Module, source) -> list[_Step]:
         problems.insert(0, f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''} (expected "
                            "Hugging Face Qwen3.5 names, e.g. model.layers.0.mlp.experts.gate_up_proj, or the "
                            "engine's own, as in engine.model.state_dict(), e.g. layers.0.mlp.w13)")
+    problems += [f"tensor {s.name}: the FP8 KV cache's k/v scales are fixed at load (the cache holds keys and "
+                 "values stored at them, and the CUDA graphs hold them)" for s in steps
+                 if s.placement.param.endswith((".k_scale", ".v_scale"))]
     if problems:
         raise CheckpointError("update_weights: " + "; ".join(problems[:5]) +
                               (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + "; nothing was updated")

@@ -7,10 +7,14 @@ selector, so the same module runs on every backend.
 
 from __future__ import annotations
 
+import inspect
+import math
+
 import attrs
 import torch
 from torch import nn
 
+from bi_core.errors import BackendSelectionError, CheckpointError
 from bi_core.models.args import ModelArgs
 from bi_core.ops import (
     AttentionSpec,
@@ -162,12 +166,36 @@ class Attention(nn.Module):
         hq, hkv = hq // tp.world, max(1, hkv // tp.world)  # this rank's heads (KV heads replicated past Hkv ranks)
         spec = AttentionSpec(**factory.base, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
                              rotary_dim=args.rotary_dim, rope_theta=args.rope_theta, norm_eps=args.rms_norm_eps,
-                             kv_cache_dtype=args.kv_cache_dtype)
+                             kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
         self.attn = factory.build("attention", spec)
+        if spec.kv_scales and hasattr(self.attn, "forward") and (  # (explain and sizing build no impl to ask)
+                "kv_scales" not in inspect.signature(self.attn.forward).parameters):
+            raise BackendSelectionError("attention", [(type(self.attn).__name__, [
+                "its forward takes no kv_scales: it cannot store and read an FP8 KV cache at the checkpoint's k/v "
+                "scales (kv_cache_scheme); use another attention backend, or cache.kv_cache_dtype auto"])])
+        # an FP8 cache at a checkpoint's calibrated scales (kv_cache_scheme): fp32 parameters, read as
+        # numbers once loaded (``read_kv_scales``); the op takes them as (k_scale, v_scale)
+        self.kv_scales: tuple[float, float] | None = None
+        if args.kv_scales:
+            self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32, device=device), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32, device=device), requires_grad=False)
+            self.kv_scales = (1.0, 1.0)
+
+    def read_kv_scales(self) -> None:
+        """After a load: the scales as numbers, checked (finite and positive: the cache stores x / scale)."""
+        if self.kv_scales is None:
+            return
+        k, v = float(self.k_scale.item()), float(self.v_scale.item())
+        for name, x in (("k_scale", k), ("v_scale", v)):
+            if not (math.isfinite(x) and x > 0):
+                raise CheckpointError(f"self_attn.{name} of attention layer {self.cache_index} is {x}: an FP8 KV "
+                                      "cache scale must be finite and positive")
+        self.kv_scales = (k, v)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
-        o = self.attn.forward(self.qkv_proj(x), self.q_norm, self.k_norm, caches.k[i], caches.v[i], ctx)
+        scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+        o = self.attn.forward(self.qkv_proj(x), self.q_norm, self.k_norm, caches.k[i], caches.v[i], ctx, **scales)
         return self.par.reduce(self.o_proj(o))
 
 

@@ -57,12 +57,14 @@ class _Builder:
         self.by_name: dict[str, Placement] = {}
         self.required: dict[str, set] = {}
 
-    def add(self, name: str, param: str, shape: tuple[int, ...], pieces, regions, **kw) -> None:
+    def add(self, name: str, param: str, shape: tuple[int, ...], pieces, regions, required: bool = True,
+            **kw) -> None:
         self.by_name[name] = Placement(param, tuple(shape), tuple(pieces), tuple(regions), **kw)
-        self.required.setdefault(param, set()).update(regions)
+        if required:
+            self.required.setdefault(param, set()).update(regions)
 
-    def whole(self, name: str, param: str, shape: tuple[int, ...]) -> None:
-        self.add(name, param, shape, [(ALL, ALL)], [(param,)])
+    def whole(self, name: str, param: str, shape: tuple[int, ...], required: bool = True) -> None:
+        self.add(name, param, shape, [(ALL, ALL)], [(param,)], required=required)
 
     def concat(self, param: str, parts: Iterable[tuple[str, int]], width: int | None) -> None:
         """``param`` = rows of ``parts`` (name, rows) one after another; ``width``: their dim 1."""
@@ -84,6 +86,10 @@ class _Builder:
             self.whole(f"{s}.o_proj.weight", f"{ours}.mixer.o_proj.weight", (h, hq * d))
             self.whole(f"{s}.q_norm.weight", f"{ours}.mixer.q_norm", (d,))
             self.whole(f"{s}.k_norm.weight", f"{ours}.mixer.k_norm", (d,))
+            if a.kv_scales:  # compressed-tensors' kv_cache_scheme: one calibrated scale each, per layer
+                mtp = ours.startswith("mtp.")  # the MTP head's may be absent (not calibrated): scale 1 there
+                self.whole(f"{s}.k_scale", f"{ours}.mixer.k_scale", (1,), required=not mtp)
+                self.whole(f"{s}.v_scale", f"{ours}.mixer.v_scale", (1,), required=not mtp)
         else:
             s, hv = f"{hf}.linear_attn", a.linear_num_value_heads
             head = [(f"{s}.in_proj_qkv.weight", a.conv_dim), (f"{s}.in_proj_z.weight", a.value_dim)]

@@ -16,9 +16,18 @@ from bi_core.ops.context import ForwardContext
 # and value element stored as float8_e4m3fn at a fixed scale of 1: clamped to +-448, rounded to the
 # nearest e4m3 value (ties to even), read back exactly (e4m3 values are bf16 values). A fixed scale
 # depends on no batch, so an FP8 cache stays batch-invariant; 1 is vLLM's scale when a checkpoint
-# brings no k/v scales (a checkpoint's own scales are not read yet: docs/notes.md).
+# brings no k/v scales. A checkpoint's calibrated ones (compressed-tensors' kv_cache_scheme, one
+# per layer for keys and one for values; AttentionSpec.kv_scales): keys and values are multiplied
+# by 1 / scale in float32 before that rounding; a read folds k_scale into the softmax scale and
+# multiplies the gated output by v_scale (exact at scale 1: the bits of the unscaled cache).
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 KV_FP8_MAX = 448.0
+
+
+def inv_scale(scale: float) -> float:
+    """1 / a k or v scale as the cache writes use it: rounded once to float32 (every impl multiplies
+    float32 keys and values by this same number; exactly 1 for scale 1)."""
+    return float(torch.tensor(1.0 / scale, dtype=torch.float32))
 
 
 def kv_cache_dtype_name(value: str) -> str:
@@ -40,6 +49,9 @@ class AttentionSpec(OpSpec):
     rope_theta: float
     norm_eps: float  # q_norm / k_norm
     kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES: the caches the impl reads and writes
+    # an FP8 cache at a checkpoint's calibrated scales: forward gets kv_scales=(k_scale, v_scale), stores
+    # x / scale (x * (1 / scale) in float32, then as at scale 1) and reads stored * scale
+    kv_scales: bool = False
 
 
 class AttentionImpl(Protocol):
@@ -59,6 +71,8 @@ class AttentionImpl(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], kv_cache_torch_dtype(spec's, dtype)
         v_cache: torch.Tensor,
         ctx: ForwardContext,
+        # kv_scales=(k_scale, v_scale): passed only when the spec's kv_scales is set (an impl that
+        # serves it takes the keyword; its builder refuses such a spec otherwise)
     ) -> torch.Tensor:  # [T, Hq*D]: attention output times sigmoid(gate)
         """Normalise and rotate q and k, write k/v at ``ctx.slot_mapping``, attend causally over
         each sequence, apply the output gate."""

@@ -27,7 +27,8 @@ SUPPORTED = ("the official block-wise FP8 of Qwen3.5-*-FP8: quant_method fp8, fm
              "as compressed-tensors writes it (llm-compressor's FP8_BLOCK): format float-quantized, weights "
              "float 8-bit, strategy block, block_structure [128, 128]; input_activations float 8-bit, dynamic, "
              "strategy group, group_size 128 (weight_scale); per-channel or per-tensor FP8 (compressed-tensors "
-             "FP8_DYNAMIC, FP8) only under model.quantization: fp8, which re-quantizes it block-wise on load")
+             "FP8_DYNAMIC, FP8) only under model.quantization: fp8, which re-quantizes it block-wise on load; a "
+             "kv_cache_scheme of one static float 8-bit scale per tensor (self_attn.k_scale / v_scale)")
 WHERE = "config.json quantization_config"
 
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -67,6 +68,9 @@ class Fp8Scheme:
     # how the checkpoint's scales are laid out: "block" (as held), or "row" (one per output row, or one
     # per tensor: compressed-tensors' channel / tensor strategies), re-quantized block-wise on load
     source_scales: str = "block"
+    # the checkpoint brings calibrated per-tensor k/v scales for an FP8 KV cache (compressed-tensors'
+    # kv_cache_scheme: self_attn.k_scale / v_scale, fixed per layer); used under cache.kv_cache_dtype fp8
+    kv_scales: bool = False
 
     def weights(self, *kinds: str) -> Fp8Weights | None:
         """The FP8 format of a projection fusing ``kinds`` (None: unquantized); all or none must be FP8."""
@@ -90,8 +94,9 @@ def describe(scheme: Fp8Scheme) -> str:
     kept = ", ".join(sorted(scheme.dense)) or "none"
     again = ("; the checkpoint's scales are per output row or per tensor: re-quantized block-wise on load"
              if scheme.source_scales == "row" else "")
+    kv = "; the checkpoint's calibrated k/v scales (one per layer) for an FP8 KV cache" if scheme.kv_scales else ""
     return (f"weights: block-wise FP8 W8A8 ({scheme.block[0]}x{scheme.block[1]} weight blocks, activations per token "
-            f"and group of {scheme.block[1]}) from {scheme.origin}{again}; projections kept unquantized: {kept}")
+            f"and group of {scheme.block[1]}) from {scheme.origin}{again}; projections kept unquantized: {kept}{kv}")
 
 
 def fp8_weights(scheme: Fp8Scheme | None, *kinds: str) -> Fp8Weights | None:
@@ -168,6 +173,9 @@ CT_INPUTS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 
 # per-channel / per-tensor weights (FP8_DYNAMIC, FP8): re-quantized block-wise on load under
 # model.quantization: fp8, so only the weights' own format is checked (the activations' is replaced)
 CT_ROW = ("channel", "tensor")
+# kv_cache_scheme: one fixed (calibrated) scale per layer for keys and one for values: the cache
+# stores x / scale in e4m3; per-head or dynamic scales are not read (a dynamic scale would come from the batch)
+CT_KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 ANY = object()  # a key that may hold anything
 CT_ROW_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": ANY}
 CT_ROW_INPUTS = {"num_bits": 8, "type": "float", "strategy": ANY, "dynamic": ANY, "group_size": ANY,
@@ -187,8 +195,11 @@ def _compressed_tensors(qc: dict, layer_types: Sequence[str], is_moe: bool, has_
         bad.append(f"format {qc['format']!r}")
     if qc.get("quantization_status", "compressed") != "compressed":
         bad.append(f"quantization_status {qc['quantization_status']!r}")
-    if qc.get("kv_cache_scheme") is not None:
-        bad.append(f"kv_cache_scheme {qc['kv_cache_scheme']!r} (an FP8 KV cache is cache.kv_cache_dtype: fp8, scale 1)")
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None and not isinstance(kv, dict):
+        bad.append(f"kv_cache_scheme {kv!r}")
+    elif kv is not None:
+        bad += [f"kv_cache_scheme.{k} {kv.get(k)!r}" for k in _ct_mismatches(kv, CT_KV)]
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         bad.append(f"config_groups {groups!r}")
@@ -230,7 +241,7 @@ def _compressed_tensors(qc: dict, layer_types: Sequence[str], is_moe: bool, has_
         return ignored(name) or (not name.endswith(tuple(LEAVES)) and not targeted(name))
 
     return _scheme(unquantized, layer_types, is_moe, has_mtp, origin=where, scale_suffix="_scale",
-                   source_scales="row" if any(row.values()) else "block")
+                   source_scales="row" if any(row.values()) else "block", kv_scales=kv is not None)
 
 
 def _ct_mismatches(args: dict, want: dict) -> list[str]:

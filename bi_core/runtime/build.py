@@ -4,6 +4,8 @@ shares (``prepare``), the model's shape (``resolve_model``), what the cache may 
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import torch
 
@@ -29,6 +31,8 @@ from bi_core.runtime.runner import ModelRunner
 from bi_core.runtime.scheduler import Scheduler, resolve_chunk_size
 from bi_core.selector import OpFactory
 
+log = logging.getLogger(__name__)
+
 
 def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | None]:
     quantization = config.model.quantization
@@ -36,8 +40,11 @@ def resolve_model(config: EngineConfig) -> tuple[ModelArgs, CheckpointIndex | No
     if config.model.random is not None:
         r = config.model.random
         return attrs.evolve(preset_args(r.preset, r.num_hidden_layers, quantization), **kv), None
-    return (attrs.evolve(ModelArgs.from_hf_config(read_config(config.model.path), quantization), **kv),
-            CheckpointIndex(config.model.path))
+    args = attrs.evolve(ModelArgs.from_hf_config(read_config(config.model.path), quantization), **kv)
+    if args.quantization is not None and args.quantization.kv_scales and not args.kv_scales:
+        log.info("the checkpoint's k/v scales (kv_cache_scheme) are not used: they scale an FP8 KV cache, and "
+                 "cache.kv_cache_dtype is %s", config.cache.kv_cache_dtype)
+    return args, CheckpointIndex(config.model.path)
 
 
 def builds_mtp_head(strategy_cls, args: ModelArgs, index: CheckpointIndex | None) -> bool:

@@ -251,12 +251,13 @@ ATT_HQ, ATT_HKV, ATT_D, PAGE = 4, 2, 32, 16
 ATT_WIDTH = 2 * ATT_HQ * ATT_D + 2 * ATT_HKV * ATT_D  # [q | gate] per query head, then k, v
 
 
-def _attention_impl(device, dtype, kv="auto"):
+def _attention_impl(device, dtype, kv="auto", kv_scales=False):
     from bi_core.backends.cuda_common.attention import TritonPagedAttentionImpl
     from bi_core.ops.attention import AttentionSpec
 
     spec = AttentionSpec(dtype=dtype, device=device, num_heads=ATT_HQ, num_kv_heads=ATT_HKV, head_dim=ATT_D,
-                         scale=ATT_D**-0.5, rotary_dim=8, rope_theta=1e4, norm_eps=1e-6, kv_cache_dtype=kv)
+                         scale=ATT_D**-0.5, rotary_dim=8, rope_theta=1e4, norm_eps=1e-6, kv_cache_dtype=kv,
+                         kv_scales=kv_scales)
     norms = [(0.1 * torch.randn(ATT_D, device=device)).to(dtype) for _ in range(2)]
     return TritonPagedAttentionImpl(spec), norms
 
@@ -267,11 +268,12 @@ def _att_seq(q_len, past, recurrent, device, dtype):
     return (q_len, past, recurrent, *kv, torch.randn(q_len, ATT_WIDTH, device=device).to(dtype))
 
 
-def _attend(impl, norms, seqs, splits=None):
+def _attend(impl, norms, seqs, splits=None, kv_scales=None):
     """Lays ``seqs`` out in a fresh paged cache (their pages in list order, a hole after each,
     every other slot NaN), runs one step and returns (each sequence's output rows, the caches,
     the block tables). ``splits`` overrides the plan's programs per (sequence, KV head), a count
-    the plan derives from the batch and which must change no bit."""
+    the plan derives from the batch and which must change no bit. ``kv_scales``: an FP8 cache's
+    (k_scale, v_scale), for the past keys and values and the step."""
     import attrs
 
     from bi_core.backends.reference.attention import _bytes, to_cache
@@ -291,13 +293,14 @@ def _attend(impl, norms, seqs, splits=None):
     vc = kc.clone()
     for (_, past, _, k, v, _), blk in zip(seqs, blocks):
         slots = torch.tensor([blk[i // PAGE] * PAGE + i % PAGE for i in range(past)], device=device, dtype=torch.long)
-        for cache, x in ((kc, k), (vc, v)):  # an FP8 cache indexed as its bytes
-            _bytes(cache).view(-1, ATT_HKV, ATT_D)[slots] = _bytes(to_cache(x, cache))
+        for cache, x, scale in ((kc, k, (kv_scales or (1.0, 1.0))[0]), (vc, v, (kv_scales or (1.0, 1.0))[1])):
+            _bytes(cache).view(-1, ATT_HKV, ATT_D)[slots] = _bytes(to_cache(x, cache, scale))  # FP8: as bytes
     if splits is not None:
         plan, key = impl.prepare(ctx), ("attn_plan", impl.tile_tokens)
         assert ctx.op_plans[key] is plan
         ctx.op_plans[key] = attrs.evolve(plan, splits=splits)
-    out = impl.forward(torch.cat([s[5] for s in seqs]), *norms, kc, vc, ctx)
+    out = impl.forward(torch.cat([s[5] for s in seqs]), *norms, kc, vc, ctx,
+                       **({} if kv_scales is None else {"kv_scales": kv_scales}))
     return list(out.split([s[0] for s in seqs])), kc, vc, blocks
 
 
@@ -422,6 +425,43 @@ def test_fp8_kv_cache_written_and_read_as_the_reference(device, dtype, monkeypat
         assert close(bf16_rows)
         assert not torch.equal(rows[0], bf16_rows[0]) and not torch.equal(rows[1], bf16_rows[1])  # decode, verify
         assert torch.equal(rows[2], bf16_rows[2])  # prompt rows: their own kernel, in q's dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_cache_at_checkpoint_scales_written_and_read_as_the_reference(device, dtype):
+    """An FP8 cache at a checkpoint's calibrated k/v scales (kv_cache_scheme): the fused kernel
+    stores each key and value times the float32 reciprocal of its scale, rounded as the reference
+    rounds it (bitwise); decode, verify and prompt rows read it as the reference does (k_scale in
+    the softmax scale, v_scale on the gated output); scales of 1 give the unscaled cache's bits
+    exactly; other scales give other rows (negative control: the scales are live)."""
+    from bi_core.backends.reference.attention import ReferenceAttentionImpl, to_cache
+    from bi_core.runtime.batch import build_context
+
+    scales = (0.37, 2.9)  # keys stored 2.7x larger, values 2.9x smaller: other e4m3 roundings than at 1
+    impl, norms = _attention_impl(device, dtype, "fp8_e4m3", kv_scales=True)
+    unscaled, _ = _attention_impl(device, dtype, "fp8_e4m3")
+    plain, _ = _attention_impl(device, dtype)
+    seqs = [_att_seq(1, 300, True, device, dtype), _att_seq(3, 40, True, device, dtype),
+            _att_seq(20, 0, False, device, dtype)]
+    rows, kc, vc, blocks = _attend(impl, norms, seqs, kv_scales=scales)
+    plain_rows, pkc, pvc, _ = _attend(plain, norms, seqs)
+    for (q, past, *_), blk in zip(seqs, blocks):
+        got, want = _written_kv(kc, vc, blk, q + past), _written_kv(pkc, pvc, blk, q + past)
+        for g, w, scale in zip(got, want, scales):
+            assert torch.equal(to_cache(g, kc).view(torch.uint8), to_cache(w, kc, scale).view(torch.uint8))
+    _, ctx = build_context([[0] * s[0] for s in seqs], [s[1] for s in seqs], blocks, list(range(len(seqs))),
+                           [s[2] for s in seqs], block_size=PAGE, device=device)
+    want = ReferenceAttentionImpl(impl.spec).forward(torch.cat([s[5] for s in seqs]), *norms, kc.clone(), vc.clone(),
+                                                     ctx, kv_scales=scales)
+    tol = 1e-4 if dtype == torch.float32 else 2.5e-2
+    for g, w in zip(rows, want.float().split([s[0] for s in seqs])):
+        assert float((g.float() - w).abs().max()) < tol * float(w.abs().max())
+    ones, *_ = _attend(impl, norms, seqs, kv_scales=(1.0, 1.0))
+    base, *_ = _attend(unscaled, norms, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(ones, base))
+    assert not any(torch.equal(a, b) for a, b in zip(rows, ones))
+    assert all(float((a.float() - b.float()).abs().max()) < 0.2 * float(b.float().abs().max())
+               for a, b in zip(rows, plain_rows))  # still the attention of these keys and values
 
 
 @pytest.mark.parametrize("run", [2, 8])

@@ -25,7 +25,7 @@ def test_fp8_kernels_compile_for_sm90():
                          capture_output=True, text=True, timeout=600)
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert {name: r["error"] for name, r in results.items() if "error" in r} == {}
-    assert len(results) == 12
+    assert len(results) == 13
     for name, r in results.items():
         assert (r["wgmma"] > 0) == r["wgmma_expected"], name
         assert (r["bulk_tensor_loads"] > 0) == r["tma_expected"], name

@@ -63,6 +63,27 @@ def as_compressed_tensors(path: Path, config: dict | None = None) -> None:
     add_quantization_config(path, config or compressed_tensors_config())
 
 
+# compressed-tensors' kv_cache_scheme as llm-compressor writes it: one static float 8-bit scale per
+# tensor (per layer for keys and for values: ``self_attn.k_scale`` / ``v_scale``)
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+             "observer": "minmax"}
+ATTENTION = [i for i, t in enumerate(LAYER_TYPES) if t == "full_attention"]
+
+
+def kv_scaled_checkpoint(hf, path: Path, scales: dict[int, tuple[float, float]] | None,
+                         scheme: dict | None = KV_SCHEME) -> Path:
+    """``hf`` as a compressed-tensors FP8_BLOCK checkpoint at ``path`` with ``kv_cache_scheme``
+    ``scheme`` and these attention layers' (k_scale, v_scale)."""
+    save_fp8_checkpoint(hf, path)
+    as_compressed_tensors(path, {**compressed_tensors_config(), "kv_cache_scheme": scheme})
+    tensors = load_file(str(path / "model.safetensors"))
+    for layer, (k, v) in (scales or {}).items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([k])
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
 def make_hf_b128(kind: str, seed: int = 0):
     """A transformers Qwen3.5 CausalLM (fp32) with the block-aligned tiny shapes and random weights."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM

@@ -223,7 +223,7 @@ def test_compressed_tensors_fp8_block_checkpoint_loads_as_the_official_one(tmp_p
 def test_compressed_tensors_refusals(tmp_path):
     """What compressed-tensors holds in another arithmetic is refused by name, before any weight:
     group-wise or int4 weights, per-token or static activations for block weights, int4 packs, a
-    KV cache scheme; and an FP8_BLOCK checkpoint missing a scale or storing lm_head in FP8
+    KV cache scheme other than static per-tensor scales; and an FP8_BLOCK checkpoint missing a scale or storing lm_head in FP8
     (per-channel weights: test_compressed_tensors_per_channel_is_requantized_block_wise_when_asked)."""
     hf = make_hf_b128("dense")
     save_fp8_checkpoint(hf, tmp_path / "ct")
@@ -251,7 +251,8 @@ def test_compressed_tensors_refusals(tmp_path):
     refused({"input_activations.dynamic": False}, r"input_activations.dynamic False not supported")
     refused({"weights.num_bits": 4, "weights.type": "int", "format": "pack-quantized"},
             r"format 'pack-quantized', config_groups.group_0.weights.num_bits 4, config_groups.group_0.weights.type 'int'")
-    refused({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"kv_cache_scheme .* cache.kv_cache_dtype: fp8")
+    refused({"kv_cache_scheme": {"num_bits": 8, "type": "float"}},  # per-tensor static scales only (test_kv_scales.py)
+            r"kv_cache_scheme.strategy None, kv_cache_scheme.dynamic None not supported; .* kv_cache_scheme of one static")
     refused({"quantization_status": "frozen"}, r"quantization_status 'frozen' not supported")
     good = load_file(str(tmp_path / "ct" / "model.safetensors"))
     q = "model.layers.1.self_attn.q_proj.weight"

@@ -7,7 +7,7 @@ import inspect
 import attrs
 import torch
 
-from bi_core.ops.attention import AttentionSpec
+from bi_core.ops.attention import AttentionSpec, inv_scale
 from bi_core.ops.context import ForwardContext
 
 WORKSPACE_BYTES = 128 << 20
@@ -18,11 +18,12 @@ def _inv_freq(spec: AttentionSpec) -> torch.Tensor:
     return 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=spec.device) / dim))
 
 
-def _qk_norm_rope(spec: AttentionSpec, inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx) -> torch.Tensor:
+def _qk_norm_rope(spec: AttentionSpec, inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     from bi_core.kernels.qk_norm_rope import qk_norm_rope_write
 
     return qk_norm_rope_write(qkv, q_norm, k_norm, inv_freq, ctx.positions, ctx.slot_mapping, k_cache, v_cache,
-                              spec.num_heads, spec.norm_eps, spec.rotary_dim)
+                              spec.num_heads, spec.norm_eps, spec.rotary_dim, tuple(inv_scale(x) for x in kv_scales))
 
 
 @attrs.frozen
@@ -110,11 +111,16 @@ class TritonPagedAttentionImpl:
                                           tile_start, chunks)
         return ctx.op_plans[key]
 
-    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """``kv_scales``: an FP8 cache's (k_scale, v_scale) (AttentionSpec.kv_scales): k_scale folds
+        into the softmax scale, v_scale multiplies the gated output; (1, 1) is the unscaled path."""
         from bi_core.kernels.attention import KV_SPLIT, decode_attention, prefill_attention
 
         s = self.spec
-        q = _qk_norm_rope(s, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx)
+        k_scale, v_scale = kv_scales
+        scale = s.scale * k_scale  # the scores of stored keys, times k_scale: those of the keys
+        q = _qk_norm_rope(s, self.inv_freq, qkv, q_norm, k_norm, k_cache, v_cache, ctx, kv_scales)
         out = torch.empty((qkv.shape[0], s.num_heads * s.head_dim), dtype=qkv.dtype, device=qkv.device)
         gate = qkv[:, s.head_dim:]  # head h's gate at columns h*2D + D (q_proj's [query | gate] layout)
         plan = self.prepare(ctx)
@@ -123,8 +129,10 @@ class TritonPagedAttentionImpl:
             chunks = plan.dec_seqs.shape[0] * -(-ctx.block_tables.shape[1] * k_cache.shape[1] // KV_SPLIT)
         else:
             chunks = plan.chunks
-        decode_attention(*args, plan.dec_seqs, s.scale, plan.max_q, plan.splits, chunks)
-        prefill_attention(*args, plan.tile_seq, plan.tile_start, s.scale)
+        decode_attention(*args, plan.dec_seqs, scale, plan.max_q, plan.splits, chunks)
+        prefill_attention(*args, plan.tile_seq, plan.tile_start, scale)
+        if v_scale != 1.0:  # the output of stored values, times v_scale: that of the values
+            out.mul_(v_scale)
         return out
 
 

@@ -4,7 +4,7 @@ import torch
 
 from bi_core.backends.reference.common import check_dtype
 from bi_core.backends.reference.norm import rms_norm_1p
-from bi_core.ops.attention import KV_FP8_MAX, AttentionBuilder, AttentionSpec
+from bi_core.ops.attention import KV_FP8_MAX, AttentionBuilder, AttentionSpec, inv_scale
 from bi_core.ops.context import ForwardContext
 
 
@@ -13,19 +13,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Keys or values as the cache stores them: FP8 at scale 1 is clamped to +-448 and rounded to
-    the nearest e4m3 value (torch's cast rounds to nearest even; ops/attention.py's format)."""
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Keys or values as the cache stores them: FP8 is times 1 / ``scale`` (``inv_scale``: float32;
+    exact at 1), clamped to +-448 and rounded to the nearest e4m3 value (torch's cast rounds to
+    nearest even; ops/attention.py's format)."""
     if cache.dtype != torch.float8_e4m3fn:
         return x
-    return x.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(torch.float8_e4m3fn)
+    y = x.float() if scale == 1.0 else x.float() * torch.tensor(inv_scale(scale), dtype=torch.float32)
+    return y.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Scatter this step's keys/values into their cache slots (page * block_size + offset)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        _bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(to_cache(x, cache)))
+    for x, cache, scale in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):
+        _bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                                   _bytes(to_cache(x, cache, scale)))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -79,26 +82,31 @@ class ReferenceAttentionImpl:
         self.group = spec.num_heads // spec.num_kv_heads
         self.rope = Rope(spec.rotary_dim, spec.rope_theta, spec.device)
 
-    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx: ForwardContext,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """``kv_scales``: an FP8 cache's (k_scale, v_scale): the cache holds k / k_scale and
+        v / v_scale; k_scale folds into the softmax scale, v_scale multiplies the gated output."""
         s = self.spec
+        k_scale, v_scale = kv_scales
         q, gate, k, v = split_qkv(qkv, s)
         q, k = rms_norm_1p(q.contiguous(), q_norm, s.norm_eps), rms_norm_1p(k.contiguous(), k_norm, s.norm_eps)
         cos, sin = self.rope.cos_sin(ctx.positions, qkv.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        write_kv(k, v.contiguous(), k_cache, v_cache, ctx.slot_mapping)
+        write_kv(k, v.contiguous(), k_cache, v_cache, ctx.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         for i in range(ctx.num_seqs):
             start, end = ctx.token_range(i)
             length, past = ctx.context_lens_host[i], ctx.past_len(i)
             keys = gather_kv(k_cache, ctx.block_tables[i], length, q.dtype).repeat_interleave(self.group, dim=1)
             values = gather_kv(v_cache, ctx.block_tables[i], length, q.dtype).repeat_interleave(self.group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * s.scale
+            scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * (s.scale * k_scale)
             q_pos = torch.arange(past, length, device=q.device)[:, None]
             k_pos = torch.arange(length, device=q.device)[None, :]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
-        return out.reshape(out.shape[0], -1) * torch.sigmoid(gate)
+        out = out.reshape(out.shape[0], -1) * torch.sigmoid(gate)
+        return out if v_scale == 1.0 else out * v_scale
 
 
 class ReferenceAttentionBuilder(AttentionBuilder):
