@@ -8,7 +8,7 @@ pointers, and by TMA), FP8 sorted (6
 launches; as configured, swapped up to 16-row routing blocks, and with 64-row tiles, "sorted 64":
 the same bits, checked) and bf16 per pair (2 launches), each against its weight bytes' floor.
 
-  python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64)
+  python3 benchmarks/fp8_kernel_bench.py [M ...]   (default M = 1 8 64; --cold here, with --sweep and with --moe)
   python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
   python3 benchmarks/fp8_kernel_bench.py --swap [M ...]   (default M = 1 2 4 8 16)
@@ -24,6 +24,13 @@ and with the tiles it had before the TMA kernel, the PREFILL_TILES by TMA (the t
 persistent; same bits, checked), the bf16 GEMM and FlashInfer's block-FP8 GEMM, fastest first
 with TFLOP/s. ``--moe-prefill``: the sorted FP8 experts at prefill sizes over routing blocks and
 tiles (same bits, checked) beside the bf16 experts.
+
+``--cold`` (after the mode, with the dense table, ``--sweep`` or ``--moe``): each timed call reads
+its weights from HBM, as a decode step does. Without it a graph replays one GEMM on one weight
+matrix, which then sits in the L2 (50 MB on an H100/H200): the dense FP8 GEMMs at M = 1 took
+4.3-6.1 us a call here and 8.86 us a call in the engine's graphed step (benchmarks section 43).
+With it the calls rotate through copies of the weights (the routed experts: through token sets
+routed to other experts) that together hold ``COLD_L2_FACTOR`` times the L2.
 
 ``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
 (``SWAP``: the weight rows as the wgmma's M side, 16-row activation tiles) against the tree's
@@ -46,15 +53,21 @@ from bi_core.tools.bench import measure_bandwidth
 
 SHAPES = [(12352, 2048), (4096, 2048), (2048, 4096), (2048, 2048), (2048, 512)]  # (N, K)
 REPS = 20
+COLD = "--cold" in sys.argv
+COLD_L2_FACTOR = 3  # --cold: the rotated copies hold this many times the L2
 
 
 def timed_us(fn) -> float:
-    fn()
+    """us a call: ``fn`` (a callable, or a list launched in turn: one call each, at least REPS calls
+    a graph) captured in a CUDA graph, replayed."""
+    fns = fn if isinstance(fn, list) else [fn]
+    calls = max(REPS, len(fns))
+    fns[0]()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -63,7 +76,27 @@ def timed_us(fn) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * REPS)
+    return start.elapsed_time(end) * 1e3 / (5 * calls)
+
+
+def cold_copies(nbytes: int, l2_bytes: int, factor: int = COLD_L2_FACTOR) -> int:
+    """How many copies of ``nbytes`` of weights together hold ``factor`` times an L2 of ``l2_bytes``
+    (at least 2): calls rotating through them find none of their weights in the L2."""
+    return max(2, -(-factor * l2_bytes // max(nbytes, 1)))
+
+
+def rotations(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` (one call's weights) and, under --cold, copies of them enough to miss the L2."""
+    if not COLD:
+        return [tensors]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    n = cold_copies(nbytes, torch.cuda.get_device_properties(tensors[0].device).L2_cache_size)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
+
+
+def each(copies: list[tuple], fn, *before, **kw) -> list:
+    """``fn(*before, *copy, **kw)`` for every copy (``timed_us`` launches them in turn)."""
+    return [partial(fn, *before, *c, **kw) for c in copies]
 
 
 def dense_cases(ms: list[int], dev: torch.device):
@@ -81,9 +114,11 @@ def sweep(ms: list[int]) -> None:
 
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; GEMM alone, us per call")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; GEMM alone, us per call"
+          f"{', weights from HBM (--cold)' if COLD else ''}")
     for n, k in SHAPES[:3]:
         wq, ws = quantize_blocks(torch.randn(n, k, device=dev) * 0.02, (128, 128))
+        copies = rotations(wq, ws)
         split = split_k_for(n, k)
         for m in ms:
             xq, xs = quantize_act(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
@@ -98,7 +133,7 @@ def sweep(ms: list[int]) -> None:
                                    "INLINE": False}
                             try:
                                 out = fp8_gemm(xq, xs, wq, ws, config=cfg)
-                                t = timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=cfg))
+                                t = timed_us(each(copies, fp8_gemm, xq, xs, config=cfg))
                             except Exception as e:  # a tile that does not fit: reported, the sweep goes on
                                 rows.append((float("inf"), cfg, type(e).__name__))
                                 continue
@@ -107,7 +142,7 @@ def sweep(ms: list[int]) -> None:
                                 raise SystemExit(f"{n}x{k} M={m} {cfg}: bits differ from the tree's config")
                             rows.append((t, cfg, "same bits" if same else "other K order"))
             rows.sort(key=lambda r: r[0])
-            t_base = timed_us(partial(fp8_gemm, xq, xs, wq, ws, config=base))
+            t_base = timed_us(each(copies, fp8_gemm, xq, xs, config=base))
             print(f"{n:>6} x {k:<5} M={m:<3} tree {t_base:6.1f}us (BLOCK_N {base['BLOCK_N']}, {base['num_warps']} warps, "
                   f"{base['num_stages']} stages, split {split}); floor {n * k / bw * 1e6:.1f}us; best:")
             for t, cfg, note in rows[:4]:
@@ -266,6 +301,20 @@ def routed(t: int, dev: torch.device):
     return x, ids, torch.rand(t, TOP, device=dev).softmax(-1), torch.randn(t, device=dev, dtype=torch.bfloat16)
 
 
+def routed_sets(args: tuple, per_call: int) -> list[tuple]:
+    """``args`` (``fp8_fused_moe``'s), and under --cold other token sets of as many tokens routed to
+    other experts, until the sets' experts hold COLD_L2_FACTOR times the L2 (``per_call`` bytes a
+    set): timed in turn, a call finds its experts' weights in HBM. Checks run on ``args``."""
+    if not COLD:
+        return [args]
+    x = args[0]
+    sets = [args]
+    for _ in range(cold_copies(per_call, torch.cuda.get_device_properties(x.device).L2_cache_size) - 1):
+        x2, ids, wts, shared = routed(x.shape[0], x.device)
+        sets.append((x2, wts, ids, *args[3:7], shared))
+    return sets
+
+
 @contextlib.contextmanager
 def routing_block(rows: int):
     """moe.align's routing block forced to ``rows`` (its rule: moe.block_m_for of the pairs an expert,
@@ -330,14 +379,16 @@ def moe(ts: list[int]) -> None:
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
     w13, w2, w13q, w13s, w2q, w2s = expert_weights(dev)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; routed experts, us per call"
+          f"{', each call routed to other experts (--cold)' if COLD else ''}")
     print(f"{'T':>3} {'experts':>7} {'fp8 per pair':>12} {'fp8 sorted':>11} {'sorted 64':>11} {'bf16 per pair':>13} "
           f"{'fp8 floor':>9} {'bf16 floor':>10}  per pair == sorted; best per-pair tile (columns / warps, stages)")
     for t in ts:
         x, ids, wts, shared = routed(t, dev)
         args = (x, wts, ids, w13q, w13s, w2q, w2s, shared)
+        sets = routed_sets(args, (int(torch.unique(ids).numel()) + 1) * 3 * INTER * HIDDEN)
         same = torch.equal(fp8_fused_moe(*args, per_pair=True), fp8_fused_moe(*args, per_pair=False))
-        t_pair = timed_us(partial(fp8_fused_moe, *args, per_pair=True))
+        t_pair = timed_us([partial(fp8_fused_moe, *a, per_pair=True) for a in sets])
         tiles = {False: [], True: []}
         # swapped dots: >= 64 weight rows a tile; (columns, warps) of the gate/up and the down kernels;
         # the weight tiles by pointers or by TMA (the same bits: checked)
@@ -348,6 +399,7 @@ def moe(ts: list[int]) -> None:
                 run = partial(_fp8_moe_per_pair, *args[:7], args[7], up, down)
                 try:
                     same = torch.equal(run(), fp8_fused_moe(*args, per_pair=False))
+                    run = [partial(_fp8_moe_per_pair, *a[:7], a[7], up, down) for a in sets]
                 except Exception as e:  # a tile that does not fit: reported, the sweep goes on
                     print(f"      {up} {down}: {type(e).__name__}")
                     continue
@@ -356,16 +408,16 @@ def moe(ts: list[int]) -> None:
                 tiles[tma].append((timed_us(run), f"up {bn_up}/{w_up}w", f"down {bn_down}/{w_down}w",
                                    f"{stages} stages"))
         best, best_tma = min(tiles[False]), min(tiles[True])
-        t_sorted = timed_us(partial(fp8_fused_moe, *args, per_pair=False))
+        t_sorted = timed_us([partial(fp8_fused_moe, *a, per_pair=False) for a in sets])
         sorted_tma = partial(fp8_fused_moe, *args, per_pair=False, config={"TMA": True})
         if not torch.equal(sorted_tma(), fp8_fused_moe(*args, per_pair=False)):
             raise SystemExit("sorted path: TMA weight tiles give other bits")
-        t_sorted_tma = timed_us(sorted_tma)
+        t_sorted_tma = timed_us([partial(fp8_fused_moe, *a, per_pair=False, config={"TMA": True}) for a in sets])
         unswapped = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SWAP": False}
         if not torch.equal(fp8_fused_moe(*args, config=unswapped), fp8_fused_moe(*args, per_pair=False)):
             raise SystemExit("sorted path: swapped bits differ from 64-row tiles")
-        t_sorted64 = timed_us(partial(fp8_fused_moe, *args, config=unswapped))
-        t_bf16 = timed_us(partial(fused_moe, x, wts, ids, w13, w2, shared))
+        t_sorted64 = timed_us([partial(fp8_fused_moe, *a, config=unswapped) for a in sets])
+        t_bf16 = timed_us([partial(fused_moe, a[0], a[1], a[2], w13, w2, shared) for a in sets])
         n_exp = int(torch.unique(ids).numel()) + 1
         fp8_bytes = n_exp * 3 * INTER * HIDDEN
         print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
@@ -377,31 +429,33 @@ def moe(ts: list[int]) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--sweep"]:
-        sweep([int(a) for a in sys.argv[2:]] or [1, 8, 64])
+    argv = [a for a in sys.argv[1:] if a != "--cold"]  # (read as COLD)
+    if argv[:1] == ["--sweep"]:
+        sweep([int(a) for a in argv[1:]] or [1, 8, 64])
         return
-    if sys.argv[1:2] == ["--swap"]:
-        swap_probe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8, 16])
+    if argv[:1] == ["--swap"]:
+        swap_probe([int(a) for a in argv[1:]] or [1, 2, 4, 8, 16])
         return
-    if sys.argv[1:2] == ["--prefill"]:
-        prefill_sweep([int(a) for a in sys.argv[2:]] or [4096])
+    if argv[:1] == ["--prefill"]:
+        prefill_sweep([int(a) for a in argv[1:]] or [4096])
         return
-    if sys.argv[1:2] == ["--moe-prefill"]:
-        moe_prefill([int(a) for a in sys.argv[2:]] or [4096])
+    if argv[:1] == ["--moe-prefill"]:
+        moe_prefill([int(a) for a in argv[1:]] or [4096])
         return
-    if sys.argv[1:2] == ["--moe"]:
-        moe([int(a) for a in sys.argv[2:]] or [1, 2, 4, 8])
+    if argv[:1] == ["--moe"]:
+        moe([int(a) for a in argv[1:]] or [1, 2, 4, 8])
         return
-    ms = [int(a) for a in sys.argv[1:]] or [1, 8, 64]
+    ms = [int(a) for a in argv] or [1, 8, 64]
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s"
+          f"{'; weights from HBM (--cold)' if COLD else ''}")
     print(f"{'N x K':>12} {'M':>4} {'fp8 linear':>11} {'quant':>7} {'bf16':>7} {'fp8 floor':>9} {'bf16 floor':>10}  config")
     for n, k, m, wq, ws, wb, x in dense_cases(ms, dev):
         cfg = fp8_config(m, n, k)
-        t_set = timed_us(partial(fp8_linear, x, wq, ws, config=cfg))
+        t_set = timed_us(each(rotations(wq, ws), fp8_linear, x, config=cfg))
         t_q = timed_us(partial(quantize_act, x))
-        t_b = timed_us(partial(linear, x, wb))
+        t_b = timed_us(each(rotations(wb), linear, x))
         print(f"{n:>6} x {k:<5} {m:>4} {t_set:>9.1f}us {t_q:>5.1f}us {t_b:>5.1f}us "
               f"{n * k / bw * 1e6:>7.1f}us {2 * n * k / bw * 1e6:>8.1f}us  {cfg}")
 
