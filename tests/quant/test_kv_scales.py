@@ -111,3 +111,27 @@ def test_explain_names_the_scales(hf, tmp_path):
                                   "backend": "cuda_hopper_invariant", "policy": {"batch_invariant": True},
                                   "cache": {"block_size": 16, "num_blocks": 64, "kv_cache_dtype": "fp8"}})
     assert "the checkpoint's calibrated k/v scales (one per layer) for an FP8 KV cache" in explain(cfg)
+
+
+def test_two_ranks_read_the_scales(hf, tmp_path):
+    """Under tensor parallelism each rank holds every scale of its layers (one per layer, not
+    split): two gloo ranks score as one rank does, up to an FP8 rounding boundary crossed in the
+    other summation order (as tests/quant/test_fp8_tp.py), where ranks at scale 1 would not."""
+    path = kv_scaled_checkpoint(hf, tmp_path / "ct", {ATTENTION[0]: (0.37, 2.9), ATTENTION[1]: (0.05, 0.6)})
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 60)), [5], [40, 41, 42, 43], [7, 7], [3] * 6, [90] * 5]
+    params = SamplingParams(max_new_tokens=4, logprobs=1)
+
+    def config(tp):
+        return EngineConfig.from_dict({
+            "model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "backend": "reference",
+            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}, "parallel": {"tensor_parallel_size": tp},
+            "cache": {"block_size": 16, "num_blocks": 64, "kv_cache_dtype": "fp8"}})
+
+    one = build_engine(config(1)).generate(prompts, params)
+    eng = build_engine(config(2))
+    try:
+        two = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    close = [abs(a.token_logprobs[0] - b.token_logprobs[0]) < 1e-3 for a, b in zip(one, two)]
+    assert sum(close) >= 4, [(a.token_logprobs, b.token_logprobs) for a, b in zip(one, two)]
