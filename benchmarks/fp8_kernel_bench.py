@@ -417,7 +417,7 @@ def moe(ts: list[int]) -> None:
         if not torch.equal(fp8_fused_moe(*args, config=unswapped), fp8_fused_moe(*args, per_pair=False)):
             raise SystemExit("sorted path: swapped bits differ from 64-row tiles")
         t_sorted64 = timed_us([partial(fp8_fused_moe, *a, config=unswapped) for a in sets])
-        t_bf16 = timed_us([partial(fused_moe, a[0], a[1], a[2], w13, w2, shared) for a in sets])
+        t_bf16 = timed_us([partial(fused_moe, a[0], a[1], a[2], w13, w2, a[7]) for a in sets])
         n_exp = int(torch.unique(ids).numel()) + 1
         fp8_bytes = n_exp * 3 * INTER * HIDDEN
         print(f"{t:>3} {n_exp:>7} {t_pair:>10.1f}us {t_sorted:>9.1f}us {t_sorted64:>9.1f}us {t_bf16:>11.1f}us "
