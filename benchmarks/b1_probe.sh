@@ -14,16 +14,20 @@
 #      and the audits before it merges.
 #   bash benchmarks/b1_probe.sh [CONFIG]   (default: benchmarks/configs/qwen35b_invariant_fp8.yaml)
 # About 400 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
+# DRY=1: only build the variant trees and run `bench --help` in each (tests/unit/test_probe_scripts.py:
+# a sed that no longer matches fails there, not on the device).
 set -uo pipefail
 config=${1:-benchmarks/configs/qwen35b_invariant_fp8.yaml}
 rc=0
-timeout 150 python3 benchmarks/fp8_kernel_bench.py --sweep --cold 1 2>&1 | tail -16 || rc=1
-timeout 120 python3 benchmarks/fp8_kernel_bench.py --moe --cold 1 8 2>&1 | tail -16 || rc=1
+bench=(--config "$config" --batch-sizes 1,8,64 --steps 20 --throughput none --prefill none)
+if [ "${DRY:-0}" = 1 ]; then bench=(--help); else
+  timeout 150 python3 benchmarks/fp8_kernel_bench.py --sweep --cold 1 2>&1 | tail -16 || rc=1
+  timeout 120 python3 benchmarks/fp8_kernel_bench.py --moe --cold 1 8 2>&1 | tail -16 || rc=1
+fi
 attention=bi_core/kernels/attention.py
 bash benchmarks/tree_variants.sh 1 main=. \
   "kv128=$attention|s/^KV_SPLIT = 256 /KV_SPLIT = 128 /" \
   "bn64=$attention|s/^BLOCK_N = 32$/BLOCK_N = 64/" \
   "dense64=bi_core/kernels/fp8.py|s/triton.cdiv(n, DECODE_BLOCK_N), 1$/triton.cdiv(n, 64), 1/" \
-  -- --config "$config" --batch-sizes 1,8,64 --steps 20 --throughput none --prefill none 2>&1 \
-  | grep -E "^== round|decode B=|variant|Error|error" || rc=1
+  -- "${bench[@]}" 2>&1 | grep -E "^== round|decode B=|variant|usage|Error|error" || rc=1
 exit $rc
