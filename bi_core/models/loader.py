@@ -268,9 +268,9 @@ def load_weights(model: torch.nn.Module, source) -> None:
         if hasattr(module, "zero_padding"):
             module.zero_padding()
     _copy(dict(model.named_parameters()), source, steps, args.quantization)
-    for module in model.modules():  # the FP8 cache's k/v scales, read once as numbers (attention launches take them)
+    for name, module in model.named_modules():  # the FP8 cache's k/v scales, read once as numbers (attention launches take them)
         if hasattr(module, "read_kv_scales"):
-            module.read_kv_scales()
+            module.read_kv_scales(name)
     unused = [n for n in unknown if not (args.tie_word_embeddings and n == "lm_head.weight")]
     mtp = [n for n in unused if n.startswith("mtp.")]
     if mtp and not args.mtp_num_hidden_layers:

@@ -181,15 +181,16 @@ class Attention(nn.Module):
             self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32, device=device), requires_grad=False)
             self.kv_scales = (1.0, 1.0)
 
-    def read_kv_scales(self) -> None:
-        """After a load: the scales as numbers, checked (finite and positive: the cache stores x / scale)."""
+    def read_kv_scales(self, where: str) -> None:
+        """After a load: the scales as numbers, checked (finite and positive: the cache stores x /
+        scale). ``where``: this module's name in the model (``layers.3.mixer``), for the error."""
         if self.kv_scales is None:
             return
         k, v = float(self.k_scale.item()), float(self.v_scale.item())
         for name, x in (("k_scale", k), ("v_scale", v)):
             if not (math.isfinite(x) and x > 0):
-                raise CheckpointError(f"self_attn.{name} of attention layer {self.cache_index} is {x}: an FP8 KV "
-                                      "cache scale must be finite and positive")
+                raise CheckpointError(f"{where}.{name} (the checkpoint's self_attn.{name} of that layer) is {x}: an "
+                                      "FP8 KV cache scale must be finite and positive")
         self.kv_scales = (k, v)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:

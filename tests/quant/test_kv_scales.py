@@ -80,7 +80,8 @@ def test_refusals(hf, tmp_path):
             engine(kv_scaled_checkpoint(hf, tmp_path / "bad", {i: (0.5, 0.5) for i in ATTENTION}, {**KV_SCHEME, **change}))
     with pytest.raises(CheckpointError, match=rf"model.layers.{ATTENTION[1]}.self_attn.k_scale is missing"):
         engine(kv_scaled_checkpoint(hf, tmp_path / "missing", {ATTENTION[0]: (0.5, 0.5)}))
-    with pytest.raises(CheckpointError, match="v_scale of attention layer .* is 0.0: .* finite and positive"):
+    with pytest.raises(CheckpointError, match=rf"layers.{ATTENTION[0]}.mixer.v_scale \(the checkpoint's self_attn.v_scale "
+                       r"of that layer\) is 0.0: an FP8 KV cache scale must be finite and positive"):
         engine(kv_scaled_checkpoint(hf, tmp_path / "zero", {i: (0.5, 0.0) for i in ATTENTION}))
     eng = engine(kv_scaled_checkpoint(hf, tmp_path / "ok", {i: (0.5, 0.5) for i in ATTENTION}))
     name = f"model.layers.{ATTENTION[0]}.self_attn.k_scale"
