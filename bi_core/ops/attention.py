@@ -4,6 +4,7 @@ q/k zero-centred RMSNorm per head, partial RoPE, the KV-cache write, causal GQA 
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import attrs
@@ -24,6 +25,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 KV_FP8_MAX = 448.0
 
 
+@functools.cache  # on every attention forward (eager steps are host-bound): a layer's scales are fixed
 def inv_scale(scale: float) -> float:
     """1 / a k or v scale as the cache writes use it: rounded once to float32 (every impl multiplies
     float32 keys and values by this same number; exactly 1 for scale 1)."""
