@@ -4,16 +4,13 @@
 #   1. the dense FP8 decode GEMMs' tiles with weights from HBM (fp8_kernel_bench --sweep --cold): the
 #      tiles were picked from warm-L2 sweeps, and the step's GEMMs take 1.6x the warm time;
 #   2. the routed experts per pair, cold (--moe --cold), at 1 and 8 tokens;
-#   3. variants of this tree, each in a fresh process, at B=1/8/64: decode attention's chain (at B=1,
-#      ctx 512, 4 programs each fold 8 blocks of 32 keys in series: 20 us a layer for 1 MB): KV_SPLIT
-#      128 (twice the programs, half the chain) and BLOCK_N 64 (half the chain); and "dense64": the
-#      FP8 dense split counts planned against the swapped decode tile's 64 columns, not 32 (the
-#      12352 x 2048 and 9216 x 2048 projections then run 2 K ranges: 386 and 288 programs at M = 1
-#      instead of 193 and 144 on 132 SMs). Each is a fixed constant, so every variant stays
-#      batch-invariant, but each is another arithmetic: a winner needs the GPU tests of its kernels
-#      and the audits before it merges.
+#   3. this tree against "kv256" (decode attention's KV chunks at 256 tokens, main's before
+#      benchmarks section 44), each in a fresh process, at B=1/8/64: that the 128-token chunks
+#      still pay on this tree. Section 44 measured three more variants here and dropped them:
+#      BLOCK_N 64 (no change), the FP8 dense split counts planned against 64 columns (B=1 +0.155
+#      ms) and KV_SPLIT 64 (lost at 32k tokens).
 #   bash benchmarks/b1_probe.sh [CONFIG]   (default: benchmarks/configs/qwen35b_invariant_fp8.yaml)
-# About 400 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
+# About 170 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
 # DRY=1: only build the variant trees and run `bench --help` in each (tests/unit/test_probe_scripts.py:
 # a sed that no longer matches fails there, not on the device).
 set -uo pipefail
@@ -26,8 +23,6 @@ if [ "${DRY:-0}" = 1 ]; then bench=(--help); else
 fi
 attention=bi_core/kernels/attention.py
 bash benchmarks/tree_variants.sh 1 main=. \
-  "kv128=$attention|s/^KV_SPLIT = 256 /KV_SPLIT = 128 /" \
-  "bn64=$attention|s/^BLOCK_N = 32$/BLOCK_N = 64/" \
-  "dense64=bi_core/kernels/fp8.py|s/triton.cdiv(n, DECODE_BLOCK_N), 1$/triton.cdiv(n, 64), 1/" \
+  "kv256=$attention|s/^KV_SPLIT = 128$/KV_SPLIT = 256/" \
   -- "${bench[@]}" 2>&1 | grep -E "^== round|decode B=|variant|usage|Error|error" || rc=1
 exit $rc

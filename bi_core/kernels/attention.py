@@ -23,7 +23,7 @@ over the row's KV in blocks of ``PREFILL_BLOCK_N`` keys from position 0, in
 depend on its own position only (block edges are multiples of the block from 0; a block past the
 row's position is an exact no-op; masked and unmasked blocks run the same operations), so a
 prompt row gets the same bits alone, beside any batch and in chunks of any size; but not the
-decode kernel's bits (other block edges, no 256-key fold). That costs no guarantee: whether a
+decode kernel's bits (other block edges, no KV_SPLIT-key fold). That costs no guarantee: whether a
 token runs as a prompt row or a decode/verify row is fixed by its request alone (prompt tokens in
 prompt chunks, generated tokens in decode form, exact scoring and preemption rebuilds included),
 and the GDN layers' chunked and recurrent forms already differ. It buys the prompt rows' speed:
@@ -52,7 +52,12 @@ M_ROWS = 64  # rows per program (tokens per tile = M_ROWS // GROUP)
 # arithmetic), warps and pipeline stages
 PREFILL_M_ROWS, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 3
 BLOCK_N = 32
-KV_SPLIT = 256  # tokens per KV chunk: fixed, part of every row's arithmetic
+# tokens per KV chunk: fixed, part of every row's arithmetic. 128, not 256: at B=1 / 512 tokens a
+# (KV head, chunk) program's serial fold over 32-key blocks was the layer's attention time (4
+# programs, 20 us): FP8 35B-A3B decode B=1 / 8 -0.07 / -0.08 ms, B=64 flat; at 32k tokens B=1
+# -2.4%, B=8 / 32 +3.2 / +2.0% (twice the partials to write and merge); 64 lost at 32k
+# (benchmarks section 44)
+KV_SPLIT = 128
 LOG2E = 1.4426950408889634
 # decode rows of a bf16 model over an FP8 cache: the dots in float16 (module docstring); part of
 # such a row's arithmetic
@@ -61,7 +66,7 @@ DECODE_MIN_ROWS = 16  # decode tiles: GROUP x tokens query rows, at least one MM
 DECODE_WARPS, DECODE_STAGES = 2, 2
 PREFIX_BLOCK = 64  # sequences summed per step of the in-kernel workspace prefix sum
 MERGE_STAGES, MERGE_PIPELINED_PROGRAMS = 6, 512  # merge: chunk loads in flight, up to this many programs
-# a row with more chunks than this (contexts over 4,096 tokens) merges them in runs of this many
+# a row with more chunks than this (contexts over 2,048 tokens) merges them in runs of this many
 # first: part of such a row's arithmetic (a row with fewer keeps the one-level fold's bits)
 MERGE_RUN = 16
 # run-merge programs wanted (scheduling only): 2,112 (16 an SM) rather than 528 keep more of the

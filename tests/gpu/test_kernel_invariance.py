@@ -263,23 +263,25 @@ def test_verify_rows_at_64_mma_rows_equal_decode_rows(hq, tokens, monkeypatch):
 
 
 def test_attention_long_rows_merge_in_runs_invariantly():
-    """Decode rows past 16 KV chunks (4,096 tokens) merge their chunks in runs of 16 first
-    (``_merge_runs_kernel``): a row at 20,000 tokens gives the same bits on every call, alone and
-    first in a batch of rows at 4,095..30,000 tokens; a 4-token verify across the run boundary
-    (positions 4,094..4,097: 16 and 17 chunks) gives each row its decode bits, and so does one at
-    19,997..20,000."""
+    """Decode rows past MERGE_RUN KV chunks (``edge`` = MERGE_RUN x KV_SPLIT tokens) merge their
+    chunks in runs of MERGE_RUN first (``_merge_runs_kernel``): a row at 20,000 tokens gives the
+    same bits on every call, alone and first in a batch of rows at edge - 1 .. 30,000 tokens; a
+    4-token verify across the run boundary (positions edge - 2 .. edge + 1: MERGE_RUN and
+    MERGE_RUN + 1 chunks) gives each row its decode bits, and so does one at 19,997..20,000."""
     from bi_core.kernels.attention import KV_SPLIT, MERGE_RUN
 
     torch.manual_seed(0)
     run, width = _paged_attention(16, 12000)
-    assert (4095 // KV_SPLIT + 1, 4096 // KV_SPLIT + 1) == (MERGE_RUN, MERGE_RUN + 1)
+    edge = MERGE_RUN * KV_SPLIT
+    assert ((edge - 1) // KV_SPLIT + 1, edge // KV_SPLIT + 1) == (MERGE_RUN, MERGE_RUN + 1)
+    assert 20000 > 2 * edge  # the 20,000-token row merges two runs or more
     qkv = torch.randn(64, width, device="cuda", dtype=torch.bfloat16)
     alone = run([1], [20000], qkv[:1])
     for _ in range(3):
         assert torch.equal(run([1], [20000], qkv[:1]), alone)
-    batch = run([1] * 8, [20000, 5000, 30000, 4095, 4096, 12345, 8191, 25000], qkv[:8])
+    batch = run([1] * 8, [20000, 5000, 30000, edge - 1, edge, 12345, 2 * edge - 1, 25000], qkv[:8])
     assert torch.equal(batch[:1], alone)
-    for past in (4094, 19997):
+    for past in (edge - 2, 19997):
         rows = qkv[8:12]
         verify = run([4], [past], rows, [True])
         for t in range(4):

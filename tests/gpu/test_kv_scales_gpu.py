@@ -56,7 +56,7 @@ def run(eng, needle, fillers):
 def test_kv_scaled_fp8_cache_invariant_and_as_the_reference(tmp_path, monkeypatch):
     hf = make_hf_b128("moe")
     path = kv_scaled_checkpoint(hf, tmp_path / "scaled", SCALES)
-    needle = prompts(1, seed=9)[0] + [5] * 200  # past one 256-key chunk by the end
+    needle = prompts(1, seed=9)[0] + [5] * 200  # past two 128-key KV chunks by the end
     eng = build_engine(config(path))
     assert eng.args.kv_scales and eng.runner.cache.main.k[0].dtype == torch.float8_e4m3fn
     alone = run(eng, needle, [])

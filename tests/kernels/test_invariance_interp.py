@@ -248,6 +248,13 @@ def test_moe_negative_control(device):
 # ------------------------------------------------------------------------------ attention
 
 ATT_HQ, ATT_HKV, ATT_D, PAGE = 4, 2, 32, 16
+
+
+def _needle_pos() -> int:
+    """The needle token's position: its context spans three KV_SPLIT-key chunks."""
+    from bi_core.kernels.attention import KV_SPLIT
+
+    return 2 * KV_SPLIT + 8
 ATT_WIDTH = 2 * ATT_HQ * ATT_D + 2 * ATT_HKV * ATT_D  # [q | gate] per query head, then k, v
 
 
@@ -305,11 +312,14 @@ def _attend(impl, norms, seqs, splits=None, kv_scales=None):
 
 
 def _needle_and_others(device, dtype, kv="auto"):
-    """A needle token at position 520 (three 256-key chunks) computed three ways on the same keys,
-    and other sequences to batch it with: decode rows, a 3-token verify row, prefill chunks."""
+    """A needle token at ``_needle_pos()`` (three KV_SPLIT-key chunks) computed three ways on the
+    same keys, and other sequences to batch it with: decode rows, a 3-token verify row, prefill chunks."""
+    from bi_core.kernels.attention import KV_SPLIT
+
     impl, norms = _attention_impl(device, dtype, kv)
-    verify = _att_seq(5, 516, True, device, dtype)
-    return impl, norms, verify, [_att_seq(1, 40, True, device, dtype), _att_seq(3, 270, True, device, dtype),
+    verify = _att_seq(5, _needle_pos() - 4, True, device, dtype)
+    return impl, norms, verify, [_att_seq(1, 40, True, device, dtype),
+                                 _att_seq(3, KV_SPLIT + 14, True, device, dtype),
                                  _att_seq(12, 0, False, device, dtype), _att_seq(5, 18, False, device, dtype)]
 
 
@@ -324,9 +334,10 @@ def _written_kv(kc, vc, blk, n):
 
 
 def _needle_alone(impl, norms, verify):
-    """The needle's keys are what the verify step writes at 516..519: (needle sequence, verify rows)."""
+    """The needle's keys are what the verify step writes at the 4 positions before it: (needle
+    sequence, verify rows)."""
     (rows_v,), kc, vc, (blk,) = _attend(impl, norms, [verify], splits=2)
-    needle = (1, 520, True, *_written_kv(kc, vc, blk, 520), verify[5][4:])
+    needle = (1, _needle_pos(), True, *_written_kv(kc, vc, blk, _needle_pos()), verify[5][4:])
     return needle, rows_v
 
 
@@ -348,8 +359,8 @@ def _check_batched_and_permuted(impl, norms, seq, alone, others, seed, splits):
 @pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.float32, "fp8_e4m3"),
                                       (torch.bfloat16, "fp8_e4m3")])
 def test_attention_rows_invariant_across_batches_and_forms(device, dtype, kv, seed):
-    """The gated paged attention (q/k norm, RoPE, KV write, fixed 256-key KV chunks, output gate):
-    a decode row at position 520 gives the same bits alone (the plan's programs per KV head), as
+    """The gated paged attention (q/k norm, RoPE, KV write, fixed KV_SPLIT-key chunks, output gate):
+    a decode row at ``_needle_pos()`` (three chunks) gives the same bits alone (the plan's programs per KV head), as
     the last row of a 5-token verify row (decode form, 8 query tokens a program), and at a random
     place in a batch with decode rows at other lengths, a verify row and prompt chunks (3
     programs per KV head, a chunk each); the batch permuted gives every sequence its bits with 2
@@ -362,21 +373,21 @@ def test_attention_rows_invariant_across_batches_and_forms(device, dtype, kv, se
     impl, norms, verify, others = _needle_and_others(device, dtype, kv)
     needle, rows_v = _needle_alone(impl, norms, verify)
     (alone,), *_ = _attend(impl, norms, [needle])
-    assert -(-521 // KV_SPLIT) == 3
+    assert -(-(_needle_pos() + 1) // KV_SPLIT) == 3
     assert torch.equal(rows_v[4:], alone)
     _check_batched_and_permuted(impl, norms, needle, alone, others, seed, splits=(3, 2))
 
 
 def test_attention_negative_control(device, monkeypatch):
     """A KV chunk size that follows the batch (FlashInfer's default decode split does, by batch
-    size): the needle with 128-key chunks beside other sequences is not the needle alone with
-    256-key chunks, and the check sees it."""
+    size): the needle with chunks of half the size beside other sequences is not the needle alone
+    with KV_SPLIT-key chunks, and the check sees it."""
     from bi_core.kernels import attention
 
     impl, norms, verify, others = _needle_and_others(device, torch.float32)
     needle, _ = _needle_alone(impl, norms, verify)
     (alone,), *_ = _attend(impl, norms, [needle], splits=2)
-    monkeypatch.setattr(attention, "KV_SPLIT", 128)
+    monkeypatch.setattr(attention, "KV_SPLIT", attention.KV_SPLIT // 2)
     rows, *_ = _attend(impl, norms, [needle] + others, splits=2)
     assert not torch.equal(rows[0], alone)
 

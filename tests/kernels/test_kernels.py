@@ -422,7 +422,7 @@ def test_decode_rows_over_shared_pages_read_more_keys_than_the_cache_holds(devic
 
 
 def test_decode_form_and_prompt_form_agree(device):
-    """A decode row (split programs + ordered merge over 256-key chunks of 32-key blocks) and the
+    """A decode row (split programs + ordered merge over KV_SPLIT-key chunks of 32-key blocks) and the
     same row inside a prompt tile (one online softmax over 64-key blocks) at a KV length spanning
     three splits: the same attention to float tolerance, not the same bits (the forms' block
     edges differ; a token's form is fixed by its request, see kernels/attention.py)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = {"b1_probe.sh": ["main", "kv128", "bn64", "dense64"]}
+SCRIPTS = {"b1_probe.sh": ["main", "kv256"]}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
