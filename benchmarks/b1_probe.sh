@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# FP8 decode at B=1 (issue 25's 2.0 ms target; 2.81 ms in benchmarks section 43): one device call
-# that measures where the next 0.1-0.3 ms could come from, each candidate against this tree.
-#   1. the dense FP8 decode GEMMs' tiles with weights from HBM (fp8_kernel_bench --sweep --cold): the
-#      tiles were picked from warm-L2 sweeps, and the step's GEMMs take 1.6x the warm time;
-#   2. the routed experts per pair, cold (--moe --cold), at 1 and 8 tokens;
-#   3. this tree against "kv256" (decode attention's KV chunks at 256 tokens, main's before
-#      benchmarks section 44), each in a fresh process, at B=1/8/64: that the 128-token chunks
-#      still pay on this tree. Section 44 measured three more variants here and dropped them:
-#      BLOCK_N 64 (no change), the FP8 dense split counts planned against 64 columns (B=1 +0.155
-#      ms) and KV_SPLIT 64 (lost at 32k tokens).
+# FP8 decode at B=1 (issue 25's 2.0 ms target; 2.746 ms in benchmarks section 44): one device call
+# on the split counts of the decode step's GEMMs. Each GEMM at M = 1 costs several us over its
+# bytes (the 2048 x 4096 FP8 ones 5.9-6.2 us cold for a 2.0 us floor; the router and in_proj_ba
+# bf16 ones 4.7 us for 0.1-0.2 us of bytes), and section 44's dense64 (the largest projections in
+# 2 K ranges, not 1) cost 0.155 ms a step: a split's second phase (partials, arrival counter, the
+# last program's ordered sum) looks expensive at one row. So:
+#   1. every decode GEMM alone at every split count, weights from HBM, at M = 1, 8, 64
+#      (fp8_kernel_bench.py --splits --cold): the FP8 dense shapes and the small bf16 ones;
+#   2. variants of this tree, each in a fresh process, at B=1/8/64: fp8t132 / fp8t66 (fp8.py's
+#      split_k_for planned against 132 / 66 programs, not TARGET_PROGRAMS' 264, which the tiles
+#      keep: the 2048 x 4096 projections in 4 / 2 ranges instead of 8;
+#      at 66 also 4096 x 2048 in 1 and 2048 x 2048 in 2), gemmk1024 / gemmk2048 (gemm.py's
+#      MIN_SPLIT_K 256 -> 1024 / 2048: the router and in_proj_ba in 2 / 1 ranges instead of 8).
+#      Each is a split count fixed by (N, K), so every variant stays batch-invariant, but each is
+#      another K order: a winner needs the GEMM GPU tests and the audits (FP8 and bf16: gemm.py
+#      serves the bf16 model's every linear) before it merges, and its manifests re-recorded.
+# Section 44 measured and dropped here: KV_SPLIT 64, decode BLOCK_N 64, dense64.
 #   bash benchmarks/b1_probe.sh [CONFIG]   (default: benchmarks/configs/qwen35b_invariant_fp8.yaml)
-# About 170 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
+# About 330 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
 # DRY=1: only build the variant trees and run `bench --help` in each (tests/unit/test_probe_scripts.py:
 # a sed that no longer matches fails there, not on the device).
 set -uo pipefail
@@ -18,11 +25,13 @@ config=${1:-benchmarks/configs/qwen35b_invariant_fp8.yaml}
 rc=0
 bench=(--config "$config" --batch-sizes 1,8,64 --steps 20 --throughput none --prefill none)
 if [ "${DRY:-0}" = 1 ]; then bench=(--help); else
-  timeout 150 python3 benchmarks/fp8_kernel_bench.py --sweep --cold 1 2>&1 | tail -16 || rc=1
-  timeout 120 python3 benchmarks/fp8_kernel_bench.py --moe --cold 1 8 2>&1 | tail -16 || rc=1
+  timeout 240 python3 benchmarks/fp8_kernel_bench.py --splits --cold 1 8 64 2>&1 | grep -v "Warning\|warn" || rc=1
 fi
-attention=bi_core/kernels/attention.py
+fp8=bi_core/kernels/fp8.py gemm=bi_core/kernels/gemm.py
 bash benchmarks/tree_variants.sh 1 main=. \
-  "kv256=$attention|s/^KV_SPLIT = 128$/KV_SPLIT = 256/" \
+  "fp8t132=$fp8|s/while tiles \* split < TARGET_PROGRAMS and kb/while tiles * split < 132 and kb/" \
+  "fp8t66=$fp8|s/while tiles \* split < TARGET_PROGRAMS and kb/while tiles * split < 66 and kb/" \
+  "gemmk1024=$gemm|s/^MIN_SPLIT_K = 256 /MIN_SPLIT_K = 1024 /" \
+  "gemmk2048=$gemm|s/^MIN_SPLIT_K = 256 /MIN_SPLIT_K = 2048 /" \
   -- "${bench[@]}" 2>&1 | grep -E "^== round|decode B=|variant|usage|Error|error" || rc=1
 exit $rc

@@ -12,6 +12,7 @@ the same bits, checked) and bf16 per pair (2 launches), each against its weight 
   python3 benchmarks/fp8_kernel_bench.py --moe [T ...]   (default T = 1 2 4 8)
   python3 benchmarks/fp8_kernel_bench.py --sweep [M ...]
   python3 benchmarks/fp8_kernel_bench.py --swap [M ...]   (default M = 1 2 4 8 16)
+  python3 benchmarks/fp8_kernel_bench.py --splits [M ...]   (default M = 1 8 64)
   python3 benchmarks/fp8_kernel_bench.py --prefill [M ...]   (default M = 4096)
   python3 benchmarks/fp8_kernel_bench.py --moe-prefill [T ...]   (default T = 4096)
 
@@ -31,6 +32,12 @@ matrix, which then sits in the L2 (50 MB on an H100/H200): the dense FP8 GEMMs a
 4.3-6.1 us a call here and 8.86 us a call in the engine's graphed step (benchmarks section 43).
 With it the calls rotate through copies of the weights (the routed experts: through token sets
 routed to other experts) that together hold ``COLD_L2_FACTOR`` times the L2.
+
+``--splits``: each GEMM a decode step runs at other split counts (another K order: other bits),
+the FP8 dense shapes and the small bf16 ones (the router with the shared expert's gate, GDN's
+in_proj_ba: 4.7 us a call in the step for a few hundred KB), each split at the best of a few
+column tiles, beside the tree's config: whether a split rule with fewer (or more) ranges would
+pay at M = 1 without losing at M = 8 and 64. Use it with --cold.
 
 ``--swap``: the GEMM alone (and fp8_linear as a layer calls it) with each block's dot swapped
 (``SWAP``: the weight rows as the wgmma's M side, 16-row activation tiles) against the tree's
@@ -52,6 +59,7 @@ from bi_core.quant.fp8 import quantize_blocks
 from bi_core.tools.bench import measure_bandwidth
 
 SHAPES = [(12352, 2048), (4096, 2048), (2048, 4096), (2048, 2048), (2048, 512)]  # (N, K)
+BF16_SMALL = [(257, 2048), (64, 2048)]  # (N, K): the router + shared expert gate, GDN's in_proj_ba
 REPS = 20
 COLD = "--cold" in sys.argv
 COLD_L2_FACTOR = 3  # --cold: the rotated copies hold this many times the L2
@@ -148,6 +156,65 @@ def sweep(ms: list[int]) -> None:
             for t, cfg, note in rows[:4]:
                 print(f"      {t:6.1f}us  BLOCK_N {cfg['BLOCK_N']:>3} warps {cfg['num_warps']} stages "
                       f"{cfg['num_stages']} split {cfg['SPLIT_K']}  ({note})")
+
+
+def split_candidates(kind: str, n: int, k: int) -> list[int]:
+    """The split counts a GEMM of (N, K) can run: each range a whole number of K blocks (FP8: 128;
+    bf16: ``block_k_for``), at least one block long."""
+    from bi_core.kernels import gemm
+
+    block = 128 if kind == "fp8" else gemm.block_k_for(n, k)
+    blocks = -(-k // block)
+    return [s for s in (1, 2, 4, 8, 16, 32) if blocks % s == 0 and blocks // s >= 1 and (kind == "fp8" or k % s == 0)]
+
+
+def split_probe(ms: list[int]) -> None:
+    from bi_core.kernels import fp8, gemm
+
+    dev = torch.device("cuda")
+    bw = measure_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; each GEMM alone at every split "
+          f"count, us per call{', weights from HBM (--cold)' if COLD else ''}; 'split S: T (BLOCK_N)' is the best "
+          f"column tile at S ranges, * the tree's split")
+    for kind, shapes in (("fp8", SHAPES), ("bf16", BF16_SMALL)):
+        for n, k in shapes:
+            if kind == "fp8":
+                wq, ws = quantize_blocks(torch.randn(n, k, device=dev) * 0.02, (128, 128))
+                copies, tree_split, nbytes = rotations(wq, ws), fp8.split_k_for(n, k), n * k
+            else:
+                w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+                copies, tree_split, nbytes = rotations(w), gemm.split_k_for(n, k), 2 * n * k
+            for m in ms:
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                if kind == "fp8":
+                    xq, xs = quantize_act(x)
+                    base = fp8_config(m, n, k)
+                    run = partial(each, copies, fp8.fp8_gemm, xq, xs)
+                    tiles = (64, 128) if base["SWAP"] else (32, 64, 128)  # a swapped tile: >= 64 weight rows
+                else:
+                    base = gemm.gemm_config(m, n, k)
+                    run = partial(each, copies, linear, x)
+                    tiles = (16, 32, 64)
+                ref = run(config=base)[0]()
+                found = []
+                for sp in split_candidates(kind, n, k):
+                    best = None
+                    for bn in tiles:
+                        cfg = {**base, "BLOCK_N": bn, "SPLIT_K": sp, "INLINE": base["INLINE"] and sp == tree_split}
+                        try:
+                            out = run(config=cfg)[0]()
+                            t = timed_us(run(config=cfg))
+                        except Exception as e:  # noqa: BLE001 - a tile that does not fit: the sweep goes on
+                            print(f"      split {sp} BLOCK_N {bn}: {type(e).__name__}")
+                            continue
+                        if sp == tree_split and not torch.equal(out, ref):
+                            raise SystemExit(f"{kind} {n}x{k} M={m} {cfg}: bits differ from the tree's config")
+                        best = min(best or (t, bn), (t, bn))
+                    if best:
+                        found.append(f"{'*' if sp == tree_split else ''}{sp}: {best[0]:.1f} ({best[1]})")
+                t_base = timed_us(run(config=base))
+                print(f"{kind:>4} {n:>6} x {k:<5} M={m:<3} tree {t_base:6.1f}us (split {tree_split}, BLOCK_N "
+                      f"{base['BLOCK_N']}); floor {nbytes / bw * 1e6:.1f}us; split " + " | ".join(found))
 
 
 # the tiles that fit (128 x 256 and 64 x 256 lost 2-4x at 12352 x 2048 on 2026-11-29: section 39)
@@ -432,6 +499,9 @@ def main() -> None:
     argv = [a for a in sys.argv[1:] if a != "--cold"]  # (read as COLD)
     if argv[:1] == ["--sweep"]:
         sweep([int(a) for a in argv[1:]] or [1, 8, 64])
+        return
+    if argv[:1] == ["--splits"]:
+        split_probe([int(a) for a in argv[1:]] or [1, 8, 64])
         return
     if argv[:1] == ["--swap"]:
         swap_probe([int(a) for a in argv[1:]] or [1, 2, 4, 8, 16])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = {"b1_probe.sh": ["main", "kv256"]}
+SCRIPTS = {"b1_probe.sh": ["main", "fp8t132", "fp8t66", "gemmk1024", "gemmk2048"]}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
