@@ -17,7 +17,7 @@
 #      serves the bf16 model's every linear) before it merges, and its manifests re-recorded.
 # Section 44 measured and dropped here: KV_SPLIT 64, decode BLOCK_N 64, dense64.
 #   bash benchmarks/b1_probe.sh [CONFIG]   (default: benchmarks/configs/qwen35b_invariant_fp8.yaml)
-# About 330 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
+# About 400 s on a machine with the carried Triton cache (STEP_TIMEOUT=560 through gpu_run.sh).
 # DRY=1: only build the variant trees and run `bench --help` in each (tests/unit/test_probe_scripts.py:
 # a sed that no longer matches fails there, not on the device).
 set -uo pipefail
