@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = {"b1_probe.sh": ["main", "fp8t132", "fp8t66", "gemmk1024", "gemmk2048"]}
+SCRIPTS = {"b1_probe.sh": ["main", "fp8t132", "fp8t66", "gemmk1024", "gemmk2048"],
+           "long_ctx_probe.sh": ["main", "cpp8", "cpp2", "run32"]}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
