@@ -160,12 +160,11 @@ def sweep(ms: list[int]) -> None:
 
 def split_candidates(kind: str, n: int, k: int) -> list[int]:
     """The split counts a GEMM of (N, K) can run: each range a whole number of K blocks (FP8: 128;
-    bf16: ``block_k_for``), at least one block long."""
+    bf16: ``block_k_for``)."""
     from bi_core.kernels import gemm
 
-    block = 128 if kind == "fp8" else gemm.block_k_for(n, k)
-    blocks = -(-k // block)
-    return [s for s in (1, 2, 4, 8, 16, 32) if blocks % s == 0 and blocks // s >= 1 and (kind == "fp8" or k % s == 0)]
+    blocks = -(-k // (128 if kind == "fp8" else gemm.block_k_for(n, k)))
+    return [s for s in (1, 2, 4, 8, 16, 32) if blocks % s == 0]
 
 
 def split_probe(ms: list[int]) -> None:

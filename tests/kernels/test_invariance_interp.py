@@ -248,6 +248,7 @@ def test_moe_negative_control(device):
 # ------------------------------------------------------------------------------ attention
 
 ATT_HQ, ATT_HKV, ATT_D, PAGE = 4, 2, 32, 16
+ATT_WIDTH = 2 * ATT_HQ * ATT_D + 2 * ATT_HKV * ATT_D  # [q | gate] per query head, then k, v
 
 
 def _needle_pos() -> int:
@@ -255,7 +256,6 @@ def _needle_pos() -> int:
     from bi_core.kernels.attention import KV_SPLIT
 
     return 2 * KV_SPLIT + 8
-ATT_WIDTH = 2 * ATT_HQ * ATT_D + 2 * ATT_HKV * ATT_D  # [q | gate] per query head, then k, v
 
 
 def _attention_impl(device, dtype, kv="auto", kv_scales=False):
@@ -360,8 +360,8 @@ def _check_batched_and_permuted(impl, norms, seq, alone, others, seed, splits):
                                       (torch.bfloat16, "fp8_e4m3")])
 def test_attention_rows_invariant_across_batches_and_forms(device, dtype, kv, seed):
     """The gated paged attention (q/k norm, RoPE, KV write, fixed KV_SPLIT-key chunks, output gate):
-    a decode row at ``_needle_pos()`` (three chunks) gives the same bits alone (the plan's programs per KV head), as
-    the last row of a 5-token verify row (decode form, 8 query tokens a program), and at a random
+    a decode row at ``_needle_pos()`` (three chunks) gives the same bits alone (the plan's programs
+    per KV head), as the last row of a 5-token verify row (decode form, 8 query tokens a program), and at a random
     place in a batch with decode rows at other lengths, a verify row and prompt chunks (3
     programs per KV head, a chunk each); the batch permuted gives every sequence its bits with 2
     programs per KV head (one folds two chunks in series). The plan derives its program count
