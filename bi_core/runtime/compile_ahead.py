@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from bi_core.runtime import kernel_keys
 from bi_core.runtime.compile_manifest import (
     RECORD_HOW,
     changed_sources,
@@ -133,6 +134,7 @@ def replay(entries: list[dict], workers: int, *, mode_cls=None,
     and the others go on. ``mode_cls``: Triton's ``AsyncCompileMode`` unless given (tests)."""
     if mode_cls is None:
         from triton.runtime._async_compile import AsyncCompileMode as mode_cls
+    kernel_keys.settle()  # keys independent of the order entries preload in (once a process)
     t0 = time.perf_counter()
     failed = stale = 0
     with ThreadPoolExecutor(workers, thread_name_prefix="bi-compile-ahead") as pool:
@@ -222,6 +224,7 @@ def start(config: EngineConfig, registry: Registry, policy: Policy, args: ModelA
         return CompileAhead()
     ahead = CompileAhead()
     try:
+        kernel_keys.settle()  # here, before the replay's thread: the keys a recording computed
         fields, path = manifest_target(config, registry, policy, args, device)
         if path is None or not path.exists():
             _say_once(f"compile-ahead: no compile manifest for key {manifest_key(fields)} ({policy.backend}, "

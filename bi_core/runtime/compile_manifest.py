@@ -223,6 +223,13 @@ def recording() -> Iterator[Recording]:
     import triton.runtime.jit as jit
     from triton import knobs
 
+    from bi_core.runtime import kernel_keys
+
+    try:  # keys that do not depend on the order this process launches its kernels in
+        kernel_keys.settle()
+    except Exception as e:  # recorded keys may then depend on that order (stale at some replays)
+        log.warning("compile manifest: kernel keys not settled (%s: %s)", type(e).__name__, e)
+
     rec, previous = Recording(), knobs.runtime.jit_post_compile_hook
     serialize = jit.serialize_specialization_data
 
