@@ -50,7 +50,7 @@ finally:
     by_sig: dict[tuple, list[dict]] = {}
     for s in seen:
         by_sig.setdefault((s["fn"], s["sig"], s["consts"]), []).append(s)
-    for (fn, sig, consts), group in by_sig.items():
+    for (fn, _sig, consts), group in by_sig.items():
         print(f"-- {fn} {consts}: " + ", ".join(f"{g['thread']}:{g['hash']}" for g in group))
         if len({g["hash"] for g in group}) > 1:
             first = group[0]
