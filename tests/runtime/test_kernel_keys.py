@@ -2,11 +2,13 @@
 keys its kernels in. Each case runs in a fresh process (keys are cached on the functions), with
 Triton <= 3.6's ``DependenciesFinder._update_hash`` (a callee's globals merged before its key is
 computed) put in place where the installed Triton has the fixed order: that is the GPU image's
-Triton, whose manifests went stale (benchmarks section 45)."""
+Triton, whose manifests went stale (benchmarks section 45). The processes compile nothing; they
+run without ``TRITON_INTERPRET`` (CI sets it), whose kernels have no cache keys."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +29,16 @@ jit.DependenciesFinder._update_hash = update_hash_triton36
 from bi_core.kernels import fp8, norm
 from bi_core.runtime import kernel_keys
 order, how = sys.argv[1], sys.argv[2]
+if how == "callees":
+    import triton.language as tl
+    from bi_core.kernels import e4m3
+    functions = kernel_keys.kernel_functions()
+    print(json.dumps([e4m3.quant_group in kernel_keys.callees(norm._rms_norm_kernel),
+                      e4m3.quant_group in kernel_keys.callees(fp8._quant_kernel),
+                      e4m3.round_e4m3 in kernel_keys.callees(e4m3.quant_group),
+                      kernel_keys._jit(tl.sum) in kernel_keys.callees(norm._rms_norm_kernel),  # tl.sum(...)
+                      norm._rms_norm_kernel in functions and e4m3.quant_group in functions]))
+    sys.exit()
 first, second = (norm._rms_norm_kernel, fp8._quant_kernel) if order == "norm" else (fp8._quant_kernel, norm._rms_norm_kernel)
 if how == "settle":
     kernel_keys.settle()
@@ -37,10 +49,15 @@ print(json.dumps({"norm": norm._rms_norm_kernel.cache_key, "quant": fp8._quant_k
 '''
 
 
-def _keys(order: str, how: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, order, how], cwd=ROOT,
+def _run(order: str, how: str):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, order, how], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def _keys(order: str, how: str) -> dict:
+    return _run(order, how)
 
 
 def test_order_changes_keys_without_settle():
@@ -62,14 +79,5 @@ def test_settle_gives_one_key_whatever_the_order():
 
 
 def test_callees_by_name_and_through_modules():
-    import triton.language as tl
-
-    from bi_core.kernels import e4m3, fp8, norm
-    from bi_core.runtime import kernel_keys
-
-    assert e4m3.quant_group in kernel_keys.callees(norm._rms_norm_kernel)
-    assert kernel_keys._jit(tl.sum) in kernel_keys.callees(norm._rms_norm_kernel)  # ``tl.sum(...)``
-    assert e4m3.quant_group in kernel_keys.callees(fp8._quant_kernel)
-    assert e4m3.round_e4m3 in kernel_keys.callees(e4m3.quant_group)
-    functions = kernel_keys.kernel_functions()
-    assert norm._rms_norm_kernel in functions and e4m3.quant_group in functions
+    """By name (``quant_group``), through a module (``tl.sum``), and every kernel module's functions."""
+    assert _run("-", "callees") == [True] * 5
