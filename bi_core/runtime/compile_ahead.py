@@ -134,7 +134,6 @@ def replay(entries: list[dict], workers: int, *, mode_cls=None,
     and the others go on. ``mode_cls``: Triton's ``AsyncCompileMode`` unless given (tests)."""
     if mode_cls is None:
         from triton.runtime._async_compile import AsyncCompileMode as mode_cls
-    kernel_keys.settle()  # keys independent of the order entries preload in (once a process)
     t0 = time.perf_counter()
     failed = stale = 0
     with ThreadPoolExecutor(workers, thread_name_prefix="bi-compile-ahead") as pool:
@@ -164,6 +163,7 @@ class CompileAhead:
     def launch(self, entries: list[dict], device_index: int, skipped: int = 0) -> None:
         """Replay ``entries`` in a thread, on CUDA device ``device_index``; ``skipped``: entries of
         the manifest left out as stale (counted in the report)."""
+        kernel_keys.settle()  # here, before the thread: the keys a recording computed, in any order
         _create_driver()
         workers = min(MAX_WORKERS, os.cpu_count() or 1)
         self._thread = threading.Thread(target=self._run, args=(entries, device_index, workers, skipped),
@@ -224,7 +224,6 @@ def start(config: EngineConfig, registry: Registry, policy: Policy, args: ModelA
         return CompileAhead()
     ahead = CompileAhead()
     try:
-        kernel_keys.settle()  # here, before the replay's thread: the keys a recording computed
         fields, path = manifest_target(config, registry, policy, args, device)
         if path is None or not path.exists():
             _say_once(f"compile-ahead: no compile manifest for key {manifest_key(fields)} ({policy.backend}, "

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from bi_core.runtime import kernel_keys
 from bi_core.runtime.build import resolve_max_model_len
 
 if TYPE_CHECKING:
@@ -162,11 +163,9 @@ def resolve(name: str):
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    for _ in range(8):
-        if hasattr(obj, "preload"):
-            return obj
-        obj = getattr(obj, "fn", None)
-    raise LookupError(f"{name} is not a Triton kernel (no preload on it or through .fn)")
+    if (kernel := kernel_keys.unwrap(obj, "preload")) is None:
+        raise LookupError(f"{name} is not a Triton kernel (no preload on it or through .fn)")
+    return kernel
 
 
 @attrs.define
@@ -222,8 +221,6 @@ def recording() -> Iterator[Recording]:
     global _recording
     import triton.runtime.jit as jit
     from triton import knobs
-
-    from bi_core.runtime import kernel_keys
 
     try:  # keys that do not depend on the order this process launches its kernels in
         kernel_keys.settle()

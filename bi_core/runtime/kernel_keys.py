@@ -23,15 +23,22 @@ from types import ModuleType
 _settled = False
 
 
-def _jit(obj):
-    """``obj`` as a Triton JIT function (through autotuner/heuristics wrappers), or None."""
+def unwrap(obj, attr: str):
+    """``obj``, or the first object down its ``.fn`` chain (Triton's autotuners and heuristics wrap
+    the JIT function) that has ``attr``; None if none has (modules and classes never count)."""
     for _ in range(8):
         if obj is None or isinstance(obj, (type, ModuleType)):
             return None
-        if hasattr(obj, "cache_key") and hasattr(obj, "used_global_vals") and hasattr(obj, "fn"):
+        if hasattr(obj, attr):
             return obj
         obj = getattr(obj, "fn", None)
     return None
+
+
+def _jit(obj):
+    """``obj`` as a JIT function with a cache key and a Python body (through its wrappers), or None."""
+    fn = unwrap(obj, "cache_key")
+    return fn if hasattr(fn, "fn") and hasattr(fn, "used_global_vals") else None
 
 
 def callees(fn) -> list:

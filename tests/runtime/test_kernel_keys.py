@@ -49,15 +49,11 @@ print(json.dumps({"norm": norm._rms_norm_kernel.cache_key, "quant": fp8._quant_k
 '''
 
 
-def _run(order: str, how: str):
+def _keys(order: str, how: str):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", SCRIPT, order, how], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
-
-
-def _keys(order: str, how: str) -> dict:
-    return _run(order, how)
 
 
 def test_order_changes_keys_without_settle():
@@ -80,4 +76,4 @@ def test_settle_gives_one_key_whatever_the_order():
 
 def test_callees_by_name_and_through_modules():
     """By name (``quant_group``), through a module (``tl.sum``), and every kernel module's functions."""
-    assert _run("-", "callees") == [True] * 5
+    assert _keys("-", "callees") == [True] * 5
