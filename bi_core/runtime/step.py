@@ -26,8 +26,12 @@ class Scheduled:
         first (decode steps, a prompt's one-token last chunk), and the tokens past a sequence's
         ``decode_from`` (an exact scoring request's continuation, a rebuilt sequence's generated
         tokens); otherwise the chunked form. Depends on the request alone."""
-        seq = self.seq
-        return seq.num_computed > 0 and (self.num_tokens == 1 or seq.in_exact_continuation)
+        return runs_recurrent(self.seq.num_computed, self.num_tokens, self.seq.in_exact_continuation)
+
+
+def runs_recurrent(num_computed: int, num_tokens: int, exact_continuation: bool = False) -> bool:
+    """``Scheduled.recurrent`` from its facts (the trainer's layout of a batch follows it too)."""
+    return num_computed > 0 and (num_tokens == 1 or exact_continuation)
 
 
 @attrs.define

@@ -12,56 +12,10 @@ import random
 import pytest
 import torch
 from helpers import tiny_config
+from triton_anywhere import TritonAnywhere
 
-from bi_core import EngineConfig, SamplingParams, build_engine, hookimpl
-from bi_core.backends.cuda_common.gdn import CudaGdnImpl
-from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
-from bi_core.backends.cuda_hopper_invariant import builders as inv
-from bi_core.backends.reference.gdn import ReferenceGdnImpl
-from bi_core.ops import GdnBuilder, GraphRunnerBuilder
+from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.plugins import load_registry
-from bi_core.registry import Backend
-
-
-def _anywhere(cls):
-    """The same builder without its device check."""
-    return type(f"Anywhere{cls.__name__}", (cls,), {"check": lambda self, spec, policy: []})()
-
-
-class DecodeKernelGdnImpl(CudaGdnImpl):
-    """Recurrent rows through the fused Triton kernel, chunked rows through the reference."""
-
-    def _prefill(self, proj, weights, conv_state, state, ctx, meta, out):
-        full = ReferenceGdnImpl(self.spec).forward(proj, weights, conv_state, state, ctx, meta["seq_ids"].tolist())
-        rows = meta["rows"]  # a slice (contiguous chunked rows) or an index
-        out[rows] = full[rows]
-
-
-class DecodeKernelGdnBuilder(GdnBuilder):
-    is_batch_invariant = True
-
-    def build(self, spec):
-        return DecodeKernelGdnImpl(spec, pin_autotune=False)
-
-
-class RerunGraphRunnerBuilder(GraphRunnerBuilder):
-    is_batch_invariant = True
-
-    def check(self, spec, policy):
-        return []
-
-    def build(self, spec):
-        return CudaGraphRunnerImpl(spec, capture=False)
-
-
-class TritonAnywhere:
-    @hookimpl
-    def bi_register_backends(self, register):
-        register(Backend(name="triton_anywhere", builders=(
-            _anywhere(inv.InvariantAttentionBuilder), _anywhere(inv.InvariantLinearBuilder),
-            _anywhere(inv.InvariantNormBuilder), _anywhere(inv.InvariantTopKBuilder),
-            _anywhere(inv.InvariantMoEBuilder), _anywhere(inv.InvariantSamplingBuilder),
-            DecodeKernelGdnBuilder(), RerunGraphRunnerBuilder())))
 
 
 def config(device, backend, strategy="ar", preset="tiny-moe", kv="auto"):

@@ -1,0 +1,106 @@
+"""The ops' mathematics in differentiable PyTorch, over whole sequences: what the backward of a
+training forward differentiates. The forward runs the engine's kernels (``train/ops.py``); these
+recompute the same functions from the saved inputs under autograd, so gradients are correct (they
+are not the forward's bits, and need not be). On a GPU with fla installed, GDN's delta rule is
+fla's chunked kernel with its own backward; elsewhere the chunked form of the reference backend."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bi_core.backends.reference.attention import Rope, split_qkv
+from bi_core.backends.reference.gdn import chunk_delta_rule, gates, l2norm, split_proj
+from bi_core.backends.reference.norm import gated_rms_norm, rms_norm_1p
+from bi_core.ops.attention import AttentionSpec
+from bi_core.ops.gdn import GdnSpec, GdnWeights
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_1p(x, weight, eps)
+
+
+def norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    r = x + residual
+    return rms_norm_1p(r, weight, eps), r
+
+
+def topk_weights(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The router's renormalised weights of the experts ``ids`` it chose."""
+    picked = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    return picked / picked.sum(dim=-1, keepdim=True)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = logits.float() / temperature if temperature != 1.0 else logits.float()
+    return torch.log_softmax(x, dim=-1).gather(1, targets[:, None])[:, 0]
+
+
+def attention(spec: AttentionSpec, rope: Rope, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+              spans: list[tuple[int, int]], positions: torch.Tensor) -> torch.Tensor:
+    """Gated attention of every sequence over its own rows (causal, GQA), ``[T, Hq*D]``."""
+    q, gate, k, v = split_qkv(qkv, spec)
+    q, k = rms_norm_1p(q, q_norm, spec.norm_eps), rms_norm_1p(k, k_norm, spec.norm_eps)
+    cos, sin = rope.cos_sin(positions, qkv.dtype)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    out = []
+    for a, b in spans:
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                           v[a:b].transpose(0, 1)[None], is_causal=True, scale=spec.scale,
+                                           enable_gqa=True)
+        out.append(o[0].transpose(0, 1).reshape(b - a, -1))
+    return torch.cat(out) * torch.sigmoid(gate)
+
+
+def _conv(mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv1d + SiLU of one sequence's rows ``[T, C]`` (weight ``[C, K]``)."""
+    width = weight.shape[1]
+    x = F.pad(mixed.t()[None], (width - 1, 0))
+    return F.silu(F.conv1d(x, weight[:, None, :], groups=weight.shape[0])[0].t())
+
+
+def gdn(spec: GdnSpec, proj: torch.Tensor, weights: GdnWeights, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The GDN mixer core of every sequence over its own rows from zero states, ``[T, value_dim]``."""
+    s = spec
+    mixed, z, b, a = split_proj(proj, s)
+    group = s.num_v_heads // s.num_k_heads
+    g, beta = gates(a, b, weights)
+    convolved = torch.cat([_conv(mixed[lo:hi], weights.conv1d) for lo, hi in spans])
+    q, k, v = torch.split(convolved, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+    q = q.reshape(-1, s.num_k_heads, s.head_k_dim).repeat_interleave(group, dim=1)
+    k = k.reshape(-1, s.num_k_heads, s.head_k_dim).repeat_interleave(group, dim=1)
+    v = v.reshape(-1, s.num_v_heads, s.head_v_dim)
+    out = _delta_rule(q, k, v, g, beta.float(), s, spans)
+    o = out.to(proj.dtype).reshape(-1, s.num_v_heads, s.head_v_dim)
+    y = gated_rms_norm(o, z.reshape(o.shape), weights.norm, s.norm_eps)
+    return y.reshape(-1, s.value_dim)
+
+
+def _delta_rule(q, k, v, g, beta, spec: GdnSpec, spans) -> torch.Tensor:
+    """``o [T, Hv, Dv]`` (fp32) of the gated delta rule, q and k L2-normalised here."""
+    if q.is_cuda and _fla_chunk() is not None:
+        cu = torch.tensor([0] + [b for _, b in spans], dtype=torch.int32, device=q.device)
+        o, _ = _fla_chunk()(q[None], k[None], v[None], g[None], beta[None].to(q.dtype), scale=spec.head_k_dim**-0.5,
+                            cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        return o[0].float()
+    q, k = l2norm(q.float()) * spec.head_k_dim**-0.5, l2norm(k.float())
+    out = []
+    for lo, hi in spans:
+        state = torch.zeros(spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, dtype=torch.float32, device=q.device)
+        o, _ = chunk_delta_rule(q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].float().transpose(0, 1),
+                                g[lo:hi].t(), beta[lo:hi].t(), state)
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
+
+
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule

@@ -1,0 +1,260 @@
+"""The engine's op impls with a backward. Each wrapped call is an autograd Function whose forward
+is the impl the engine runs (its kernels, its bits) and whose backward differentiates the op's
+mathematics (``train/math.py``) recomputed from the saved inputs. ``TrainFactory`` wraps every impl
+an op factory builds, so the engine's own model classes run a training forward unchanged.
+
+Inside ``math_mode()`` (a layer's recomputation under activation checkpointing, ``train/policy.py``)
+the wrappers compute the mathematics directly, under autograd: a checkpointed layer's backward
+then costs what a per-op backward does, one recomputation in PyTorch, not a rerun of the kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+
+from bi_core.backends.reference.attention import Rope
+from bi_core.ops.activation import Fp8Activation
+from bi_core.ops.gdn import GdnWeights
+from bi_core.train import math
+
+# set only while a checkpointed layer recomputes for its backward (``math_mode``): a context
+# variable, not a module flag, so a forward in another thread is never switched by it
+_MATH = contextvars.ContextVar("bi_core_train_math", default=False)
+
+
+@contextlib.contextmanager
+def math_mode() -> Iterator[None]:
+    token = _MATH.set(True)
+    try:
+        yield
+    finally:
+        _MATH.reset(token)
+
+
+def _call(forward_fn: Callable, math_fn: Callable, *inputs):
+    """The op: its kernels with a recomputing backward, or (math mode) its mathematics."""
+    if _MATH.get():
+        return math_fn(*inputs)
+    return Replay.apply(forward_fn, math_fn, *inputs)
+
+
+class Replay(torch.autograd.Function):
+    """``forward_fn(*inputs)`` (no autograd); the backward runs ``math_fn(*inputs)`` under autograd
+    from the saved inputs and differentiates it. ``math_fn``'s outputs correspond to the first of
+    ``forward_fn``'s; integer outputs are not differentiable."""
+
+    @staticmethod
+    def forward(ctx, forward_fn: Callable, math_fn: Callable, *inputs):
+        ctx.math_fn = math_fn
+        ctx.save_for_backward(*inputs)
+        out = forward_fn(*inputs)
+        for t in out if isinstance(out, tuple) else (out,):
+            if not t.is_floating_point():
+                ctx.mark_non_differentiable(t)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[2:]
+        return (None, None, *replay_grads(ctx.math_fn, ctx.saved_tensors, needs, grads))
+
+
+def replay_grads(fn: Callable, inputs, needs, grads) -> list[torch.Tensor | None]:
+    """Gradients of ``fn(*inputs)`` (recomputed under autograd) with respect to the inputs that
+    ``needs`` marks, given the gradients of its outputs (None: that output got none)."""
+    with torch.enable_grad():
+        xs = [x.detach().requires_grad_() if n else x for x, n in zip(inputs, needs)]
+        outs = fn(*xs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
+    wrt = [x for x, n in zip(xs, needs) if n]
+    got = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+           if pairs and wrt else [None] * len(wrt))
+    it = iter(got)
+    return [next(it) if n else None for n in needs]
+
+
+class LinearFn(torch.autograd.Function):
+    """A dense ``x @ W.T`` through the impl; gradients in closed form (nothing recomputed)."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight):
+        ctx.save_for_backward(x, weight)
+        return impl.forward(x, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.to(x.dtype)
+        gx = g @ w.to(g.dtype) if ctx.needs_input_grad[1] else None
+        gw = (g.t() @ x).to(w.dtype) if ctx.needs_input_grad[2] else None
+        return None, gx, gw
+
+
+class TrainLinear:
+    writes_into = False  # the model copies into wider buffers itself (a copy autograd sees)
+
+    def __init__(self, impl, spec) -> None:
+        self.impl, self.spec = impl, spec
+
+    def forward(self, x, weight, weight_scale=None, x_fp8=None):
+        if self.spec.weight_format != "dense" or weight_scale is not None:
+            raise NotImplementedError("block-FP8 weights: the trainer quantizes its bf16 weights itself "
+                                      "(bi_core.train.fp8)")
+        if self.spec.silu_mul:
+            return _call(self.impl.forward, math.silu_mul_linear, x, weight)
+        if _MATH.get():
+            return torch.nn.functional.linear(x, weight)
+        return LinearFn.apply(self.impl, x, weight)
+
+
+def _parts(y) -> tuple[torch.Tensor, ...]:
+    return (y.x, y.q, y.scale) if isinstance(y, Fp8Activation) else (y,)
+
+
+def _joined(parts) -> torch.Tensor | Fp8Activation:
+    parts = parts if isinstance(parts, tuple) else (parts,)
+    return parts[0] if len(parts) == 1 else Fp8Activation(*parts)
+
+
+class TrainNorm:
+    def __init__(self, impl, spec) -> None:
+        self.impl, self.eps = impl, spec.eps
+
+    def forward(self, x, weight):
+        return _joined(_call(lambda *a: _parts(self.impl.forward(*a)), functools.partial(math.norm, eps=self.eps),
+                             x, weight))
+
+    def forward_add(self, x, residual, weight):
+        def kernels(x, r, w):
+            y, total = self.impl.forward_add(x, r, w)
+            return (total, *_parts(y))
+
+        def mathematics(x, r, w):
+            y, total = math.norm_add(x, r, w, self.eps)
+            return total, y
+        out = _call(kernels, mathematics, x, residual, weight)
+        return _joined(tuple(out[1:])), out[0]
+
+
+class TrainTopK:
+    def __init__(self, impl, spec) -> None:
+        self.impl = impl
+
+    def forward(self, router_logits):
+        if _MATH.get():  # the experts the kernels chose (ties included), weighted by the mathematics
+            ids = self.impl.forward(router_logits.detach())[1]
+            return math.topk_weights(router_logits, ids), ids
+        return TopKFn.apply(self.impl, router_logits)
+
+
+class TopKFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, impl, logits):
+        weights, ids = impl.forward(logits)
+        ctx.save_for_backward(logits, ids)
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, g, _):
+        logits, ids = ctx.saved_tensors
+        (gx,) = replay_grads(lambda x: math.topk_weights(x, ids), [logits], [True], [g])
+        return None, gx
+
+
+class TrainMoE:
+    def __init__(self, impl, spec, reference) -> None:
+        self.impl, self.spec, self.reference = impl, spec, reference
+
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, **fp8):
+        if fp8:
+            raise NotImplementedError("block-FP8 experts: the trainer quantizes its bf16 weights itself "
+                                      "(bi_core.train.fp8)")
+        shared = () if shared_logits is None else (shared_logits,)
+        return _call(self.impl.forward, self.reference.forward, x, topk_weights, topk_ids, w13, w2, *shared)
+
+
+class TrainAttention:
+    """The attention op over the batch's one attention context (``TrainContext.attention``)."""
+
+    def __init__(self, impl, spec) -> None:
+        self.impl, self.spec = impl, spec
+        self.decode_query_len = getattr(impl, "decode_query_len", None)
+        self.rope = Rope(spec.rotary_dim, spec.rope_theta, spec.device)
+
+    def forward(self, qkv, q_norm, k_norm, k_cache, v_cache, ctx, kv_scales=None):
+        scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+        kernels = lambda q, a, b: self.impl.forward(q, a, b, k_cache, v_cache, ctx.attention, **scales)
+        mathematics = lambda q, a, b: math.attention(self.spec, self.rope, q, a, b, ctx.spans, ctx.positions)
+        return _call(kernels, mathematics, qkv, q_norm, k_norm)
+
+
+class TrainGdn:
+    """The GDN op over the batch's calls in order (prompt chunks, then the completions)."""
+
+    def __init__(self, impl, spec) -> None:
+        self.impl, self.spec = impl, spec
+
+    def forward(self, proj, weights: GdnWeights, conv_state, state, ctx):
+        def kernels(p, *w):
+            out = torch.empty((p.shape[0], self.spec.value_dim), dtype=p.dtype, device=p.device)
+            for call in ctx.gdn:
+                out[call.rows] = self.impl.forward(p[call.rows], GdnWeights(*w), conv_state, state, call.ctx)
+            return out
+        mathematics = lambda p, *w: math.gdn(self.spec, p, GdnWeights(*w), ctx.spans)
+        return _call(kernels, mathematics, proj, weights.conv1d, weights.A_log, weights.dt_bias, weights.norm)
+
+
+class LogprobFn(torch.autograd.Function):
+    """The sampler's logprob of each target (the bits the engine reported when it sampled it);
+    gradient ``g * (onehot - softmax)`` of the logits."""
+
+    @staticmethod
+    def forward(ctx, sampler, logits, targets):
+        ctx.save_for_backward(logits, targets)
+        return sampler.logprobs_of(logits, targets, 0).logprobs
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, targets = ctx.saved_tensors
+        grad = torch.softmax(logits.float(), dim=-1).mul_(-g[:, None])
+        grad.scatter_add_(1, targets[:, None], g[:, None].float())
+        return None, grad.to(logits.dtype), None
+
+
+class TrainSampler:
+    def __init__(self, impl, spec) -> None:
+        self.impl = impl
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return LogprobFn.apply(self.impl, logits, targets)
+
+
+WRAPPERS = {"linear": TrainLinear, "norm": TrainNorm, "topk": TrainTopK, "attention": TrainAttention,
+            "gdn": TrainGdn, "sampling": TrainSampler}
+
+
+class TrainFactory:
+    """An op factory whose impls train: the wrapped factory selects and builds each impl (its
+    policy, its backend order, its refusals), this one wraps it (once per impl)."""
+
+    def __init__(self, factory, reference_moe: Callable) -> None:
+        self.inner, self.base = factory, factory.base
+        self._reference_moe = reference_moe
+        self._wrapped: dict[int, object] = {}
+
+    def build(self, op: str, spec):
+        impl = self.inner.build(op, spec)
+        if id(impl) not in self._wrapped:
+            if op == "moe":
+                self._wrapped[id(impl)] = TrainMoE(impl, spec, self._reference_moe(spec))
+            elif op in WRAPPERS:
+                self._wrapped[id(impl)] = WRAPPERS[op](impl, spec)
+            else:
+                raise NotImplementedError(f"op {op!r} has no training form (the trainer runs as one rank)")
+        return self._wrapped[id(impl)]
