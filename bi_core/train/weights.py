@@ -51,7 +51,8 @@ def fusion_plan(args: ModelArgs) -> FusionPlan:
     for name, place in wm.by_name.items():
         if _PER_EXPERT.search(name) or name.endswith(_SKIPPED):
             continue
-        shapes[name] = place.shape
+        # transformers keeps the GDN conv as nn.Conv1d's [C, 1, K]; the map's shape is [C, K]
+        shapes[name] = (place.shape[0], 1, *place.shape[1:]) if name.endswith("conv1d.weight") else place.shape
         for dst, src in place.pieces:
             pieces.setdefault(place.param, []).append(Piece(name, dst, src))
     missing = sorted(set(wm.required) - set(pieces))
@@ -64,7 +65,7 @@ def fuse(shape: torch.Size, pieces: tuple[Piece, ...], tensors: dict[str, torch.
     """The engine parameter of ``shape`` from its HF tensors (zeros where none writes: narrower
     experts' padding), in ``dtype``; differentiable."""
     if len(pieces) == 1 and pieces[0].dst == ALL and pieces[0].src == ALL:
-        return tensors[pieces[0].hf_name].to(dtype)
+        return tensors[pieces[0].hf_name].to(dtype).reshape(shape)
     out = torch.zeros(shape, dtype=dtype, device=tensors[pieces[0].hf_name].device)
     for p in pieces:
         out[p.dst] = tensors[p.hf_name].to(dtype)[p.src]
@@ -78,5 +79,6 @@ def unfuse(plan: FusionPlan, engine_params: dict[str, torch.Tensor], dtype: torc
            for name, shape in plan.shapes.items()}
     for param, pieces in plan.pieces.items():
         for p in pieces:
-            out[p.hf_name][p.src] = engine_params[param][p.dst].to(dtype)
+            dst = out[p.hf_name] if p.src != ALL else out[p.hf_name].view(engine_params[param][p.dst].shape)
+            dst[p.src] = engine_params[param][p.dst].to(dtype)
     return out
