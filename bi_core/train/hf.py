@@ -1,0 +1,45 @@
+"""transformers' own Qwen3.5 with the policy's weights: the trainer most RL stacks run (its
+forward with fla's kernels on a GPU), here the control that shows the train/rollout gap users
+have without ``PolicyModel``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_transformers(policy, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A ``Qwen3_5ForCausalLM`` (or ``Qwen3_5MoeForCausalLM``) holding ``policy``'s weights, on its
+    device, in ``dtype`` (default: the policy's compute dtype), in eval mode."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    args = policy.args
+    fields = {k: v for k, v in args.to_hf_text_config().items() if k != "model_type"}
+    cls, conf = (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig) if args.is_moe else (Qwen3_5ForCausalLM,
+                                                                                     Qwen3_5TextConfig)
+    dtype = dtype or policy.dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(policy.device), no_init_weights():  # the weights come from the policy
+            model = cls(conf(**fields))
+    finally:
+        torch.set_default_dtype(previous)
+    state = policy.state_dict()
+    if args.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def transformers_logprobs(model, prompts, completions, temperature: float = 1.0) -> list[torch.Tensor]:
+    """Per sequence, transformers' logprob of each completion token (one forward per sequence)."""
+    out = []
+    device = next(model.parameters()).device
+    for p, c in zip(prompts, completions):
+        logits = model(torch.tensor([list(p) + list(c)], device=device)).logits[0, len(p) - 1:len(p) + len(c) - 1]
+        lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        out.append(lp.gather(1, torch.tensor(c, device=device)[:, None])[:, 0])
+    return out
