@@ -210,29 +210,45 @@ class TrainGdn:
         return _call(kernels, mathematics, proj, weights.conv1d, weights.A_log, weights.dt_bias, weights.norm)
 
 
-class LogprobFn(torch.autograd.Function):
-    """The sampler's logprob of each target (the bits the engine reported when it sampled it);
-    gradient ``g * (onehot - softmax)`` of the logits."""
-
-    @staticmethod
-    def forward(ctx, sampler, logits, targets):
-        ctx.save_for_backward(logits, targets)
-        return sampler.logprobs_of(logits, targets, 0).logprobs
-
-    @staticmethod
-    def backward(ctx, g):
-        logits, targets = ctx.saved_tensors
-        grad = torch.softmax(logits.float(), dim=-1).mul_(-g[:, None])
-        grad.scatter_add_(1, targets[:, None], g[:, None].float())
-        return None, grad.to(logits.dtype), None
-
-
 class TrainSampler:
+    """The sampler impl, whose ``logprobs_of`` gives the logprobs the engine reports (HeadLogprobFn)."""
+
     def __init__(self, impl, spec) -> None:
         self.impl = impl
 
-    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return LogprobFn.apply(self.impl, logits, targets)
+
+HEAD_BLOCK = 512  # logits rows at once: a block's vocabulary-wide logits, never a whole batch's
+
+
+class HeadLogprobFn(torch.autograd.Function):
+    """The lm_head and the sampler's logprob of each target, ``HEAD_BLOCK`` rows at a time (the
+    head computes a row from that row alone, so blocks change no bit, as in the engine's scoring);
+    the backward recomputes each block's logits, so no batch-wide logits are ever kept."""
+
+    @staticmethod
+    def forward(ctx, head, sampler, hidden, weight, targets):
+        ctx.save_for_backward(hidden, weight, targets)
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for a in range(0, hidden.shape[0], HEAD_BLOCK):
+            logits = head.forward(hidden[a:a + HEAD_BLOCK], weight)
+            out[a:a + HEAD_BLOCK] = sampler.logprobs_of(logits, targets[a:a + HEAD_BLOCK], 0).logprobs
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, targets = ctx.saved_tensors
+        gh = torch.empty_like(hidden) if ctx.needs_input_grad[2] else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[3] else None
+        for a in range(0, hidden.shape[0], HEAD_BLOCK):
+            h, gb, t = hidden[a:a + HEAD_BLOCK], g[a:a + HEAD_BLOCK], targets[a:a + HEAD_BLOCK]
+            grad = torch.softmax(torch.nn.functional.linear(h, weight).float(), dim=-1).mul_(-gb[:, None])
+            grad.scatter_add_(1, t[:, None], gb[:, None].float())
+            grad = grad.to(hidden.dtype)
+            if gh is not None:
+                gh[a:a + HEAD_BLOCK] = grad @ weight
+            if gw is not None:
+                gw += (grad.t() @ h).float()
+        return None, None, gh, None if gw is None else gw.to(weight.dtype), None
 
 
 WRAPPERS = {"linear": TrainLinear, "norm": TrainNorm, "topk": TrainTopK, "attention": TrainAttention,

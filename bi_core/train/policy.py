@@ -184,10 +184,10 @@ class PolicyModel(nn.Module):
         final = functional_call(self._engine.norm, {"weight": self.model.norm.weight.to(self.dtype)}, (x, residual))
         hidden = final[0][ctx.logits_indices]
         if self.args.tie_word_embeddings:
-            logits = self._engine._tied_head.forward(hidden, self.model.embed_tokens.weight.to(self.dtype))
+            head, weight = self._engine._tied_head, self.model.embed_tokens.weight
         else:
-            logits = functional_call(self._engine.lm_head, {"weight": self.lm_head.weight.to(self.dtype)}, (hidden,))
-        return self._engine.sampler.token_logprobs(logits, ctx.targets)
+            head, weight = self._engine.lm_head.impl, self.lm_head.weight
+        return ops.HeadLogprobFn.apply(head.impl, self._engine.sampler.impl, hidden, weight.to(self.dtype), ctx.targets)
 
     def token_logprobs(self, prompts, completions, temperature: float = 1.0) -> list[torch.Tensor]:
         """Per sequence, the logprob of each completion token ``[C_i]`` (float32, differentiable)."""

@@ -175,7 +175,7 @@ def test_linear_norm_and_logprob_gradients():
     from bi_core.backends.reference.linear import ReferenceLinearImpl
     from bi_core.backends.reference.norm import ReferenceRMSNormImpl
     from bi_core.backends.reference.sampling import ReferenceSamplerImpl
-    from bi_core.train.ops import TrainLinear, TrainNorm, TrainSampler
+    from bi_core.train.ops import HeadLogprobFn, TrainLinear, TrainNorm
 
     gen = torch.Generator().manual_seed(3)
     x, r = torch.randn(9, 64, generator=gen), torch.randn(9, 64, generator=gen)
@@ -188,6 +188,6 @@ def test_linear_norm_and_logprob_gradients():
     _check_op(norm.forward, ReferenceRMSNormImpl(1e-6).forward, [x, w2])
     _check_op(lambda *a: sum(norm.forward_add(*a)), lambda *a: sum(ReferenceRMSNormImpl(1e-6).forward_add(*a)),
               [x, r, w2])
-    logits, targets = torch.randn(9, 300, generator=gen), torch.randint(0, 300, (9,), generator=gen)
-    _check_op(lambda lg: TrainSampler(ReferenceSamplerImpl(), None).token_logprobs(lg, targets),
-              lambda lg: torch.log_softmax(lg, dim=-1).gather(1, targets[:, None])[:, 0], [logits])
+    head, targets = torch.randn(300, 64, generator=gen) / 8, torch.randint(0, 300, (9,), generator=gen)
+    _check_op(lambda h, hw: HeadLogprobFn.apply(ReferenceLinearImpl(), ReferenceSamplerImpl(), h, hw, targets),
+              lambda h, hw: torch.log_softmax(h @ hw.t(), dim=-1).gather(1, targets[:, None])[:, 0], [x, head])

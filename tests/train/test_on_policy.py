@@ -15,7 +15,7 @@ from triton_anywhere import TritonAnywhere
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.plugins import load_registry
-from bi_core.train import OnPolicyMismatch, PolicyModel, check_on_policy, rollout_logprobs
+from bi_core.train import OnPolicyMismatch, PolicyModel, check_on_policy, ops, rollout_logprobs
 
 pytestmark = pytest.mark.usefixtures("ordered_dot")  # numpy's dot would round a row by its place in a tile
 
@@ -64,7 +64,7 @@ def _train(policy, ps, cs, order: list[list[int]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
-def test_trainer_logprobs_are_the_rollouts_bitwise(device, preset):
+def test_trainer_logprobs_are_the_rollouts_bitwise(device, preset, monkeypatch):
     registry = load_registry(extra_plugins=(TritonAnywhere(),))
     config = _config(device, preset=preset)
     prompts = _prompts()
@@ -73,6 +73,7 @@ def test_trainer_logprobs_are_the_rollouts_bitwise(device, preset):
     n = len(ps)
     for order in ([list(range(n))], [[i] for i in reversed(range(n))], [[3, 0], [4, 1, 2]]):
         check_on_policy(want, _train(policy, ps, cs, order))
+        monkeypatch.setattr(ops, "HEAD_BLOCK", 5)  # the lm_head in blocks of 5 rows from the second on
     # negative controls: the reference backend's kernels, and prompts in chunks of 8 instead of 16
     reference = PolicyModel.from_config(_config(device, "reference", preset=preset))
     with pytest.raises(OnPolicyMismatch):
