@@ -1,0 +1,132 @@
+"""The trainer's speed: ``PolicyModel``'s parity forward and forward + backward against transformers'
+Qwen3.5 (with fla's kernels where installed: the usual trainer path), same weights, same GPU, same
+process, sequences of ``--seq-len`` tokens, for several completion lengths (the completion runs in
+decode arithmetic: GDN's recurrent form is sequential in time).
+
+    python benchmarks/train_bench.py benchmarks/configs/qwen35b_invariant.yaml --layers 8 \\
+        --batch 4 --seq-len 4096 --completions 256,1024,4095 --json $OUT/train_bench.json
+
+Both sides compute the completion tokens' logprobs in blocks of rows (never batch x vocabulary
+logits at once) and both checkpoint every layer for the backward (transformers'
+``gradient_checkpointing_enable``). Times are the median of ``--steps`` after one warm-up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train_parity import with_changes  # noqa: E402
+
+from bi_core import EngineConfig  # noqa: E402
+from bi_core.runtime import gc_heap  # noqa: E402
+from bi_core.train import PolicyModel  # noqa: E402
+from bi_core.train.hf import to_transformers  # noqa: E402
+
+BLOCK = 512
+
+
+def timed(fn, steps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hf_logprobs(model, ids: torch.Tensor, prompt_len: int, grad: bool) -> torch.Tensor:
+    """transformers' completion logprobs: the decoder, then the lm_head and log-softmax in blocks
+    (each block checkpointed when training, so no batch-wide logits are kept)."""
+    hidden = model.model(input_ids=ids).last_hidden_state[:, prompt_len - 1:-1].reshape(-1, model.config.hidden_size)
+    targets = ids[:, prompt_len:].reshape(-1)
+
+    def block(h, t):
+        return torch.log_softmax(model.lm_head(h).float(), dim=-1).gather(1, t[:, None])[:, 0]
+    parts = [checkpoint(block, hidden[a:a + BLOCK], targets[a:a + BLOCK], use_reentrant=False) if grad
+             else block(hidden[a:a + BLOCK], targets[a:a + BLOCK]) for a in range(0, hidden.shape[0], BLOCK)]
+    return torch.cat(parts)
+
+
+def measure(policy, hf, prompts, completions, ids, prompt_len: int, steps: int, tokens: int) -> dict:
+    """Each side's forward and forward + backward, timed."""
+    def ours_forward():
+        with torch.no_grad():
+            policy.token_logprobs(prompts, completions)
+
+    def ours_train():
+        (-torch.cat(policy.token_logprobs(prompts, completions)).mean()).backward()
+        policy.zero_grad(set_to_none=True)
+
+    def hf_forward():
+        with torch.no_grad():
+            hf_logprobs(hf, ids, prompt_len, grad=False)
+
+    def hf_train():
+        hf.train()
+        (-hf_logprobs(hf, ids, prompt_len, grad=True).mean()).backward()
+        hf.zero_grad(set_to_none=True)
+        hf.eval()
+    row = {}
+    for name, fn in (("ours_forward", ours_forward), ("transformers_forward", hf_forward),
+                     ("ours_forward_backward", ours_train), ("transformers_forward_backward", hf_train)):
+        dt = timed(fn, steps)
+        row[name] = {"seconds": round(dt, 4), "tokens_per_s": round(tokens / dt)}
+        gc_heap.collect()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--completions", default="256,1024,4095")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    config = EngineConfig.from_yaml(a.config)
+    if a.layers is not None:
+        config = with_changes(config, model__random__num_hidden_layers=a.layers)
+    policy = PolicyModel.from_config(config)
+    hf = to_transformers(policy)
+    hf.gradient_checkpointing_enable()
+    gen = torch.Generator().manual_seed(0)
+    vocab, tokens = policy.args.vocab_size, a.batch * a.seq_len
+    report = {"config": a.config, "layers": a.layers, "batch": a.batch, "seq_len": a.seq_len,
+              "gpu": torch.cuda.get_device_name(), "rows": []}
+    for c in (int(x) for x in a.completions.split(",")):
+        p = a.seq_len - c
+        seqs = torch.randint(0, vocab, (a.batch, a.seq_len), generator=gen)
+        prompts, completions = [s[:p].tolist() for s in seqs], [s[p:].tolist() for s in seqs]
+
+        row = {"completion": c, "prompt": p, **measure(policy, hf, prompts, completions, seqs.cuda(), p, a.steps,
+                                                        tokens)}
+        row["forward_ratio"] = round(row["ours_forward"]["seconds"] / row["transformers_forward"]["seconds"], 3)
+        row["forward_backward_ratio"] = round(row["ours_forward_backward"]["seconds"]
+                                              / row["transformers_forward_backward"]["seconds"], 3)
+        report["rows"].append(row)
+        print(f"completion {c:>5} (prompt {p:>5}): forward {row['ours_forward']['tokens_per_s']:>8} tok/s vs "
+              f"{row['transformers_forward']['tokens_per_s']:>8} ({row['forward_ratio']}x the time); forward+backward "
+              f"{row['ours_forward_backward']['tokens_per_s']:>8} vs {row['transformers_forward_backward']['tokens_per_s']:>8}"
+              f" ({row['forward_backward_ratio']}x)", flush=True)
+    report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
