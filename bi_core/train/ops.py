@@ -102,14 +102,22 @@ class TrainLinear:
         self.impl, self.spec = impl, spec
 
     def forward(self, x, weight, weight_scale=None, x_fp8=None):
-        if self.spec.weight_format != "dense" or weight_scale is not None:
-            raise NotImplementedError("block-FP8 weights: the trainer quantizes its bf16 weights itself "
-                                      "(bi_core.train.fp8)")
+        if weight_scale is not None:  # block-FP8: the kernels on the quantized copy, gradients of the bf16 one
+            return self._fp8(x, weight, weight_scale, x_fp8)
         if self.spec.silu_mul:
             return _call(self.impl.forward, math.silu_mul_linear, x, weight)
         if _MATH.get():
             return torch.nn.functional.linear(x, weight)
         return LinearFn.apply(self.impl, x, weight)
+
+    def _fp8(self, x, weight, weight_scale, x_fp8):
+        """``weight`` is the FP8 copy, ``weight.dense`` the bf16 weights it was quantized from
+        (``PolicyLayer.engine_params``): the straight-through estimator differentiates the dense
+        layer at those weights."""
+        quantized = {} if x_fp8 is None else {"x_fp8": x_fp8}
+        kernels = lambda x_, _dense: self.impl.forward(x_, weight, weight_scale, **quantized)
+        mathematics = math.silu_mul_linear if self.spec.silu_mul else torch.nn.functional.linear
+        return _call(kernels, mathematics, x, weight.dense)
 
 
 def _parts(y) -> tuple[torch.Tensor, ...]:
@@ -172,11 +180,13 @@ class TrainMoE:
         self.impl, self.spec, self.reference = impl, spec, reference
 
     def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, **fp8):
-        if fp8:
-            raise NotImplementedError("block-FP8 experts: the trainer quantizes its bf16 weights itself "
-                                      "(bi_core.train.fp8)")
         shared = () if shared_logits is None else (shared_logits,)
-        return _call(self.impl.forward, self.reference.forward, x, topk_weights, topk_ids, w13, w2, *shared)
+        if not fp8:
+            return _call(self.impl.forward, self.reference.forward, x, topk_weights, topk_ids, w13, w2, *shared)
+        # block-FP8 experts (``w13.dense``, ``w2.dense``: their bf16 weights, as TrainLinear._fp8)
+        fp8 = {k: v for k, v in fp8.items() if v is not None}
+        kernels = lambda x_, w_, ids_, _13, _2, *s_: self.impl.forward(x_, w_, ids_, w13, w2, *s_, **fp8)
+        return _call(kernels, self.reference.forward, x, topk_weights, topk_ids, w13.dense, w2.dense, *shared)
 
 
 class TrainAttention:

@@ -22,11 +22,12 @@ from bi_core.models.loader import load_weights
 from bi_core.models.qwen3_5 import DecoderLayer, Qwen35Model, local_args
 from bi_core.models.random_init import init_random_weights
 from bi_core.ops.context import ModelCaches
+from bi_core.quant.params import SCALE_SUFFIX, is_fp8
 from bi_core.runtime.build import prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.scheduler import resolve_chunk_size
 from bi_core.train import ops
 from bi_core.train.layout import TrainContext, plan_train
-from bi_core.train.weights import FusionPlan, fuse, fusion_plan, unfuse
+from bi_core.train.weights import FusionPlan, fuse, fuse_fp8, fusion_plan, unfuse
 
 
 class _Node(nn.Module):
@@ -69,13 +70,25 @@ class PolicyLayer(nn.Module):
         for name, t in tensors.items():
             _attach(self, name, t)
         self._plan, self._dtype = plan, compute_dtype
-        self._shapes = {n: p.shape for n, p in engine_layer.named_parameters()}
+        self._meta = dict(engine_layer.named_parameters())  # shapes, and FP8 parameters' formats
         object.__setattr__(self, "_engine_layer", engine_layer)  # not a submodule: its parameters are meta
         self.checkpoint = True
 
     def engine_params(self) -> dict[str, torch.Tensor]:
-        hf = _tensors(self)
-        return {name: fuse(self._shapes[name], pieces, hf, self._dtype) for name, pieces in self._plan.pieces.items()}
+        """The engine layer's parameters from this layer's: fused (differentiable); an FP8 one
+        quantized as a weight sync quantizes it, its fused bf16 weights kept as ``.dense`` (the
+        backward differentiates them: the straight-through estimator)."""
+        hf, out = _tensors(self), {}
+        for name, pieces in self._plan.pieces.items():
+            meta = self._meta[name]
+            dense = fuse(meta.shape, pieces, hf, self._dtype)
+            if not is_fp8(meta):
+                out[name] = dense
+                continue
+            q, scale = fuse_fp8(meta, pieces, hf, self._plan.place_shapes)
+            q.dense = dense
+            out[name], out[name + SCALE_SUFFIX] = q, scale
+        return out
 
     def run(self, x, residual, ctx: TrainContext, caches: ModelCaches):
         return functional_call(self._engine_layer, self.engine_params(), (x, residual, ctx, caches))
@@ -129,8 +142,9 @@ class PolicyModel(nn.Module):
         if args.kv_scales:
             raise ConfigError("cache.kv_cache_dtype", "an FP8 KV cache at a checkpoint's calibrated k/v scales is not "
                               "trained yet; use cache.kv_cache_dtype auto or an FP8 cache at scale 1")
-        if args.quantization is not None:
-            raise ConfigError("model.quantization", "the FP8 trainer is built with bi_core.train.fp8")
+        if index is not None and any(index.dtype(n) == torch.float8_e4m3fn for n in index.names()):
+            raise ConfigError("model.path", "an FP8 checkpoint: the trainer holds bf16 weights and quantizes them as a "
+                              "weight sync does; start it from the bf16 checkpoint with model.quantization: fp8")
         self.config, self.args = config, args
         self.device, self.dtype = factory.base["device"], factory.base["dtype"]
         param_dtype = param_dtype or self.dtype
@@ -138,7 +152,7 @@ class PolicyModel(nn.Module):
                              torch.device("meta"), with_mtp=False)
         object.__setattr__(self, "_engine", engine)
         plan = fusion_plan(args)
-        hf = _initial_weights(config, args, factory, index, plan, param_dtype)
+        hf = _initial_weights(config, args, factory, index, param_dtype)
         self.model = _Node()
         _attach(self.model, "embed_tokens.weight", hf.pop("model.embed_tokens.weight"))
         _attach(self.model, "norm.weight", hf.pop("model.norm.weight"))
@@ -214,9 +228,13 @@ class PolicyModel(nn.Module):
                                    dtype=state_dtype, device=dev) for _ in range(num_gdn)])
 
 
-def _initial_weights(config: EngineConfig, args, factory, index, plan: FusionPlan, dtype) -> dict[str, torch.Tensor]:
-    """The weights the engine starts from (its loader or its random initialiser), in HF names."""
+def _initial_weights(config: EngineConfig, args, factory, index, dtype) -> dict[str, torch.Tensor]:
+    """The weights the engine starts from (its loader or its random initialiser), in HF names.
+    FP8: the unquantized ones (a random preset draws the same numbers for both models; the engine
+    quantizes them on load, the trainer at every forward)."""
     device = factory.base["device"]
+    args = attrs.evolve(args, quantization=None)
+    plan = fusion_plan(args)
     model = Qwen35Model(args, factory, factory.base["dtype"], device, with_mtp=False)
     if index is not None:
         load_weights(model, index)

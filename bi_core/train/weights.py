@@ -33,6 +33,7 @@ class FusionPlan:
 
     pieces: dict[str, tuple[Piece, ...]]
     shapes: dict[str, tuple[int, ...]]
+    place_shapes: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # each HF tensor as the map places it
 
     def layer(self, i: int) -> FusionPlan:
         """The plan of decoder layer ``i``, names relative to the layer (``mixer.qkv_proj.weight`` from
@@ -41,23 +42,26 @@ class FusionPlan:
         pieces = {name[len(ours):]: tuple(attrs.evolve(p, hf_name=p.hf_name[len(hf):]) for p in ps)
                   for name, ps in self.pieces.items() if name.startswith(ours)}
         shapes = {name[len(hf):]: s for name, s in self.shapes.items() if name.startswith(hf)}
-        return FusionPlan(pieces, shapes)
+        place = {name[len(hf):]: s for name, s in self.place_shapes.items() if name.startswith(hf)}
+        return FusionPlan(pieces, shapes, place)
 
 
 def fusion_plan(args: ModelArgs) -> FusionPlan:
     wm = weight_map(args, with_mtp=False)
     pieces: dict[str, list[Piece]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    place_shapes: dict[str, tuple[int, ...]] = {}
     for name, place in wm.by_name.items():
         if _PER_EXPERT.search(name) or name.endswith(_SKIPPED):
             continue
         # transformers keeps the GDN conv as nn.Conv1d's [C, 1, K]; the map's shape is [C, K]
         shapes[name] = (place.shape[0], 1, *place.shape[1:]) if name.endswith("conv1d.weight") else place.shape
+        place_shapes[name] = place.shape
         for dst, src in place.pieces:
             pieces.setdefault(place.param, []).append(Piece(name, dst, src))
     missing = sorted(set(wm.required) - set(pieces))
     assert not missing, f"no HF tensor fills {missing}"
-    return FusionPlan({k: tuple(v) for k, v in pieces.items()}, shapes)
+    return FusionPlan({k: tuple(v) for k, v in pieces.items()}, shapes, place_shapes)
 
 
 def fuse(shape: torch.Size, pieces: tuple[Piece, ...], tensors: dict[str, torch.Tensor],
@@ -70,6 +74,28 @@ def fuse(shape: torch.Size, pieces: tuple[Piece, ...], tensors: dict[str, torch.
     for p in pieces:
         out[p.dst] = tensors[p.hf_name].to(dtype)[p.src]
     return out
+
+
+@torch.no_grad()
+def fuse_fp8(param: torch.nn.Parameter, pieces: tuple[Piece, ...], tensors: dict[str, torch.Tensor],
+             place_shapes: dict[str, tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 engine parameter (float8 values, float32 block scales) from its HF tensors, as the
+    engine's loader makes it at a weight sync: each tensor rounded to the model dtype and quantized
+    per 128x128 block on its own, values and scales placed (``models/loader.py`` ``_copy``)."""
+    from bi_core.quant.fp8 import FP8, quantize_blocks, scale_shape
+    from bi_core.quant.placement import block_index
+
+    block, device = param.fp8.block, tensors[pieces[0].hf_name].device
+    shape = tuple(param.shape)
+    q = torch.zeros(shape, dtype=FP8, device=device)  # narrower experts' padding: zeros, as the engine holds
+    scale = torch.ones(scale_shape(shape, block), dtype=torch.float32, device=device)
+    for p in pieces:
+        t = tensors[p.hf_name].detach().to(param.dense_dtype).reshape(place_shapes[p.hf_name])
+        qt, st = quantize_blocks(t, block)
+        q[p.dst] = qt[p.src]
+        scale[block_index(p.dst, shape, block, p.hf_name, False)] = st[block_index(p.src, tuple(t.shape), block,
+                                                                                   p.hf_name, True)]
+    return q, scale
 
 
 @torch.no_grad()

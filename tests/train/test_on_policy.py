@@ -135,3 +135,25 @@ def test_check_on_policy_names_the_first_difference():
         check_on_policy(want, [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5, -0.1])])
     with pytest.raises(OnPolicyMismatch, match="0x80000000"):  # -0.0 is not 0.0
         check_on_policy([[0.0]], [torch.tensor([-0.0])])
+
+
+def test_fp8_rollouts_are_on_policy_before_and_after_a_sync(device):
+    """Block-FP8 (W8A8) rollouts: the trainer keeps bf16 weights and quantizes them at every forward
+    as the engine quantizes a weight sync, so its logprobs are the FP8 engine's bitwise, at the
+    start (random weights quantized on load) and after a step and a sync."""
+    registry = load_registry(extra_plugins=(TritonAnywhere(),))
+    config = _config(device, preset="tiny-moe-b128").replace(model={"quantization": "fp8"})
+    engine = build_engine(config, registry)
+    policy = PolicyModel.from_config(config, registry)
+    assert not any(p.dtype == torch.float8_e4m3fn for p in policy.parameters())
+    prompts = _prompts()[1:3]
+    params = [SamplingParams(max_new_tokens=4, temperature=1.0, seed=31, ignore_eos=True)] * 2
+    ps, cs, want = _batch(prompts, engine.generate(prompts, params))
+    lps = policy.token_logprobs(ps, cs)
+    check_on_policy(want, lps)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.05)
+    (-torch.cat(lps).sum()).backward()
+    opt.step()
+    engine.update_weights(policy.state_dict())
+    ps, cs, want = _batch(prompts, engine.generate(prompts, params))
+    check_on_policy(want, policy.token_logprobs(ps, cs))
