@@ -47,11 +47,11 @@ order (``ordered_dot``): that proves the kernel's own arithmetic. Whether the GP
 gives an element the same bits at every position in a tile and for every tile width (BLOCK_N
 32..128, 4 or 8 warps) is the hardware's side, checked by the GPU-only tests in test_fp8.py (rows
 bitwise over M = 1..1024 and row permutations at the model shapes, dense and MoE): they pass on
-an H200 (dev/benchmarks-history.md sections 16, 20, 21).
+an H200 (docs/benchmarks.md sections 16, 20, 21).
 
 Tuning: the split counts follow the bf16 GEMM's reasoning (decode GEMVs need about
 TARGET_PROGRAMS programs: split-K fixed by (N, K)); the decode tiles come from sweeps on an H200
-(``benchmarks/kernels/fp8_kernel_bench.py``; dev/benchmarks-history.md).
+(``benchmarks/fp8_kernel_bench.py``; docs/benchmarks.md).
 
 API for the backends (all tensors on one CUDA device, or the CPU under TRITON_INTERPRET=1):
 

@@ -13,7 +13,7 @@ number of sequences:
 - above it, one kernel per (sequence, key head): the conv of its channels (q and k of that key
   head, v of its GROUP value heads), then the recurrence of each of its value heads, the first
   one's state read before the conv. Fewer, longer programs stream the state faster at large
-  batch (timings: dev/benchmarks-history.md section 19).
+  batch (timings: docs/benchmarks.md section 19).
 The recurrence runs over the sequence's tokens (one for a decode step, 1+N for a verify step,
 or a whole continuation when scoring exactly): the same arithmetic per token whatever the step;
 a state kept in bf16 is rounded after every token, as separate steps would store it. Every conv

@@ -191,7 +191,7 @@ def block_m_for(m: int) -> int:
 
 def block_k_for(n: int, k: int) -> int:
     """Part of the K order: fixed by (N, K). 64, or 128 for vocabulary-sized heads (the best at M=1
-    in benchmarks/kernels/kernel_bench.py --sweep: benchmarks section 5)."""
+    in benchmarks/kernel_bench.py --sweep: benchmarks section 5)."""
     return 128 if n >= 65536 and k >= 1024 else 64
 
 
