@@ -43,7 +43,7 @@ def variants():
     for tma in (False, True):
         tag = "tma" if tma else "ptr"
         w64, w128 = (desc(64), desc(128)) if tma else ("*fp8e4nv", "*fp8e4nv")
-        if not tma:  # (its weight tiles by TMA: measured, no gain; docs/wip/fp8-dense-tma.diff)
+        if not tma:  # (its weight tiles by TMA: measured, no gain; branch wip/fp8-dense-tma)
             yield ("dense decode, swapped, split ptr", fp8._fp8_gemm_kernel,
                    {"A": "*fp8e4nv", "AS": "*fp32", "B": w64, "BS": "*fp32", "C": "*bf16", "WS": "*fp32",
                     "LOCKS": "*i32"},
