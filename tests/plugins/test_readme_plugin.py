@@ -1,4 +1,4 @@
-"""The README's "Writing a backend plugin" snippet runs as written: its module registers a backend
+"""The README's "Write a plugin" snippet runs as written: its module registers a backend
 the engine selects and runs, and its entry-point table names our entry-point group."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ README = Path(__file__).parents[2] / "README.md"
 def readme_plugin_blocks() -> dict[str, str]:
     """The fenced code blocks of the README's plugin section, by language (python, toml)."""
     text = README.read_text()
-    section = text.split("## Writing a backend plugin", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## Write a plugin", 1)[1].split("\n## ", 1)[0]
     blocks = dict(re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S))
     assert set(blocks) == {"python", "toml"}, f"the plugin section's code blocks changed: {sorted(blocks)}"
     return blocks
