@@ -330,7 +330,8 @@ class SamplingConfig:
     max_new_tokens: int = _field(_int(1), 32)
     temperature: float = _field(_float(0.0, 100.0), 0.0)
     top_k: int = _field(_int(0), 0, doc="0 = off")
-    top_p: float = _field(_float(0.0, 1.0, above_minimum=True), 1.0, doc="0 would keep no token")
+    top_p: float = _field(_float(0.0, 1.0, above_minimum=True), 1.0,
+                          doc="nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 = off")
     seed: int | None = _field(_optional(_seed), None)
     logprobs: int | None = _field(_optional(_int(0, 20)), None)
     ignore_eos: bool = _field(_bool, False)

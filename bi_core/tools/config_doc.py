@@ -44,7 +44,6 @@ EXTRA_DOCS = {
     "strategy.num_speculative_tokens": "mtp: drafts verified per step (unset: 1)",
     "sampling.max_new_tokens": "tokens generated per request",
     "sampling.temperature": "0 = greedy",
-    "sampling.top_p": "nucleus sampling; 1.0 = off",
     "sampling.seed": "seed of each CLI request's random draws (unset: derived from the top-level seed and the "
                      "request id)",
     "sampling.logprobs": "top-N logprobs reported per generated token (and the sampled token's own)",
@@ -134,7 +133,8 @@ def describe(parse: Callable, annotation: str = "") -> tuple[str, str]:
     if name == "_int":
         return "int", _range(free["minimum"], free["maximum"])
     if name == "_float":
-        return "number", _range(free["minimum"], free["maximum"])
+        allowed = _range(free["minimum"], free["maximum"])
+        return "number", allowed.replace(" .. ", " (excluded) .. ", 1) if free.get("above_minimum") else allowed
     if name == "_choice":
         return "string", ", ".join(free["choices"])
     if name == "_optional":
@@ -150,6 +150,7 @@ def describe(parse: Callable, annotation: str = "") -> tuple[str, str]:
         "_class_path": ("string", "'module.path:ClassName' or 'module.path.ClassName'"),
         "_op_preferences": ("mapping", f"op ({', '.join(cfg.OP_NAMES)}) -> backend names, most preferred first"),
         "_prompts": ("list", "non-empty strings, or non-empty lists of token ids"),
+        "_seed": ("int", "0 .. 2**64 - 1"),
     }
     if name in known:
         return known[name]
