@@ -1,0 +1,31 @@
+"""Sampling parameters the engine refuses, through the HTTP routes: one 400 naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from conftest import API_KEY
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+
+def post_raw(server, path: str, body: str) -> httpx.Response:
+    """``body`` as written (JSON's ``Infinity`` is no value ``json.dumps`` writes by default)."""
+    return httpx.post(f"{server.url}{path}", content=body, headers=HEADERS, timeout=60)
+
+
+def test_a_temperature_of_infinity_is_refused(server):
+    r = post_raw(server, "/generate", '{"input_ids": [1, 2], "sampling_params": {"temperature": Infinity}}')
+    assert r.status_code == 400 and "temperature must be a finite number" in r.json()["error"]["message"], r.text
+    r = post_raw(server, "/v1/completions", '{"model": "tiny", "prompt": [1, 2], "temperature": NaN}')
+    assert r.status_code == 400, r.text
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(server):
+    for path, body in [("/v1/completions", {"model": "tiny", "prompt": [1, 2], "stop_token_ids": [3, 999]}),
+                       ("/v1/completions", {"model": "tiny", "prompt": [1, 2], "n": 2, "stop_token_ids": [999]}),
+                       ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [999]}})]:
+        r = post_raw(server, path, json.dumps(body))
+        assert r.status_code == 400, r.text
+        assert "stop_token_ids has ids outside the vocabulary [0, 260): [999]" in r.json()["error"]["message"]
