@@ -24,16 +24,19 @@ class TextStream:
         self.stop_reason: str | None = None  # the stop string that ended the text
         self._prefix = 0  # ids[_prefix:_read] decode to text already emitted (context for the next token)
         self._read = 0
+        self._match = True  # whether the last token's text may hold a stop string (flush's text is its)
 
-    def feed(self, token: int) -> None:
-        """Add one token; ``text`` grows by what it completes; sets ``stop_reason`` on a match."""
+    def feed(self, token: int, match: bool = True) -> None:
+        """Add one token; ``text`` grows by what it completes; sets ``stop_reason`` on a match
+        (``match`` False: none is looked for in what it completes, e.g. before min_tokens)."""
         if self.stop_reason is not None:
             return
         self.ids.append(token)
+        self._match = match
         before = self.tokenizer.decode(self.ids[self._prefix:self._read])
         now = self.tokenizer.decode(self.ids[self._prefix:])
         if len(now) > len(before) and not now.endswith(REPLACEMENT):
-            self._add(now[len(before):])
+            self._add(now[len(before):], match)
             self._prefix, self._read = self._read, len(self.ids)
 
     @property
@@ -47,13 +50,16 @@ class TextStream:
         """At the end: text held back for an incomplete character is emitted as it decodes."""
         if self.stop_reason is None and self._read < len(self.ids):
             before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-            self._add(self.tokenizer.decode(self.ids[self._prefix:])[len(before):])
+            self._add(self.tokenizer.decode(self.ids[self._prefix:])[len(before):], self._match)
             self._read = len(self.ids)
 
-    def _add(self, delta: str) -> None:
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+    def _add(self, delta: str, match: bool = True) -> None:
+        end = len(self.text)
         self.text += delta
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if not match:
+            return
+        # a match must end in the new text (one that ends before it was refused or not looked for)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, end - len(s) + 1))) >= 0]
         if hits:
             cut, reason = min(hits)
             self.text, self.stop_reason = self.text[:cut], reason

@@ -81,6 +81,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)  # ends when the text contains one
     ignore_eos: bool = False
+    # vLLM's: a stop token, EOS or stop string ends the request only after min_tokens generated
+    # tokens (their logits are -inf until then; EOS too with ignore_eos, as vLLM masks it)
+    min_tokens: int = attrs.field(default=0, converter=_as_int)
+    min_p: float = 0.0  # drop tokens whose probability (after temperature) is below min_p x the top one's
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (vLLM/HF); 1 = off
+    presence_penalty: float = 0.0  # OpenAI's, over the output tokens: subtracted once per distinct token
+    frequency_penalty: float = 0.0  # OpenAI's, over the output tokens: subtracted per occurrence
     # the top-k expert ids of every MoE layer for each position that ran through the model
     # (routing replay; needs model.enable_return_routed_experts)
     return_routed_experts: bool = False
@@ -96,6 +103,9 @@ class SamplingParams:
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens, f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        _check(self.min_tokens <= self.max_new_tokens,
+               f"min_tokens ({self.min_tokens}) must be at most max_new_tokens ({self.max_new_tokens})")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT),
                f"seed must be an int in [0, 2**64), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -107,3 +117,14 @@ class SamplingParams:
         _check(_is_number(self.temperature) and self.temperature >= 0.0,
                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_number(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a repetition, presence or frequency penalty changes its logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

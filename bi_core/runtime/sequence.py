@@ -183,9 +183,12 @@ class Sequence:
         if top is not None:
             self.top_logprobs.append(top)
         stops = self.params.stop_token_ids + (() if self.params.ignore_eos else eos_ids)
+        # min_tokens: nothing stops it before that many tokens came (the sampler banned the stop ids
+        # and EOS until then; a stop string is matched only in text that a later token completes)
+        may_stop = len(self.output_ids) > self.params.min_tokens
         if self.text is not None:
-            self.text.feed(token)
-        if token in stops:
+            self.text.feed(token, match=may_stop)
+        if may_stop and token in stops:
             self.stop_reason = token
             self.finish("stop")
         elif self.text is not None and self.text.stop_reason is not None:

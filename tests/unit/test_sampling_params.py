@@ -32,10 +32,19 @@ def test_stop_must_be_strings():
     ("seed", 2**64), ("seed", -1), ("seed", True), ("seed", 1.0),
     ("n", True), ("max_new_tokens", 2.0), ("top_k", True), ("logprobs", True), ("prompt_logprobs", 21),
     ("ignore_eos", "yes"), ("ignore_eos", 1), ("return_routed_experts", None),
+    ("min_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")),
+    ("presence_penalty", 2.5), ("frequency_penalty", float("nan")), ("frequency_penalty", "1"),
+    ("min_tokens", -1), ("min_tokens", 1.0),
 ])
 def test_bad_values_are_one_request_error_naming_the_field(field, value):
     with pytest.raises(RequestError, match=f"SamplingParams: {field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_min_tokens_at_most_max_new_tokens():
+    assert SamplingParams(min_tokens=16, max_new_tokens=16).min_tokens == 16
+    with pytest.raises(RequestError, match=r"min_tokens \(17\) must be at most max_new_tokens \(16\)"):
+        SamplingParams(min_tokens=17, max_new_tokens=16)
 
 
 def test_edge_values_are_accepted():
