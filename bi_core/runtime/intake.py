@@ -58,7 +58,8 @@ class Intake:
             seq.group.append(f)
         if (text or params.stop) and self.tokenizer is not None:
             for member in seq.group:
-                member.text = TextStream(self.tokenizer, params.stop)
+                member.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,
+                                         **params.decode_options)
         return seq
 
     def score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool, logprobs: int,

@@ -88,6 +88,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (vLLM/HF); 1 = off
     presence_penalty: float = 0.0  # OpenAI's, over the output tokens: subtracted once per distinct token
     frequency_penalty: float = 0.0  # OpenAI's, over the output tokens: subtracted per occurrence
+    # the text (vLLM's detokenization options): a matched stop string, or the stop token that ended
+    # it, stays at its end (SGLang's no_stop_trim); special tokens kept, spaced from their neighbours
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # the top-k expert ids of every MoE layer for each position that ran through the model
     # (routing replay; needs model.enable_return_routed_experts)
     return_routed_experts: bool = False
@@ -95,7 +100,8 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         self._check_counts()
         self._check_floats()
-        for name in ("ignore_eos", "return_routed_experts"):
+        for name in ("ignore_eos", "return_routed_experts", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def _check_counts(self) -> None:
@@ -123,6 +129,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_is_number(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}")
+
+    @property
+    def decode_options(self) -> dict[str, bool]:
+        """The tokenizer's ``decode`` options for this request's text."""
+        return {"skip_special_tokens": self.skip_special_tokens,
+                "spaces_between_special_tokens": self.spaces_between_special_tokens}
 
     @property
     def has_penalties(self) -> bool:

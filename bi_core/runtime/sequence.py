@@ -186,9 +186,10 @@ class Sequence:
         # min_tokens: nothing stops it before that many tokens came (the sampler banned the stop ids
         # and EOS until then; a stop string is matched only in text that a later token completes)
         may_stop = len(self.output_ids) > self.params.min_tokens
-        if self.text is not None:
-            self.text.feed(token, match=may_stop)
-        if may_stop and token in stops:
+        by_token = may_stop and token in stops
+        if self.text is not None and (self.params.include_stop_str_in_output or not by_token):
+            self.text.feed(token, match=may_stop)  # a stop token's text is dropped, as vLLM does
+        if by_token:
             self.stop_reason = token
             self.finish("stop")
         elif self.text is not None and self.text.stop_reason is not None:
@@ -227,9 +228,18 @@ class ScoreOutput:
                    exact=s.exact, weight_version=s.weight_version, error=s.error)
 
 
+def output_text(s: Sequence, tokenizer) -> str:
+    """A sequence's text decoded at once, as its ``TextStream`` would give it: without the stop
+    token that ended it (unless ``include_stop_str_in_output``), with its decode options."""
+    ids = s.output_ids
+    if s.finish_reason == "stop" and isinstance(s.stop_reason, int) and not s.params.include_stop_str_in_output:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, **s.params.decode_options)
+
+
 def request_output(s: Sequence, tokenizer) -> RequestOutput:
     """A sequence's result as the user sees it (also while it runs)."""
-    text = s.text.text if s.text is not None else tokenizer.decode(s.output_ids) if tokenizer else None
+    text = s.text.text if s.text is not None else output_text(s, tokenizer) if tokenizer else None
     return RequestOutput(
         request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
         token_logprobs=list(s.token_logprobs), logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,
