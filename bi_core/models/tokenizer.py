@@ -21,6 +21,9 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may be part of a UTF-8 character)."""
 
+    def token_name(self, token_id: int) -> str:
+        """One token's name in logprobs, distinct for distinct tokens (``name_of``)."""
+
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         """A conversation as prompt ids ending in the assistant's turn, and the token ids that end
         a turn; raises CheckpointError when the tokenizer has no chat template."""
@@ -63,6 +66,9 @@ class ByteTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if token_id < 256 else b""
 
+    def token_name(self, token_id: int) -> str:
+        return self.special_tokens[token_id] if token_id in self.special_tokens else name_of(self.token_bytes(token_id))
+
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         ids: list[int] = []
         for m in messages:
@@ -98,6 +104,9 @@ class HFTokenizer:
             return bytes(table[c] for c in token)
         return token.encode("utf-8")
 
+    def token_name(self, token_id: int) -> str:
+        return name_of(self.token_bytes(token_id))  # a special token's bytes are its text
+
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         if not getattr(self._tok, "chat_template", None):
             raise CheckpointError("this checkpoint's tokenizer has no chat template; use /v1/completions")
@@ -105,6 +114,17 @@ class HFTokenizer:
         end = self._tok.convert_tokens_to_ids("<|im_end|>")
         stops = tuple(i for i in (end, self._tok.eos_token_id) if isinstance(i, int) and i != self._tok.unk_token_id)
         return self.encode(text), stops
+
+
+def name_of(raw: bytes) -> str:
+    """A token's name from its bytes: their text when they are whole UTF-8 characters, else
+    OpenAI's ``bytes:\\xe2\\x80`` form, so that no two tokens share a name (decoding half a
+    character alone gives U+FFFD for all of them, which made the legacy completions' top
+    logprobs, a dict by name, lose entries)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _unicode_to_byte() -> dict[str, int]:

@@ -29,3 +29,17 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(server):
         r = post_raw(server, path, json.dumps(body))
         assert r.status_code == 400, r.text
         assert "stop_token_ids has ids outside the vocabulary [0, 260): [999]" in r.json()["error"]["message"]
+
+
+def test_completions_top_logprobs_have_exactly_n_entries(server):
+    """20 entries, plus the sampled token when it is not among them: byte tokens of half a
+    character are named ``bytes:\\xNN`` (all of them decode to U+FFFD alone, and collapsed)."""
+    body = {"model": "tiny", "prompt": [200, 201, 202], "max_tokens": 12, "temperature": 1.0, "seed": 3,
+            "logprobs": 20}
+    r = post_raw(server, "/v1/completions", json.dumps(body))
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == value and len(top) in (20, 21)
+        assert len(top) == 20 or value == min(top.values())  # 21: the sampled token came from outside the top 20
+    assert any(name.startswith("bytes:\\x") for top in lp["top_logprobs"] for name in top)
