@@ -43,3 +43,17 @@ def test_completions_top_logprobs_have_exactly_n_entries(server):
         assert top[token] == value and len(top) in (20, 21)
         assert len(top) == 20 or value == min(top.values())  # 21: the sampled token came from outside the top 20
     assert any(name.startswith("bytes:\\x") for top in lp["top_logprobs"] for name in top)
+
+
+def test_chat_ignore_eos_ignores_the_turn_end_too(server):
+    """vLLM counts the template's turn end among the EOS ids (generation_config's), which
+    ignore_eos ignores: the greedy reply to "no" past its EOS reaches <|im_end|> at its 22nd
+    token, and goes on."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "no"}], "max_tokens": 30, "temperature": 0,
+            "logprobs": True, "return_tokens_as_token_ids": True}
+    r = post_raw(server, "/v1/chat/completions", json.dumps({**body, "ignore_eos": True})).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 30
+    tokens = [e["token"] for e in r["choices"][0]["logprobs"]["content"]]
+    assert tokens[21] == "token_id:258" and tokens[0] == "token_id:256"  # <|im_end|>, and <|endoftext|> first
+    ends = post_raw(server, "/v1/chat/completions", json.dumps(body)).json()
+    assert ends["choices"][0]["finish_reason"] == "stop" and ends["usage"]["completion_tokens"] == 1  # its EOS
