@@ -19,7 +19,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    token_logprobs: list[float]  # log p of each generated token (raw distribution)
+    # log p of each generated token under the model's raw distribution: before penalties, min_tokens'
+    # mask, temperature and filters (vLLM's default logprobs_mode, raw_logprobs); top-N likewise
+    token_logprobs: list[float]
     logprobs: list[dict[int, float]] | None  # per step: top-N and the sampled token
     finish_reason: str | None  # stop | length | abort | error
     error: str | None = None
