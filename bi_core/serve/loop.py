@@ -422,7 +422,7 @@ class EngineLoop:
 
     def _flush(self) -> None:
         """This iteration's deltas and counts (and the engine's state, if it changed) in one message."""
-        counts = self.counter.take(self.engine)
+        counts = self.counter.take(self.engine, held=len(self.held))
         if self._out or counts:
             out, self._out = self._out, []
             self.channel.send(Out(out, counts, self.failure))

@@ -164,7 +164,9 @@ def test_a_batch_stream_says_which_item_each_event_is(gen_server):
     ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"temperature": "0.5"}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
+    ({"input_ids": [1], "custom_logit_processor": "gASVAAAA"}, "custom_logit_processor"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 600}}, "sampling_params.max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
@@ -244,7 +246,7 @@ def test_abort_all_and_vllms_abort_requests_by_a_completion_id(gen_server):
     assert r.status_code == 200 and r.json() == {"status": "aborted", "aborted": 1}, r.text
     t2.join(60)
     assert got2[-1] == "[DONE]" and got2[-2]["choices"][0]["finish_reason"] == "abort"
-    assert got2[-2]["metadata"] == {"weight_version": 0}
+    assert got2[-2]["metadata"] == {"weight_version": "0"}
     r = post(gen_server, {"abort_all": True}, "/abort_request")
     assert r.status_code == 200, r.text
     t1.join(60)
