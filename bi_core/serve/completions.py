@@ -124,7 +124,10 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     new_tokens = _max_new_tokens(server, ids, limit, param, "messages")
     params = req.sampling_params(new_tokens, num_logprobs)
-    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end))]
+    # the template's turn end is an EOS as vLLM counts it (generation_config's eos ids), so
+    # ignore_eos ignores it too
+    ends = () if params.ignore_eos else turn_end
+    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends))]
 
     def choice(c: _Choice) -> dict:
         o = c.output

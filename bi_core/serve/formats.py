@@ -59,14 +59,19 @@ def token_name(tokenizer: Tokenizer | None, token: int, as_ids: bool) -> str:
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float | None],
                         tops: list[dict[int, float] | None], offset: int, as_ids: bool = False) -> dict:
     """The legacy completions format; ``offset``: characters of text before these tokens; a top
-    entry of None (an echoed prompt's first token) stays null."""
+    entry of None (an echoed prompt's first token) stays null. Its top logprobs are dicts by token
+    name, so tokens are named one name each (``Tokenizer.token_name``: half a character is
+    ``bytes:\\xNN``, not the U+FFFD every such token decodes to alone)."""
+    def name(t: int) -> str:
+        return f"token_id:{t}" if as_ids or tokenizer is None else tokenizer.token_name(t)
+
     offsets = []
     for t in token_ids:
         offsets.append(offset)
         offset += len(token_text(tokenizer, t))
-    return {"tokens": [token_name(tokenizer, t, as_ids) for t in token_ids], "token_logprobs": list(logprobs),
-            "top_logprobs": [None if top is None else {token_name(tokenizer, i, as_ids): lp for i, lp in top.items()}
-                             for top in tops] if tops else None, "text_offset": offsets}
+    return {"tokens": [name(t) for t in token_ids], "token_logprobs": list(logprobs),
+            "top_logprobs": [None if top is None else {name(i): lp for i, lp in top.items()} for top in tops]
+            if tops else None, "text_offset": offsets}
 
 
 def prompt_top(entry: dict[int, float], token: int, num_top: int, num_computed: int) -> dict[int, float]:
