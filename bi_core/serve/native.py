@@ -191,12 +191,19 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
         extra = {"return_routed_experts": True} if req.return_routed_experts else {}
         # max_new_tokens 0 (SGLang's scoring): the engine samples one token, which the answer drops
         new_tokens = room if sp.max_new_tokens is None else max(sp.max_new_tokens, 1)
+        if sp.min_new_tokens > (sp.max_new_tokens if sp.max_new_tokens is not None else room):
+            raise ApiError(400, f"min_new_tokens ({sp.min_new_tokens}) must be at most max_new_tokens",
+                           param=f"{where}.min_new_tokens")
         params = SamplingParams(
             max_new_tokens=new_tokens, n=n,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), seed=sp.sampling_seed,
             logprobs=top_num[j] if lp and top_num[j] > 0 else None,
             prompt_logprobs=top_num[j] if lp and start_len[j] >= 0 else None,
-            stop_token_ids=tuple(sp.stop_token_ids or ()), stop=sp.stop or (), ignore_eos=sp.ignore_eos, **extra)
+            stop_token_ids=tuple(sp.stop_token_ids or ()), stop=sp.stop or (), ignore_eos=sp.ignore_eos,
+            min_tokens=sp.min_new_tokens, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, **extra)
         jobs.append((ids, params))
         options.append(_Options(names[j], lp, start_len[j], top_num[j], prompt_only=sp.max_new_tokens == 0))
         unused += [f"{where}.{name}" for name in sp.unused() if f"{where}.{name}" not in unused]

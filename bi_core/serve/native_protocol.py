@@ -1,5 +1,7 @@
 """SGLang's ``/generate`` request (``GenerateReqInput``) and its ``sampling_params``: the fields
-this engine serves, SGLang's names and defaults. SGLang's parameters the engine does not implement
+this engine serves, SGLang's names and defaults (``min_new_tokens``, ``no_stop_trim``,
+``skip_special_tokens``, ``spaces_between_special_tokens``, the penalties and ``min_p`` are the
+engine's SamplingParams by vLLM's names). SGLang's parameters the engine does not implement
 are accepted at their no-op values (a penalty of 0, no grammar, an empty ``stop_regex``, ...) and
 refused with a reason at any other; unknown fields are refused. ``custom_params`` is accepted and
 reported unused (the ``X-Unused-Params`` header): SGLang hands it to a custom logit processor
@@ -32,20 +34,20 @@ class GenerateSamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     sampling_seed: int | None = Field(None, ge=0, lt=2**63)
+    min_new_tokens: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=0.0, le=2.0, description="SGLang's range; 1 = off")
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = Field(False, description="a matched stop string (or stop token) stays in the text")
     # SGLang's parameters the engine does not implement: accepted at their no-op value only
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
     stop_regex: str | list[str] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None  # accepted, reported unused (the module's docstring says why)
     stream_interval: int | None = None
@@ -64,16 +66,17 @@ class GenerateSamplingParams(BaseModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-    _zero = field_validator("min_p", "frequency_penalty", "presence_penalty", "min_new_tokens")(only(
-        0, why=f"{NOT_IMPLEMENTED} (a token would depend on counts of earlier tokens the sampler does not keep)"))
-    _one = field_validator("repetition_penalty")(only(1, why=NOT_IMPLEMENTED))
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if v == 0:  # SGLang's range takes 0; the engine divides by it
+            raise ValueError("repetition_penalty must be > 0 (1 = off)")
+        return v
+
     _no_grammar = field_validator("json_schema", "regex", "ebnf", "structural_tag")(only(
         None, why=f"constrained decoding is {NOT_IMPLEMENTED}"))
     _no_stop_regex = field_validator("stop_regex")(only(
         None, [], why=f"stop regexes are {NOT_IMPLEMENTED}; use stop strings (stop)"))
-    _plain_decode = field_validator("skip_special_tokens", "spaces_between_special_tokens")(only(
-        True, why="the text is the tokenizer's plain decode"))
-    _stop_trimmed = field_validator("no_stop_trim")(only(False, why="the text ends before a matched stop string"))
     _no_interval = field_validator("stream_interval")(only(None, why="a stream sends every step's tokens"))
 
     @field_validator("logit_bias")

@@ -1,6 +1,8 @@
-"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos,
-return_tokens_as_token_ids, prompt_logprobs, stream_options.continuous_usage_stats; SGLang's that
-sglang-router adds to what it forwards) and the mapping to SamplingParams. Validation errors name
+"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos, min_tokens,
+min_p, repetition_penalty, include_stop_str_in_output, skip_special_tokens,
+spaces_between_special_tokens, return_tokens_as_token_ids, prompt_logprobs,
+stream_options.continuous_usage_stats; SGLang's that sglang-router adds to what it forwards) and
+the mapping to SamplingParams. Validation errors name
 the field; unknown fields are refused, so a misspelled parameter never silently does nothing;
 parameters the engine does not implement are accepted at the value that changes nothing (their
 default) and refused with a reason at any other; types are strict as OpenAI's are (``"max_tokens":
@@ -103,33 +105,27 @@ class _Common(TextBody):
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens 'token_id:<id>' (vLLM)")
     user: str | None = None
-    # OpenAI's and vLLM's parameters the engine does not implement: accepted at their no-op values
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's sampling extensions (SamplingParams' fields of the same names)
+    repetition_penalty: float = Field(1.0, gt=0.0, description="1 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # SGLang's, which sglang-router writes into every request it forwards: no_stop_trim is
+    # include_stop_str_in_output by SGLang's name; hidden states are never returned
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    # OpenAI's and vLLM's parameters the engine does not implement: accepted at their no-op values
+    logit_bias: dict[str, float] | None = None
     truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     priority: int = 0
-    # SGLang's extensions, which sglang-router writes into every request it forwards: accepted at the
-    # values that change nothing here (the text is the tokenizer's plain decode, cut before a stop string)
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    return_hidden_states: bool = False
 
-    _zero = field_validator("frequency_penalty", "presence_penalty", "min_p", "min_tokens")(only(
-        0, why=f"{_NOT_IMPLEMENTED} (a token would depend on counts of earlier tokens the sampler does not keep)"))
-    _one = field_validator("repetition_penalty")(only(1, why=_NOT_IMPLEMENTED))
     _no_bias = field_validator("logit_bias")(lambda cls, v: _empty(v, "logit_bias"))
-    _stop_text = field_validator("include_stop_str_in_output", "no_stop_trim")(only(
-        False, why="the text ends before a matched stop string"))
-    _plain_decode = field_validator("skip_special_tokens", "spaces_between_special_tokens")(only(
-        True, why="the text is the tokenizer's plain decode"))
     _no_truncation = field_validator("truncate_prompt_tokens")(only(None, why="prompts are never truncated"))
     _no_beams = field_validator("use_beam_search")(only(False, why="beam search is not implemented"))
     _no_length_penalty = field_validator("length_penalty")(only(1, why="it applies to beam search only"))
@@ -167,10 +163,18 @@ class _Common(TextBody):
         """SamplingParams of this request: its ``n`` samples share one prefill, sample i is keyed
         by ``sample_seed(seed, i)`` (bi_core.ops.sampling)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=self.seed, n=self.n, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              stop=stop, ignore_eos=self.ignore_eos)
+        if self.min_tokens > max_new_tokens:
+            raise ApiError(400, f"min_tokens ({self.min_tokens}) must be at most the tokens this request may "
+                                f"generate ({max_new_tokens})", param="min_tokens")
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            seed=self.seed, n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
 def _empty(v, name: str):

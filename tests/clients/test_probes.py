@@ -109,7 +109,7 @@ def test_chat_fields_at_their_no_op_values_are_accepted(client_server, fields):
 
 @pytest.mark.parametrize("path,fields,param", [
     ("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ("/v1/completions", {"min_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": 2}, "min_tokens"),  # more than max_tokens
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},

@@ -19,16 +19,17 @@ def triples(lps: list[float], ids: list[int], texts: list[str | None] | None = N
     return [[lp, t, texts[i] if texts else None] for i, (lp, t) in enumerate(zip(lps, ids))]
 
 
-@pytest.mark.xfail(strict=True, reason="skip_special_tokens false, no_stop_trim and spaces_between_special_tokens "
-                                        "wait for the engine's SamplingParams fields")
 def test_slime_generate(client_server, engine):
     r = send(client_server, bodies.SLIME_GENERATE)
     assert r.status_code == 200, r.text
-    ref = engine.generate([bodies.IDS], SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=42))[0]
+    ref = engine.generate([bodies.IDS], SamplingParams(
+        max_new_tokens=8, temperature=1.0, top_p=0.9, seed=42, skip_special_tokens=False,
+        include_stop_str_in_output=True, spaces_between_special_tokens=False))[0]
     meta = r.json()["meta_info"]
     # slime reads the tokens and logprobs from output_token_logprobs, the text beside them
     assert meta["output_token_logprobs"] == triples(ref.token_logprobs, ref.token_ids)
     assert r.json()["output_ids"] == ref.token_ids and meta["weight_version"] == 0
+    assert r.json()["text"] == ref.text
     assert r.headers["x-unused-params"] == "sampling_params.custom_params"  # SGLang ignores it too, unreported
 
 
