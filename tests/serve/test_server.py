@@ -109,7 +109,12 @@ def test_stop_strings_and_token_id_prompts(server):
     ({"model": "tiny", "prompt": [[1, 2], []]}, 400, "prompt"),
     ({"model": "tiny", "prompt": [1.5]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "temprature": 0.5}, 400, "temprature"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": "tiny", "prompt": "x", "echo": True, "stream": True}, 400, "echo"),  # echo comes with the finished request
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 needs echo
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),  # no stream
+    ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),  # OpenAI's range -2..2
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
     ({"model": "tiny", "prompt": "x", "n": 65}, 400, "n"),  # more samples than scheduler.max_num_seqs
     ({"model": "tiny", "prompt": []}, 400, "prompt"),
