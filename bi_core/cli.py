@@ -8,9 +8,9 @@ import sys
 
 import attrs
 
-from bi_core.config import EngineConfig
-from bi_core.errors import BiEngineError
-from bi_core.tools.flags import positive_ints
+from bi_core.config import EngineConfig, SamplingConfig
+from bi_core.errors import BiEngineError, ConfigError
+from bi_core.tools.flags import config_value, positive_ints, token_ids
 
 SUBCOMMANDS = ("run", "explain", "plugins", "verify", "bench", "serve", "draft-vocab")
 INVARIANT_HELP = (
@@ -33,10 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     run.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids")
-    run.add_argument("--max-new-tokens", type=int, help="override sampling.max_new_tokens")
-    run.add_argument("--temperature", type=float, help="override sampling.temperature")
-    run.add_argument("--seed", type=int, help="override sampling.seed")
-    run.add_argument("--logprobs", type=int, help="top-N logprobs per step")
+    run.add_argument("--max-new-tokens", type=config_value(SamplingConfig, "max_new_tokens", int),
+                     help="override sampling.max_new_tokens")
+    run.add_argument("--temperature", type=config_value(SamplingConfig, "temperature", float),
+                     help="override sampling.temperature")
+    run.add_argument("--seed", type=config_value(SamplingConfig, "seed", int), help="override sampling.seed")
+    run.add_argument("--logprobs", type=config_value(SamplingConfig, "logprobs", int),
+                     help="top-N logprobs per step")
     run.add_argument("--json", action="store_true", help="machine-readable output")
     explain = sub.add_parser("explain", help="which backend serves each op, and why others were refused")
     _add_config_args(explain)
@@ -204,10 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _prompts(args: argparse.Namespace, config: EngineConfig) -> list:
     prompts: list = list(args.prompt)
     for i, text in enumerate(args.prompt_ids):
-        try:
-            prompts.append([int(t) for t in text.split(",") if t.strip()])
-        except ValueError:
-            raise BiEngineError(f"--prompt-ids[{i}]: expected comma-separated integers, got {text!r}") from None
+        prompts.append(token_ids(text, f"--prompt-ids[{i}]"))
     prompts = prompts or [list(p) if isinstance(p, tuple) else p for p in config.prompts]
     if not prompts:
         raise BiEngineError("no prompts: add a 'prompts' list to the config or pass --prompt / --prompt-ids")
@@ -255,49 +255,75 @@ def _as_dict(o) -> dict:
     return d
 
 
-def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    import json
+def _draft_vocab_out(out: str):
+    """``--out``: a file to write (new or replaced) in a directory that exists; checked before counting."""
     from pathlib import Path
 
+    path = Path(out)
+    if path.is_dir():
+        raise BiEngineError(f"--out: {out} is a directory; name the file to write (e.g. {path / 'draft_vocab.json'})")
+    if not path.parent.is_dir():
+        raise BiEngineError(f"--out: directory {path.parent} does not exist (create it first)")
+    return path
+
+
+def _draft_texts(names: list[str]):
+    """Each text file's documents (a .jsonl file: one per line, a JSON string or an object with a string 'text')."""
+    from pathlib import Path
+
+    for name in names:
+        path = Path(name)
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BiEngineError(f"{name}: cannot read it as text: {e}") from None
+        if path.suffix != ".jsonl":
+            yield content
+            continue
+        for n, line in enumerate(content.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BiEngineError(f"{name}:{n}: not JSON: {e.msg}") from None
+            text = row.get("text") if isinstance(row, dict) else row
+            if not isinstance(text, str):
+                raise BiEngineError(f"{name}:{n}: expected a JSON string or an object with a string 'text' field")
+            yield text
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
     from bi_core.models.tokenizer import tokenizer_for
     from bi_core.strategies.draft_vocab import count_table
 
+    if args.size < 1:
+        raise BiEngineError(f"--size: expected a positive int, got {args.size}")
+    out = _draft_vocab_out(args.out)
     config = EngineConfig.from_yaml(args.config)
     tokenizer = tokenizer_for(config.model)
     if tokenizer is None:
         raise BiEngineError(f"{args.config}: this model has no tokenizer to count with (model.path / model.tokenizer)")
-    if args.size < 1:
-        raise BiEngineError(f"--size: expected a positive int, got {args.size}")
-
-    def texts():
-        for name in args.texts:
-            path = Path(name)
-            try:
-                content = path.read_text()
-            except (OSError, UnicodeDecodeError) as e:
-                raise BiEngineError(f"{name}: cannot read it as text: {e}") from None
-            if path.suffix != ".jsonl":
-                yield content
-                continue
-            for n, line in enumerate(content.splitlines(), 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise BiEngineError(f"{name}:{n}: not JSON: {e.msg}") from None
-                    yield row["text"] if isinstance(row, dict) and "text" in row else str(row)
-
-    table = count_table(tokenizer, texts(), args.size)
-    Path(args.out).write_text(json.dumps(table))
+    table = count_table(tokenizer, _draft_texts(args.texts), args.size)
+    try:
+        out.write_text(json.dumps(table))
+    except OSError as e:
+        raise BiEngineError(f"--out: cannot write {args.out}: {e.strerror or e}") from None
     print(f"{len(table)} token ids by frequency -> {args.out} (strategy.draft_vocab; strategy.draft_vocab_size "
           f"at most {len(table)})")
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from bi_core.plugins import load_registry
     from bi_core.runtime.build import explain
 
-    print(explain(load_config(args)))
+    config = load_config(args)
+    registry = load_registry()
+    if config.backend != "auto" and config.backend not in registry.backends:  # no table can help with a typo
+        raise ConfigError("backend", f"unknown backend {config.backend!r}; registered: "
+                                     f"{', '.join(sorted(registry.backends))} (or auto)")
+    print(explain(config, registry))
     return 0
 
 
@@ -326,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
         argv.insert(0, "run")
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse's own errors (usage, exit 2) and --help (exit 0): returned, as ours are
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     try:
         commands = {"run": cmd_run, "explain": cmd_explain, "plugins": cmd_plugins, "verify": cmd_verify,
                     "bench": cmd_bench, "serve": cmd_serve, "draft-vocab": cmd_draft_vocab}

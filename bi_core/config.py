@@ -6,6 +6,7 @@ rejects unknown keys and reports the first problem as ``ConfigError("a.b.c", "..
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -14,8 +15,8 @@ from typing import Any
 
 import attr
 import attrs
-import yaml
 
+from bi_core.config_file import read_yaml as _read_yaml
 from bi_core.errors import ConfigError
 
 Parser = Callable[[Any, str], Any]
@@ -24,6 +25,9 @@ DTYPES = ("float32", "bfloat16")
 OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "graph_runner", "all_reduce",
             "all_gather")
 INVARIANT_ENV = "BI_ENABLE_BATCH_INVARIANT"
+# seeds are keys of 64 bits (bi_core.ops.sampling.mix_seed works modulo 2**64, torch's generators
+# take at most 2**64 - 1): a larger one would alias a smaller one
+MAX_SEED = (1 << 64) - 1
 
 
 # ---------------------------------------------------------------------------------- parsers
@@ -47,15 +51,40 @@ def _int(minimum: int | None = None, maximum: int | None = None) -> Parser:
     return parse
 
 
-def _float(minimum: float | None = None, maximum: float | None = None) -> Parser:
+_YAML_STR_EXPONENT = re.compile(r"[-+]?[0-9]+[eE][-+]?[0-9]+")
+
+
+def _float(minimum: float | None = None, maximum: float | None = None, *, above_minimum: bool = False) -> Parser:
+    """A finite number in [minimum, maximum] (``above_minimum``: in (minimum, maximum]). NaN compares
+    false with every bound, so it is refused by name, as is inf: no float key has a meaning for it."""
+    low = "(" if above_minimum else "["
+    bounds = f" in {low}{'-inf' if minimum is None else minimum}, {'inf' if maximum is None else maximum}]" \
+        if minimum is not None or maximum is not None else ""
+
     def parse(value: Any, path: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}")
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            raise ConfigError(path, f"expected a number in [{minimum}, {maximum}], got {value}")
-        return float(value)
+            hint = ""
+            if isinstance(value, str) and _YAML_STR_EXPONENT.fullmatch(value):  # YAML 1.1 floats need a dot
+                hint = f" (YAML reads {value} as a string; write it with a dot, e.g. 1.0e-3)"
+            raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}{hint}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(path, f"expected a finite number{bounds}, got {value}")
+        if minimum is not None and (value <= minimum if above_minimum else value < minimum) or \
+                maximum is not None and value > maximum:
+            raise ConfigError(path, f"expected a number{bounds}, got {value}")
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float
+            raise ConfigError(path, f"expected a finite number{bounds}, got {value}") from None
 
     return parse
+
+
+def _seed(value: Any, path: str) -> int:
+    seed = _int(0)(value, path)
+    if seed > MAX_SEED:
+        raise ConfigError(path, f"expected a seed in [0, 2**64 - 1] (random draws are keyed by 64 bits), got {seed}")
+    return seed
 
 
 def _bool(value: Any, path: str) -> bool:
@@ -161,47 +190,6 @@ def _parse_section(cls: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{path}.{e.path}" if path and e.path else (e.path or path), e.reason) from None
 
 
-def _read_yaml(path: Path) -> Any:
-    """The YAML document in ``path``; every way reading it can fail is one line naming the file."""
-    if path.is_dir():
-        raise ConfigError("", f"config file {path} is a directory; pass a YAML file (e.g. configs/cpu_reference.yaml)")
-    if not path.exists():
-        raise ConfigError("", f"config file {path} does not exist")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError("", f"config file {path} cannot be read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError("", f"config file {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                              "pass a YAML file") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError("", f"{path} is not valid YAML: {_yaml_problem(e, text)}") from None
-
-
-def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
-    """YAML's multi-line message as one line: where (line, column; 1-based) and what."""
-    def at(mark) -> str:
-        return f"line {mark.line + 1}, column {mark.column + 1}"
-
-    if isinstance(e, yaml.MarkedYAMLError) and (e.problem_mark or e.context_mark):
-        mark = e.problem_mark or e.context_mark
-        what = e.problem or e.context
-        if e.problem and e.context and e.context_mark:
-            what += f" ({e.context} at {at(e.context_mark)})"
-        return f"{at(mark)}: {what}"
-    position = getattr(e, "position", None)  # ReaderError: a character YAML does not allow
-    if isinstance(position, int):
-        line = text.count("\n", 0, position)
-        column = position - (text.rfind("\n", 0, position) + 1)
-        char = e.character if isinstance(e.character, int) else ord(e.character)
-        return f"line {line + 1}, column {column + 1}: {e.reason} (character #x{char:04x})"
-    return " ".join(str(e).split())
-
-
 # ---------------------------------------------------------------------------------- sections
 
 
@@ -210,7 +198,7 @@ class RandomModelConfig:
     """A model built from a preset with random weights: no checkpoint, no download."""
 
     preset: str = _field(_str, "tiny-dense", doc="tiny-dense | tiny-moe | a real-shape preset name")
-    seed: int = _field(_int(0), 0)
+    seed: int = _field(_seed, 0)
     num_hidden_layers: int | None = _field(_optional(_int(1)), None, doc="override the preset's depth")
 
     def __attrs_post_init__(self) -> None:
@@ -342,8 +330,9 @@ class SamplingConfig:
     max_new_tokens: int = _field(_int(1), 32)
     temperature: float = _field(_float(0.0, 100.0), 0.0)
     top_k: int = _field(_int(0), 0, doc="0 = off")
-    top_p: float = _field(_float(0.0, 1.0), 1.0)
-    seed: int | None = _field(_optional(_int(0)), None)
+    top_p: float = _field(_float(0.0, 1.0, above_minimum=True), 1.0,
+                          doc="nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 = off")
+    seed: int | None = _field(_optional(_seed), None)
     logprobs: int | None = _field(_optional(_int(0, 20)), None)
     ignore_eos: bool = _field(_bool, False)
 
@@ -382,7 +371,7 @@ class EngineConfig:
     sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
     serve: ServeConfig = _field(_section(ServeConfig), factory=ServeConfig)
     prompts: tuple = _field(_prompts, factory=tuple)
-    seed: int = _field(_int(0), 0, doc="seeds requests that have no seed of their own")
+    seed: int = _field(_seed, 0, doc="seeds requests that have no seed of their own")
 
     @classmethod
     def from_dict(cls, data: dict, *, apply_env: bool = True) -> EngineConfig:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from bi_core.errors import BackendSelectionError
+from bi_core.errors import BackendSelectionError, BiEngineError, PluginError
 from bi_core.ops.base import OpSpec
+from bi_core.plugins import BUILTIN_PLUGINS, plugin_label
 from bi_core.policies.base import Policy
 from bi_core.registry import Registry
 
@@ -28,10 +29,36 @@ def refusal_reasons(registry: Registry, policy: Policy, op: str, spec: OpSpec, n
     builder = backend.builder(op)
     if builder is None:
         return [f"has no builder for op '{op}'"]
-    reasons = list(builder.check(spec, policy))
+    reasons = _call_builder(registry, name, builder, "check", spec, policy)
+    if not isinstance(reasons, (list, tuple)) or not all(isinstance(r, str) for r in reasons):
+        raise PluginError(f"{_builder_label(registry, name, builder, 'check')} returned {reasons!r}; check must "
+                          "return a list of reason strings (empty: it can serve the spec)")
+    reasons = list(reasons)
     if policy.batch_invariant and not builder.is_batch_invariant:
         reasons.append("builder is not batch-invariant")
     return reasons
+
+
+def _builder_label(registry: Registry, backend: str, builder: object, method: str) -> str:
+    owner = registry.owners.get(backend)
+    where = plugin_label(registry, owner) if owner is not None else "a plugin"
+    return f"{where}, backend '{backend}', {type(builder).__name__}.{method}"
+
+
+def _call_builder(registry: Registry, backend: str, builder: object, method: str, *args: object) -> object:
+    """A builder's ``check`` or ``build``. What a third-party plugin's builder raises is the plugin's,
+    and the error says so (the plugin, the backend, the builder and the method) in one line instead
+    of a bare traceback. A built-in's exception is our bug and keeps its traceback; our own errors
+    and running out of device memory (which the engine build reports) pass as they are."""
+    try:
+        return getattr(builder, method)(*args)
+    except (BiEngineError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 (whatever third-party code raises is the plugin's)
+        if registry.owners.get(backend) in BUILTIN_PLUGINS:
+            raise
+        raise PluginError(f"{_builder_label(registry, backend, builder, method)} raised "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def choose(registry: Registry, policy: Policy, op: str, spec: OpSpec) -> Choice:
@@ -76,7 +103,8 @@ class OpFactory:
             if choice.backend is None:
                 raise BackendSelectionError(op, [(b, list(r)) for b, r in choice.refusals])
             builder = self.registry.backends[choice.backend].builder(op)
-            self._impls[key] = Planned(op, choice.backend) if self.plan_only else builder.build(spec)
+            self._impls[key] = Planned(op, choice.backend) if self.plan_only else \
+                _call_builder(self.registry, choice.backend, builder, "build", spec)
         return self._impls[key]
 
     def failures(self) -> list[str]:

@@ -20,12 +20,18 @@ def tiny_config(**overrides) -> dict:
     return base
 
 
+SCRIPT_DIRS = ("benchmarks", "benchmarks/kernels", "dev/probes", "dev/gpu")  # where benchmark_module looks
+
+
 def benchmark_module(name: str):
-    """A script under ``benchmarks/`` imported as a module (its ``main`` not run)."""
+    """A script (``benchmarks/``, ``benchmarks/kernels/``, ``dev/probes/`` or ``dev/gpu/``) imported as
+    a module by its name (its ``main`` not run)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    root = Path(__file__).resolve().parents[1]
+    [path] = [root / d / f"{name}.py" for d in SCRIPT_DIRS if (root / d / f"{name}.py").is_file()]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

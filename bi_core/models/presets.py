@@ -48,7 +48,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "num_key_value_heads": 2, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
                         "shared_expert_intermediate_size": 512},
-    # The three below: docs/qwen3_5.md table 1.2, each value checked against published config.json
+    # The three below: dev/qwen3_5.md table 1.2, each value checked against published config.json
     # text_config copies (Qwen/Qwen3.5-27B: H 5120, 64 layers, 24/4 heads, GDN 16/48, I 17408;
     # 122B-A10B: H 3072, 48 layers, 32/2, 16/64, 256 experts top-8, I = Is = 1024; 397B-A17B: H 4096,
     # 60 layers, 32/2, 16/64, 512 experts top-10, I = Is = 1024). Their FP8 releases share the shapes.

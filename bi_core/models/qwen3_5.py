@@ -1,4 +1,4 @@
-"""Qwen3.5 text model (dense and MoE) and its MTP head, as specified in docs/qwen3_5.md.
+"""Qwen3.5 text model (dense and MoE) and its MTP head, as specified in dev/qwen3_5.md.
 
 Layers own their weights (fused at load: q|gate interleave kept inside ``qkv_proj``; GDN
 ``in_proj = qkv|z|b|a``; ``gate_up`` for MLPs); all compute goes through op impls chosen by the

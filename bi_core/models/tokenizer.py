@@ -12,10 +12,17 @@ from bi_core.models.presets import BYTE_EOS
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Text of ``ids``; with ``skip_special_tokens`` False special tokens stay in it, separated
+        by spaces from what is around them where ``spaces_between_special_tokens`` (transformers'
+        options: its slow tokenizers honour the second, its fast ones never add such spaces)."""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may be part of a UTF-8 character)."""
+
+    def token_name(self, token_id: int) -> str:
+        """One token's name in logprobs, distinct for distinct tokens (``name_of``)."""
 
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         """A conversation as prompt ids ending in the assistant's turn, and the token ids that end
@@ -27,19 +34,40 @@ class ByteTokenizer:
 
     Its chat template is plain ChatML, the format of Qwen's own: for each message
     ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``; a turn ends at
-    ``<|im_end|>``."""
+    ``<|im_end|>``. Decoding follows transformers' slow tokenizers: special tokens are skipped, or
+    kept as their names, each a piece of its own joined to the text around it by a space unless
+    ``spaces_between_special_tokens`` is off."""
 
     eos_token_id = BYTE_EOS
     im_start, im_end = BYTE_EOS + 1, BYTE_EOS + 2
+    special_tokens = {BYTE_EOS: "<|endoftext|>", BYTE_EOS + 1: "<|im_start|>", BYTE_EOS + 2: "<|im_end|>",
+                      BYTE_EOS + 3: "<|pad|>"}
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        if skip_special_tokens:  # a skipped token splits nothing: the bytes around it join
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        pieces, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            if run:
+                pieces.append(run.decode("utf-8", errors="replace"))
+                run = bytearray()
+            pieces.append(self.special_tokens.get(i, ""))
+        if run:
+            pieces.append(run.decode("utf-8", errors="replace"))
+        return (" " if spaces_between_special_tokens else "").join(pieces)
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if token_id < 256 else b""
+
+    def token_name(self, token_id: int) -> str:
+        return self.special_tokens[token_id] if token_id in self.special_tokens else name_of(self.token_bytes(token_id))
 
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         ids: list[int] = []
@@ -60,8 +88,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens,
+                                spaces_between_special_tokens=spaces_between_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """Qwen's tokenizer is byte-level BPE: a token's string maps back to bytes through GPT-2's
@@ -74,6 +104,9 @@ class HFTokenizer:
             return bytes(table[c] for c in token)
         return token.encode("utf-8")
 
+    def token_name(self, token_id: int) -> str:
+        return name_of(self.token_bytes(token_id))  # a special token's bytes are its text
+
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         if not getattr(self._tok, "chat_template", None):
             raise CheckpointError("this checkpoint's tokenizer has no chat template; use /v1/completions")
@@ -81,6 +114,17 @@ class HFTokenizer:
         end = self._tok.convert_tokens_to_ids("<|im_end|>")
         stops = tuple(i for i in (end, self._tok.eos_token_id) if isinstance(i, int) and i != self._tok.unk_token_id)
         return self.encode(text), stops
+
+
+def name_of(raw: bytes) -> str:
+    """A token's name from its bytes: their text when they are whole UTF-8 characters, else
+    OpenAI's ``bytes:\\xe2\\x80`` form, so that no two tokens share a name (decoding half a
+    character alone gives U+FFFD for all of them, which made the legacy completions' top
+    logprobs, a dict by name, lose entries)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _unicode_to_byte() -> dict[str, int]:

@@ -1,5 +1,10 @@
-"""Sampling: greedy, temperature, top-k, top-p, with per-request (seed, position) randomness,
-plus the log-probabilities of the model's raw distribution."""
+"""Sampling: greedy, temperature, min-p, top-k, top-p, repetition / frequency / presence
+penalties and min_tokens, with per-request (seed, position) randomness, plus the
+log-probabilities of the model's raw distribution (vLLM's default ``raw_logprobs``: penalties,
+masks and filters choose the token, never change the logprobs reported).
+
+A row's arithmetic is its own (G1): the adjustments are elementwise over the row's logits, from
+the row's own tokens and parameters; the filters run row by row."""
 
 from __future__ import annotations
 
@@ -16,6 +21,23 @@ class SamplingSpec(OpSpec):
     vocab_size: int
 
 
+@attrs.define(eq=False)
+class LogitsAdjust:
+    """What changes one row's raw logits before it is sampled (greedy too), in vLLM's order:
+    ``banned`` ids to -inf (min_tokens: the stop ids and EOS), the repetition penalty on every
+    token in ``seen_ids`` (prompt and output: a positive logit divided by it, i.e. multiplied by
+    its float32 reciprocal, any other multiplied), then ``frequency_penalty`` times each token's
+    count in ``output_ids`` and ``presence_penalty`` once per distinct one subtracted (OpenAI's
+    definition)."""
+
+    banned: tuple[int, ...] = ()
+    seen_ids: list[int] = attrs.Factory(list)  # read only with a repetition penalty
+    output_ids: list[int] = attrs.Factory(list)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+
 @attrs.define
 class SamplingBatch:
     """Per-row parameters (host lists); row i's randomness comes only from ``keys[i]``, which is
@@ -26,20 +48,41 @@ class SamplingBatch:
     top_ps: list[float]  # 1 = off
     keys: list[int]
     num_logprobs: int  # top-N logprobs to return (0 = only the sampled token's)
+    min_ps: list[float] | None = None  # 0 = off; None: off for every row
+    adjust: list[LogitsAdjust | None] | None = None  # None: no row's logits are adjusted
 
     def needs_filter(self, i: int) -> bool:
-        return needs_filter(self.temperatures[i], self.top_ks[i], self.top_ps[i])
+        return needs_filter(self.temperatures[i], self.top_ks[i], self.top_ps[i], self.min_p(i))
+
+    def min_p(self, i: int) -> float:
+        return self.min_ps[i] if self.min_ps is not None else 0.0
+
+    def adjust_of(self, i: int) -> LogitsAdjust | None:
+        return self.adjust[i] if self.adjust is not None else None
+
+    def is_plain(self, i: int) -> bool:
+        """Whether row i is sampled by the step's own arithmetic (no filter, no adjustment)."""
+        return not self.needs_filter(i) and self.adjust_of(i) is None
 
 
-def needs_filter(temperature: float, top_k: int, top_p: float) -> bool:
-    """Whether a row's sample needs top-k / top-p filtering (the row-by-row sampler, not the step's)."""
-    return temperature > 0 and (top_k > 0 or top_p < 1.0)
+def needs_filter(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> bool:
+    """Whether a row's sample needs min-p / top-k / top-p filtering (the row-by-row sampler, not
+    the step's); greedy rows never do (each filter keeps the top token)."""
+    return temperature > 0 and (top_k > 0 or top_p < 1.0 or min_p > 0.0)
+
+
+def adjusts_logits(seq) -> bool:
+    """Whether a sequence's next samples change its logits (penalties, or min_tokens not reached:
+    its tokens up to now are the ones before the first row a step samples for it)."""
+    p = seq.params
+    return p.has_penalties or len(seq.output_ids) < p.min_tokens
 
 
 def device_sampled(seqs) -> bool:
     """Whether a step's own device samples (greedy or plain temperature, token and its logprob)
-    serve these requests: none wants top-k/top-p filtering or top-N logprobs."""
-    return not any(s.params.logprobs or needs_filter(s.params.temperature, s.params.top_k, s.params.top_p)
+    serve these requests: none wants filtering, adjusted logits or top-N logprobs."""
+    return not any(s.params.logprobs or adjusts_logits(s)
+                   or needs_filter(s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p)
                    for s in seqs)
 
 

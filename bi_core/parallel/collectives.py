@@ -8,7 +8,7 @@ ring all-reduce (2(N-1)/N of the message per rank). A library all-reduce instead
 algorithm, chunking and protocol by message size, so the partial sums an element goes through,
 and with more than two ranks their association, change with the number of rows in the step. With
 two ranks there is one addition per element, a + b, and IEEE addition commutes: any algorithm
-gives the same bits (docs/parallel.md)."""
+gives the same bits (docs/scale-out.md)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def prepare(config: EngineConfig, registry: Registry | None, *, live: bool = Tru
     if config.parallel.data_parallel_size > 1 and not plan_only:
         raise ConfigError("parallel.data_parallel_size", f"{config.parallel.data_parallel_size}: replicas are "
                           "processes of their own, started by `bi-engine serve` (Ray and sglang-router: "
-                          "docs/scale.md); an engine built in this process is one replica (use 1 here)")
+                          "docs/scale-out.md); an engine built in this process is one replica (use 1 here)")
     registry = registry or load_registry()
     policy = make_policy(batch_invariant=config.policy.batch_invariant, backend=config.backend,
                          op_overrides=config.policy.ops, device=planned_device(config.model.device))

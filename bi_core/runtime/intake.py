@@ -37,6 +37,9 @@ class Intake:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
                                      f"{self.max_model_len} including at least one generated token")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         if params.return_routed_experts and not self.routed_experts:
@@ -55,7 +58,8 @@ class Intake:
             seq.group.append(f)
         if (text or params.stop) and self.tokenizer is not None:
             for member in seq.group:
-                member.text = TextStream(self.tokenizer, params.stop)
+                member.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,
+                                         **params.decode_options)
         return seq
 
     def score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool, logprobs: int,

@@ -16,11 +16,12 @@ import torch
 
 from bi_core.ops.context import ForwardContext, GraphShape
 from bi_core.ops.graph_runner import GraphRunnerSpec
-from bi_core.ops.sampling import SamplingBatch, device_sampled, mix_seed
+from bi_core.ops.sampling import device_sampled, mix_seed
 from bi_core.runtime import gc_heap
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.host_buffer import HostBuffer
+from bi_core.runtime.sampling_batch import sampling_batch
 from bi_core.runtime.sequence import Sequence
 
 SCORE_BLOCK = 256  # logits rows computed at once when scoring
@@ -374,20 +375,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling and scoring
 
     def sample(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
-               samples: torch.Tensor | None = None) -> list[Sampled]:
+               samples: torch.Tensor | None = None, before: list[list[int]] | None = None) -> list[Sampled]:
         """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
         ``positions[i]`` (its randomness is keyed by that request's seed and that position).
         ``samples``: the step's own device samples of these rows (used unless a request wants
-        top-k/top-p filtering or top-N logprobs, which the sampler does row by row)."""
+        filtering, adjusted logits or top-N logprobs, which the sampler does row by row).
+        ``before[i]``: tokens between the sequence's known ones and ``positions[i]`` (MTP's
+        drafts before a verify row), which its penalties count."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
         if samples is not None and device_sampled(seqs):
             packed = samples.cpu()
         else:
-            batch = SamplingBatch(temperatures=[s.params.temperature for s in seqs],
-                                  top_ks=[s.params.top_k for s in seqs], top_ps=[s.params.top_p for s in seqs],
-                                  keys=[mix_seed(s.seed, p) for s, p in zip(seqs, positions)], num_logprobs=n)
+            batch = sampling_batch(seqs, positions, n, self.model.args.eos_token_ids, logits.shape[-1], before)
             packed = self.model.sampler.forward(logits, batch).to_host()
         return rows_of(seqs, packed, n)
 
@@ -428,7 +429,7 @@ def mtp_graph_spec(spec: GraphRunnerSpec) -> GraphRunnerSpec:
     """The MTP head's graph runner: uniform steps (catch-up after a verify, chain steps) and,
     where the main model replays a prompt piece alone (``mixed_decode_rows`` off: MTP's lone
     prompt graphs), the head's catch-up over that piece at the same sizes, so a prompt's step
-    launches no eager head (measured: docs/benchmarks.md sections 29 and 30)."""
+    launches no eager head (measured: dev/benchmarks-history.md sections 29 and 30)."""
     return attrs.evolve(spec, name="mtp", prompt_chunk=0 if spec.mixed_decode_rows else spec.prompt_chunk,
                         mixed_decode_rows=False)
 

@@ -7,51 +7,10 @@ import enum
 import attrs
 import numpy as np
 
-from bi_core.errors import RequestError
 from bi_core.runtime.detokenize import TextStream
+from bi_core.runtime.params import SamplingParams
 
-
-def _as_tuple(value) -> tuple:
-    """A string is one item (a stop string), any other iterable its items."""
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise RequestError(f"SamplingParams: {message}")
-
-
-@attrs.frozen(kw_only=True)
-class SamplingParams:
-    """How one request is decoded. ``seed`` keys its randomness: draws depend only on (seed, position)."""
-
-    max_new_tokens: int = 16
-    n: int = 1  # samples of the prompt: prefilled once, sample i keyed by sample_seed(seed, i)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None  # top-N logprobs per step (vLLM style); None = only the sampled token's
-    prompt_logprobs: int | None = None  # also the logprob (and top-N) of every prompt token after the first
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)  # ends when the text contains one
-    ignore_eos: bool = False
-    # the top-k expert ids of every MoE layer for each position that ran through the model
-    # (routing replay; needs model.enable_return_routed_experts)
-    return_routed_experts: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be a positive int, got {self.n!r}")
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-               f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0, got {self.top_k!r}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), f"seed must be an int >= 0, got {self.seed!r}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs!r}")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-               f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs!r}")
-        _check(all(isinstance(s, str) for s in self.stop), f"stop must be strings, got {self.stop!r}")
+__all__ = ["RequestOutput", "SamplingParams", "ScoreOutput", "Sequence", "Status", "request_output"]
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +19,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    token_logprobs: list[float]  # log p of each generated token (raw distribution)
+    # log p of each generated token under the model's raw distribution: before penalties, min_tokens'
+    # mask, temperature and filters (vLLM's default logprobs_mode, raw_logprobs); top-N likewise
+    token_logprobs: list[float]
     logprobs: list[dict[int, float]] | None  # per step: top-N and the sampled token
     finish_reason: str | None  # stop | length | abort | error
     error: str | None = None
@@ -224,9 +185,13 @@ class Sequence:
         if top is not None:
             self.top_logprobs.append(top)
         stops = self.params.stop_token_ids + (() if self.params.ignore_eos else eos_ids)
-        if self.text is not None:
-            self.text.feed(token)
-        if token in stops:
+        # min_tokens: nothing stops it before that many tokens came (the sampler banned the stop ids
+        # and EOS until then; a stop string is matched only in text that a later token completes)
+        may_stop = len(self.output_ids) > self.params.min_tokens
+        by_token = may_stop and token in stops
+        if self.text is not None and (self.params.include_stop_str_in_output or not by_token):
+            self.text.feed(token, match=may_stop)  # a stop token's text is dropped, as vLLM does
+        if by_token:
             self.stop_reason = token
             self.finish("stop")
         elif self.text is not None and self.text.stop_reason is not None:
@@ -265,9 +230,18 @@ class ScoreOutput:
                    exact=s.exact, weight_version=s.weight_version, error=s.error)
 
 
+def output_text(s: Sequence, tokenizer) -> str:
+    """A sequence's text decoded at once, as its ``TextStream`` would give it: without the stop
+    token that ended it (unless ``include_stop_str_in_output``), with its decode options."""
+    ids = s.output_ids
+    if s.finish_reason == "stop" and isinstance(s.stop_reason, int) and not s.params.include_stop_str_in_output:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, **s.params.decode_options)
+
+
 def request_output(s: Sequence, tokenizer) -> RequestOutput:
     """A sequence's result as the user sees it (also while it runs)."""
-    text = s.text.text if s.text is not None else tokenizer.decode(s.output_ids) if tokenizer else None
+    text = s.text.text if s.text is not None else output_text(s, tokenizer) if tokenizer else None
     return RequestOutput(
         request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
         token_logprobs=list(s.token_logprobs), logprobs=list(s.top_logprobs) if s.params.logprobs is not None else None,

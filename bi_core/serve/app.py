@@ -1,30 +1,30 @@
-"""The HTTP front: a FastAPI app with OpenAI's endpoints over the engine process (``client.py``),
-SGLang's native ``/generate`` (``native.py``), the RL control routes of vLLM and SGLang
-(``control.py``: pause, sleep, weight sync, ...) and, in dev mode only, vLLM's ``/collective_rpc``
-(``dev.py``).
+"""The HTTP front: a FastAPI app over the engine process (``client.py``): OpenAI's endpoints
+(``completions.py``), SGLang's native ``/generate`` (``native.py``), the routes clients probe
+(``info.py``: models, tokenize, version), what routers read (``worker.py``), the RL control routes
+of vLLM and SGLang (``control.py``: pause, sleep, weight sync, ...) and, in dev mode only, vLLM's
+``/collective_rpc`` (``dev.py``).
 
 Every response carries ``X-Batch-Invariant: true|false``: whether the engine behind it makes a
 request's tokens and logprobs independent of the other requests it shares steps with. Every
 generation response says which weights made it (``weight_version``: OpenAI responses in a top-level
-``metadata`` object, as SGLang's; ``/generate`` in ``meta_info``)."""
+``metadata`` object, as SGLang's, a string there; ``/generate`` in ``meta_info``, an integer)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bi_core.config import ServeConfig
-from bi_core.errors import CheckpointError, PromptTooLongError, RequestError
+from bi_core.errors import PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
-from bi_core.serve import control, dev, formats, native, worker
+from bi_core.serve import completions, control, dev, info, native, worker
 from bi_core.serve.client import ControlError, Delta, EngineClient, Overloaded, Unavailable
 from bi_core.serve.errors import ApiError, error_response, install_error_handlers, output_failure
 from bi_core.serve.metrics import Metrics
@@ -43,6 +43,7 @@ class _Choice:
     weight_version: int = 0  # the engine's when it added the request (its output says which finished it)
     output: RequestOutput | None = None
     text_sent: int = 0
+    tokens_sent: int = 0  # a stream's tokens so far (continuous usage)
 
 
 class Server:
@@ -152,166 +153,6 @@ async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
     queue.put_nowait(_GONE)
 
 
-def weight_metadata(choices: list[_Choice]) -> dict:
-    """SGLang's top-level ``metadata`` of an OpenAI response: the weight version of its first choice
-    (the version that finished it; before it finished, the one it started with)."""
-    c = choices[0]
-    return {"weight_version": c.output.weight_version if c.output is not None else c.weight_version}
-
-
-def _max_new_tokens(server: Server, ids: list[int], requested: int | None, param: str, prompt_param: str) -> int:
-    room = server.max_model_len - len(ids)
-    if room < 1:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                            f"{server.max_model_len} tokens including at least one generated token",
-                       param=prompt_param)
-    if requested is not None and requested > room:
-        raise ApiError(400, f"this model's maximum context length is {server.max_model_len} tokens; the prompt has "
-                            f"{len(ids)} and {param} is {requested}", param=param)
-    return requested if requested is not None else room
-
-
-def _encode(server: Server, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, list):
-        bad = [t for t in prompt if not 0 <= t < server.vocab_size]
-        if bad:
-            raise ApiError(400, f"prompt has token ids outside the vocabulary [0, {server.vocab_size}): {bad[:5]}",
-                           param="prompt")
-        ids = prompt
-    elif server.tokenizer is None:
-        raise ApiError(400, "text prompts need a tokenizer; this checkpoint has none: send token ids", param="prompt")
-    else:
-        ids = server.tokenizer.encode(prompt)
-    if not ids:
-        raise ApiError(400, "prompt is empty", param="prompt")
-    return ids
-
-
-def _usage(choices: list[_Choice], n: int) -> dict:
-    prompt = sum(c.prompt_tokens for c in choices[::n])  # a prompt counts once, whatever n
-    return formats.usage(prompt, sum(len(c.output.token_ids) for c in choices if c.output is not None))
-
-
-async def completions(server: Server, req: CompletionRequest, request: Request):
-    server.check_model(req.model)
-    tokenizer = server.tokenizer
-    try:
-        texts = req.prompts()
-    except ValueError as e:
-        raise ApiError(400, str(e), param="prompt") from None
-    server.check_size(len(texts), req.n, "prompt")
-    if req.stop and tokenizer is None:
-        raise ApiError(400, "stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)",
-                       param="stop")
-    prompts = [_encode(server, p) for p in texts]
-    jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens", "prompt"),
-                                      req.logprobs)) for ids in prompts]
-
-    def choice(c: _Choice) -> dict:
-        o = c.output
-        lp = (formats.completion_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [], 0,
-                                          req.return_tokens_as_token_ids) if req.logprobs is not None else None)
-        return {"index": c.index, "text": o.text or "", "logprobs": lp, "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason}
-
-    return await _respond(server, req, request, jobs, choice, chat=False)
-
-
-async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):
-    server.check_model(req.model)
-    tokenizer = server.tokenizer
-    if tokenizer is None:
-        raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
-    try:
-        num_logprobs = req.num_logprobs()
-    except ValueError as e:
-        raise ApiError(400, str(e), param="top_logprobs") from None
-    server.check_size(1, req.n, "messages")
-    try:
-        ids, turn_end = tokenizer.chat(req.conversation())
-    except (ValueError, CheckpointError) as e:
-        raise ApiError(400, str(e), param="messages") from None
-    limit = req.max_completion_tokens or req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    new_tokens = _max_new_tokens(server, ids, limit, param, "messages")
-    params = req.sampling_params(new_tokens, num_logprobs)
-    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + turn_end))]
-
-    def choice(c: _Choice) -> dict:
-        o = c.output
-        lp = (formats.chat_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
-                                    req.top_logprobs or 0, req.return_tokens_as_token_ids) if req.logprobs else None)
-        return {"index": c.index, "message": {"role": "assistant", "content": o.text or ""}, "logprobs": lp,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-
-    return await _respond(server, req, request, jobs, choice, chat=True)
-
-
-async def _respond(server: Server, req, request: Request, jobs: list, choice, *, chat: bool):
-    """Run the jobs; a stream of chunks, or one response whose choices ``choice`` formats."""
-    queue, choices = await server.start(jobs, "messages" if chat else "prompt")
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    server.track({rid: choices})
-    if req.stream:
-        return _stream(server, queue, choices, req, rid, chat=chat)
-    try:
-        await server.wait(queue, choices, request)
-    finally:
-        server.untrack([rid])
-    return formats.envelope("chat.completion" if chat else "text_completion", rid, server.model_name,
-                            [choice(c) for c in choices], usage=_usage(choices, req.n),
-                            metadata=weight_metadata(choices))
-
-
-def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, rid: str, chat: bool):
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    tok, as_ids = server.tokenizer, req.return_tokens_as_token_ids
-
-    def chunk(index: int, delta: Delta | None, text: str, finish: str | None, offset: int) -> dict:
-        if chat:
-            lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0,
-                                        as_ids) if req.logprobs and delta is not None and delta.token_ids else None)
-            body = {"index": index, "delta": {"content": text} if text or delta is None else {}, "logprobs": lp,
-                    "finish_reason": finish}
-        else:
-            lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, offset, as_ids)
-                  if req.logprobs is not None and delta is not None and delta.token_ids else None)
-            body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-        extra = {"metadata": weight_metadata([choices[index]])} if finish is not None else {}
-        return formats.envelope(kind, rid, server.model_name, [body], **extra)
-
-    async def events():
-        try:
-            if chat:
-                for c in choices:
-                    yield formats.sse(formats.envelope(kind, rid, server.model_name, [
-                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]))
-            while any(c.output is None for c in choices):
-                index, delta = await queue.get()
-                c = choices[index]
-                if delta.finished:
-                    c.output = delta.output
-                    # an engine failure, or the shutdown's abort: an error event, then [DONE]
-                    if (failure := output_failure(c.output, server.shutting_down)) is not None:
-                        yield formats.sse(failure.body)
-                        break
-                if delta.text or delta.finished or (delta.token_ids and req.logprobs):
-                    yield formats.sse(chunk(c.index, delta, delta.text, c.output.finish_reason if c.output else None,
-                                            c.text_sent))
-                    c.text_sent += len(delta.text)
-            else:
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    yield formats.sse(formats.envelope(kind, rid, server.model_name, [], usage=_usage(choices, req.n),
-                                                       metadata=weight_metadata(choices)))
-            yield formats.sse("[DONE]")
-        finally:  # the client went away (or we are done): unfinished requests stop at the next step
-            server.untrack([rid])
-            server.abort(choices)
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
 def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
                metrics: Metrics, model_path: str | None = None) -> FastAPI:
     """The app over a started engine process; stopping the app stops the engine process.
@@ -328,15 +169,17 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     app.state.server = server
     _install_middleware(app, server)
     install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                 **native.REQUEST_MODELS, **control.REQUEST_MODELS, **dev.REQUEST_MODELS},
-                           success_style=control.SUCCESS_STYLE)
+                                 **native.REQUEST_MODELS, **info.REQUEST_MODELS, **control.REQUEST_MODELS,
+                                 **dev.REQUEST_MODELS}, success_style=control.SUCCESS_STYLE)
     native.install(app, server)
+    info.install(app, server)
     control.install(app, server)
     worker.install(app, server)
     if dev.dev_mode(config):
         dev.install(app, server)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's and SageMaker's name for it
     async def health():
         down = server.shutting_down or not core.accepting
         body = {"status": "unavailable" if down else "ok", "batch_invariant": server.invariant,
@@ -347,18 +190,13 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "bi-engine", "max_model_len": server.max_model_len}]}
-
     @app.post("/v1/completions")
     async def post_completions(req: CompletionRequest, request: Request):
-        return await completions(server, req, request)
+        return await completions.completions(server, req, request)
 
     @app.post("/v1/chat/completions")
     async def post_chat(req: ChatCompletionRequest, request: Request):
-        return await chat_completions(server, req, request)
+        return await completions.chat_completions(server, req, request)
 
     return app
 

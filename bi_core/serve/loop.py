@@ -4,7 +4,7 @@ process (``client.py``) talks to it over a pipe.
 Why a process of its own: an HTTP front formatting hundreds of streams (JSON, SSE, logprob dicts)
 holds the GIL, and an engine thread sharing that GIL waits for it at every torch call that
 releases and re-takes it; with one process, HTTP cost a growing share of the Python API's time as
-streams were added (docs/benchmarks.md section 7; section 7b measures this design). Here the
+streams were added (dev/benchmarks-history.md section 7; section 7b measures this design). Here the
 engine's process runs nothing but the loop, on the main thread that built the engine (torch's CPU
 thread pool belongs to it). The pipe carries token ids, logprobs and the engine's incremental
 text: one message per step with every stream's delta, polled between steps (no thread in this
@@ -199,7 +199,7 @@ class EngineLoop:
         """All of a request's prompts, or none of them."""
         if self.stopping or self.failure is not None:
             return self.channel.send(Refused(key, "unavailable", self.failure or "the server is shutting down"))
-        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+        if self._num_beyond_admission() >= self.max_waiting:
             return self.channel.send(Refused(key, "overloaded",
                                              f"too many waiting requests ({self.max_waiting}); retry later"))
         seqs: list[Sequence] = []
@@ -219,6 +219,13 @@ class EngineLoop:
                 ids.append(member.request_id)
             self.counter.counts.prompt_tokens += len(seq.prompt_ids)
         self.channel.send(Added(key, ids, int(self.engine.weight_version)))
+
+    def _num_beyond_admission(self) -> int:
+        """Waiting requests beyond the sequence slots the next step has free: the ones that wait,
+        which serve.max_waiting_requests bounds. Requests added between two steps all sit in the
+        queue until the next one admits them; those it has room for are not waiting for room."""
+        sched = self.engine.scheduler
+        return len(sched.waiting) - max(sched.config.max_num_seqs - len(sched.running), 0)
 
     def _refuse_held(self, why: str) -> None:
         for msg in self.held:
@@ -415,7 +422,7 @@ class EngineLoop:
 
     def _flush(self) -> None:
         """This iteration's deltas and counts (and the engine's state, if it changed) in one message."""
-        counts = self.counter.take(self.engine)
+        counts = self.counter.take(self.engine, held=len(self.held))
         if self._out or counts:
             out, self._out = self._out, []
             self.channel.send(Out(out, counts, self.failure))

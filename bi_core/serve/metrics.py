@@ -23,6 +23,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+NOT_EXPORTED = ("tokens_waiting", "tokens_total")  # state read by /v1/loads, not Prometheus gauges
 DEFAULT_MAX_MODEL_LEN = 1 << 20  # token histograms' top bucket when the config leaves max_model_len to the checkpoint
 
 
@@ -82,13 +83,17 @@ class StepCounter:
     def finished(self, reason: str) -> None:
         self.counts.finished[reason] = self.counts.finished.get(reason, 0) + 1
 
-    def take(self, engine) -> Counts:
+    def take(self, engine, held: int = 0) -> Counts:
         """The counts since the last call, with the engine's state when it changed: read at every
-        hand-over, not only after steps, since an abort or an add changes it between steps."""
+        hand-over, not only after steps, since an abort or an add changes it between steps.
+        ``held``: requests the loop holds while generation is paused or the engine sleeps."""
         sched, total_s = engine.scheduler, sum(dt for dt, _ in self._recent)
-        state = {"running": len(sched.running), "waiting": len(sched.waiting),
+        state = {"running": len(sched.running), "waiting": len(sched.waiting), "held": held,
                  "pages_used": sched.num_pages_used, "pages_total": engine.cache.num_blocks,
                  "tokens_running": sum(seq.num_tokens for seq in sched.running),
+                 # the waiting prompts' tokens, and the cache's capacity in tokens (SGLang's /v1/loads)
+                 "tokens_waiting": sum(len(seq.prompt_ids) for seq in sched.waiting),
+                 "tokens_total": engine.cache.num_blocks * engine.cache.block_size,
                  "preemptions": sched.num_preemptions, "weight_version": engine.weight_version,
                  "tokens_per_s": sum(n for _, n in self._recent) / total_s if total_s else 0.0}
         if state != self._state:
@@ -104,6 +109,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("bi_requests_running", "requests with KV pages and a state slot", registry=r)
         self.waiting = Gauge("bi_requests_waiting", "requests queued for admission", registry=r)
+        self.held = Gauge("bi_requests_held", "requests held until generation resumes (paused, or the engine "
+                          "sleeps)", registry=r)
         self.pages_used = Gauge("bi_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("bi_kv_pages_total", "KV cache pages", registry=r)
         self.tokens_running = Gauge("bi_tokens_running", "tokens (prompt and generated so far) of the running "
@@ -113,6 +120,7 @@ class Metrics:
         self.prefix_hits = Counter("bi_prefix_cache_hit_tokens", "prompt tokens of finished requests that the "
                                    "prefix cache served", registry=r)
         self.state: dict[str, float] = {}  # the engine's last reported state (what /get_load reads)
+        self.num_prefix_queried = self.num_prefix_hits = 0  # the counters' totals, for /v1/loads' hit rate
         self.tokens_per_s = Gauge("bi_generation_tokens_per_second", "tokens generated per second over the "
                                   "last steps (up to 64)", registry=r)
         self.generated = Counter("bi_generation_tokens", "tokens generated", registry=r)
@@ -137,8 +145,11 @@ class Metrics:
             self.finished.labels(reason).inc(n)
         self.prefix_queried.inc(c.prefix_queried)
         self.prefix_hits.inc(c.prefix_hits)
+        self.num_prefix_queried += c.prefix_queried
+        self.num_prefix_hits += c.prefix_hits
         for name, value in c.state.items():
-            getattr(self, name).set(value)
+            if name not in NOT_EXPORTED:
+                getattr(self, name).set(value)
         self.state.update(c.state)
         self.vllm.apply(c)
 

@@ -6,9 +6,11 @@ The request is SGLang's ``GenerateReqInput``: ``text`` or ``input_ids`` (one pro
 128, ``temperature`` 1.0, ``top_k`` -1 = off, ``sampling_seed``), ``return_logprob``,
 ``logprob_start_len``, ``top_logprobs_num`` (each one value or one per prompt),
 ``return_text_in_logprobs``, ``return_routed_experts``, ``routed_experts_start_len``, ``rid``,
-``stream``. SGLang's parameters the engine does not implement are accepted only at their no-op
-values (a penalty of 0, no grammar, ...): anything else is a 400 naming the field, as is any
-unknown field.
+``stream`` (``native_protocol.py``). SGLang's parameters the engine does not implement are accepted
+only at their no-op values (a penalty of 0, no grammar, ...): anything else is a 400 naming the
+field, as is any unknown field. ``max_new_tokens`` 0 runs the prompt alone (SGLang's scoring: its
+``input_token_logprobs``, no output tokens, finish reason ``length`` 0). Parameters accepted that
+change nothing here (``custom_params``) are named in the ``X-Unused-Params`` header.
 
 The answer is SGLang's: per choice ``{"text", "output_ids", "meta_info"}``, ``meta_info`` holding
 ``id``, ``finish_reason`` (``{"type": "stop", "matched": <token id or string>}``, ``{"type":
@@ -34,166 +36,19 @@ from typing import Any
 import attrs
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import formats
 from bi_core.serve.client import Delta
 from bi_core.serve.errors import ApiError, output_failure, validation_error
-from bi_core.serve.protocol import MAX_N, STRICT, only
+from bi_core.serve.native_protocol import REQUEST_MODELS, GenerateRequest, GenerateSamplingParams
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 MAX_TOP_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs)
-
-
-class GenerateSamplingParams(BaseModel):
-    """SGLang's ``sampling_params``: the ones the engine implements, the others at their no-op values."""
-
-    model_config = STRICT
-
-    max_new_tokens: int | None = Field(128, ge=1, description="None: up to the model's context length")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, description="-1 = off")
-    n: int = Field(1, ge=1, le=MAX_N)
-    ignore_eos: bool = False
-    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
-    # SGLang's parameters the engine does not implement: accepted at their no-op value only
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-    stop_regex: str | list[str] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    logit_bias: dict[str, float] | None = None
-    custom_params: dict | None = None
-    stream_interval: int | None = None
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v != -1 and v < 1:
-            raise ValueError(f"top_k must be -1 (off) or at least 1, got {v}")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
-
-    @field_validator("min_p", "frequency_penalty", "presence_penalty", "min_new_tokens")
-    @classmethod
-    def _zero(cls, v):
-        if v != 0:
-            raise ValueError("not supported by this engine (a token would depend on more than its request's seed "
-                             "and position, or on counts the engine does not keep); use 0")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _one(cls, v: float) -> float:
-        if v != 1.0:
-            raise ValueError("repetition penalties are not supported by this engine; use 1.0")
-        return v
-
-    @field_validator("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params",
-                     "stream_interval")
-    @classmethod
-    def _none(cls, v):
-        if v is not None:
-            raise ValueError("not supported by this engine; leave it out (null)")
-        return v
-
-    @field_validator("skip_special_tokens", "spaces_between_special_tokens")
-    @classmethod
-    def _true(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("only true is supported (the text is the tokenizer's plain decode)")
-        return v
-
-    @field_validator("no_stop_trim")
-    @classmethod
-    def _false(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("only false is supported: the text ends before a matched stop string")
-        return v
-
-
-class GenerateRequest(BaseModel):
-    """SGLang's ``GenerateReqInput`` (the fields this engine serves; unknown fields are refused)."""
-
-    model_config = STRICT
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = Field(0, ge=0)
-    log_metrics: bool = True
-    # SGLang inputs the engine does not take: accepted only absent (null)
-    input_embeds: Any = None
-    image_data: Any = None
-    video_data: Any = None
-    audio_data: Any = None
-    lora_path: Any = None
-    custom_logit_processor: Any = None
-    token_ids_logprob: Any = None
-    session_params: Any = None
-    return_hidden_states: bool = False
-    # what sglang-router writes into every /generate it forwards: its model field (null, or this
-    # server's model), and SGLang's output switches at the values that change nothing here
-    model: str | None = None
-    background: bool = False
-    no_logs: bool = False  # requests are never logged here
-    return_bytes: bool = False
-    return_entropy: bool = False
-
-    @field_validator("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "custom_logit_processor",
-                     "token_ids_logprob", "session_params")
-    @classmethod
-    def _absent(cls, v):
-        if v is not None:
-            raise ValueError("not supported by this engine (text-only, no LoRA, no custom logit processors); "
-                             "leave it out (null)")
-        return v
-
-    @field_validator("return_hidden_states")
-    @classmethod
-    def _no_hidden_states(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("hidden states are not returned by this engine")
-        return v
-
-    _not_offered = field_validator("background", "return_bytes", "return_entropy")(only(
-        False, "not supported by this engine"))
-
-    @field_validator("log_metrics")
-    @classmethod
-    def _always_counted(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("every request is counted in /metrics; only true is supported")
-        return v
-
-
-REQUEST_MODELS = {"/generate": GenerateRequest}
+UNUSED_HEADER = "X-Unused-Params"  # the request's parameters that changed nothing (custom_params)
+__all__ = ["REQUEST_MODELS", "generate", "install"]
 
 
 @attrs.define(eq=False)
@@ -204,6 +59,7 @@ class _Options:
     return_logprob: bool
     logprob_start_len: int  # -1: no prompt logprobs
     top_logprobs_num: int
+    prompt_only: bool = False  # max_new_tokens 0: the one token the engine samples is dropped
 
 
 @attrs.define(eq=False)
@@ -280,9 +136,19 @@ def _sampling(raw, num: int) -> list[GenerateSamplingParams]:
     return out
 
 
-def build_jobs(server, req: GenerateRequest) -> tuple[list, list[_Options], bool, str]:
-    """The engine jobs of a request (one per prompt), each prompt's output options, whether it is a
-    single prompt, and the field its prompts came in. Raises ApiError for a bad request."""
+@attrs.frozen
+class Plan:
+    """A ``/generate`` request as the engine runs it."""
+
+    jobs: list  # one (prompt ids, SamplingParams) per prompt
+    options: list[_Options]  # each prompt's output options
+    single: bool  # one prompt (not a batch)
+    field: str  # the field the prompts came in
+    unused: list[str]  # the parameters given that change nothing (reported in UNUSED_HEADER)
+
+
+def build_jobs(server, req: GenerateRequest) -> Plan:
+    """The engine jobs of a request and how to answer it. Raises ApiError for a bad request."""
     prompts, single, field = _prompts(server, req)
     num = len(prompts)
     sps = _sampling(req.sampling_params, num)
@@ -298,7 +164,7 @@ def build_jobs(server, req: GenerateRequest) -> tuple[list, list[_Options], bool
     return_logprob = _per_prompt(req.return_logprob, num, "return_logprob", False)
     start_len = _per_prompt(req.logprob_start_len, num, "logprob_start_len", -1)
     top_num = _per_prompt(req.top_logprobs_num, num, "top_logprobs_num", 0)
-    jobs, options = [], []
+    jobs, options, unused = [], [], []
     for j, (ids, sp) in enumerate(zip(prompts, sps)):
         room = server.max_model_len - len(ids)
         where = "sampling_params" if not isinstance(req.sampling_params, list) else f"sampling_params[{j}]"
@@ -323,15 +189,25 @@ def build_jobs(server, req: GenerateRequest) -> tuple[list, list[_Options], bool
                            param=f"{where}.stop")
         lp = return_logprob[j]
         extra = {"return_routed_experts": True} if req.return_routed_experts else {}
+        # max_new_tokens 0 (SGLang's scoring): the engine samples one token, which the answer drops
+        new_tokens = room if sp.max_new_tokens is None else max(sp.max_new_tokens, 1)
+        if sp.min_new_tokens > (sp.max_new_tokens if sp.max_new_tokens is not None else room):
+            raise ApiError(400, f"min_new_tokens ({sp.min_new_tokens}) must be at most max_new_tokens",
+                           param=f"{where}.min_new_tokens")
         params = SamplingParams(
-            max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else room, n=n,
+            max_new_tokens=new_tokens, n=n,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), seed=sp.sampling_seed,
             logprobs=top_num[j] if lp and top_num[j] > 0 else None,
             prompt_logprobs=top_num[j] if lp and start_len[j] >= 0 else None,
-            stop_token_ids=tuple(sp.stop_token_ids or ()), stop=sp.stop or (), ignore_eos=sp.ignore_eos, **extra)
+            stop_token_ids=tuple(sp.stop_token_ids or ()), stop=sp.stop or (), ignore_eos=sp.ignore_eos,
+            min_tokens=sp.min_new_tokens, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, **extra)
         jobs.append((ids, params))
-        options.append(_Options(names[j], lp, start_len[j], top_num[j]))
-    return jobs, options, single, field
+        options.append(_Options(names[j], lp, start_len[j], top_num[j], prompt_only=sp.max_new_tokens == 0))
+        unused += [f"{where}.{name}" for name in sp.unused() if f"{where}.{name}" not in unused]
+    return Plan(jobs, options, single, field, unused)
 
 
 def finish_reason(o: RequestOutput) -> dict:
@@ -422,10 +298,11 @@ class Formatter:
 async def generate(server, req: GenerateRequest, request: Request):
     if req.model is not None:
         server.check_model(req.model)
-    jobs, options, single, field = build_jobs(server, req)
-    n = jobs[0][1].n
-    queue, choices = await server.start(jobs, field)
+    plan = build_jobs(server, req)
+    options, single, n = plan.options, plan.single, plan.jobs[0][1].n
+    queue, choices = await server.start(plan.jobs, plan.field)
     fmt = Formatter(server, req, options, n)
+    headers = {UNUSED_HEADER: ", ".join(plan.unused)} if plan.unused else None
     progress = [_Progress(name) for name in fmt.names(len(choices))]
     named = {p.name: [c] for p, c in zip(progress, choices)}  # abort by a choice's id, or by its prompt's rid
     named.update({o.name: choices[j * n:(j + 1) * n] for j, o in enumerate(options) if o.name is not None})
@@ -437,9 +314,11 @@ async def generate(server, req: GenerateRequest, request: Request):
                 while any(c.output is None for c in choices):
                     index, delta = await queue.get()
                     c = choices[index]
-                    progress[index].add(delta)
+                    prompt_only = options[index // n].prompt_only
+                    if not prompt_only:
+                        progress[index].add(delta)
                     if delta.finished:
-                        c.output = delta.output
+                        c.output = formats.without_generated(delta.output) if prompt_only else delta.output
                         if (failure := output_failure(c.output, server.shutting_down)) is not None:
                             yield formats.sse(failure.body)  # an error event, then [DONE]
                             break
@@ -456,13 +335,16 @@ async def generate(server, req: GenerateRequest, request: Request):
                 server.untrack(names)
                 server.abort(choices)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
     try:
         await server.wait(queue, choices, request)
     finally:
         server.untrack(names)
+    for c in choices:
+        if options[c.index // n].prompt_only:
+            c.output = formats.without_generated(c.output)
     items = [fmt.item(c, p) for c, p in zip(choices, progress)]
-    return items[0] if single and n == 1 else items
+    return JSONResponse(items[0] if single and n == 1 else items, headers=headers)
 
 
 async def _one_token(server) -> None:

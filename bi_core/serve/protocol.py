@@ -1,37 +1,93 @@
-"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos,
-return_tokens_as_token_ids; SGLang's that sglang-router adds to what it forwards, at their no-op
-values) and the mapping to SamplingParams. Validation errors name the field;
-unknown fields are refused, so a misspelled parameter never silently does nothing; types are strict
-as OpenAI's are (``"max_tokens": "8"`` and ``"stream": "yes"`` are refused; an int is a float)."""
+"""OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos, min_tokens,
+min_p, repetition_penalty, include_stop_str_in_output, skip_special_tokens,
+spaces_between_special_tokens, return_tokens_as_token_ids, prompt_logprobs,
+stream_options.continuous_usage_stats; SGLang's that sglang-router adds to what it forwards) and
+the mapping to SamplingParams. Validation errors name
+the field; unknown fields are refused, so a misspelled parameter never silently does nothing;
+parameters the engine does not implement are accepted at the value that changes nothing (their
+default) and refused with a reason at any other; types are strict as OpenAI's are (``"max_tokens":
+"8"`` and ``"stream": "yes"`` are refused; an int is a float)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bi_core.runtime.sequence import SamplingParams
+from bi_core.serve.errors import ApiError
 
 MAX_N = 128
+MAX_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs, prompt_logprobs)
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-def only(value: bool, why: str):
-    """A validator taking a flag at ``value`` alone (the value that changes nothing here)."""
-    def check(cls, v: bool) -> bool:
-        if v is not value:
-            raise ValueError(f"only {str(value).lower()} is supported: {why}")
+def only(*values, why: str):
+    """A validator taking a field at one of ``values`` alone (the values that change nothing here).
+    Booleans compare by identity, so ``0`` never passes for ``False``."""
+    def same(v, w) -> bool:
+        return v is w if isinstance(w, bool) or w is None else type(v) is not bool and v == w
+
+    def check(cls, v):
+        if not any(same(v, w) for w in values):
+            shown = " or ".join("null" if w is None else str(w).lower() if isinstance(w, bool) else repr(w)
+                                for w in values)
+            raise ValueError(f"only {shown} is supported: {why}")
         return v
 
     return check
 
 
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where in a parsed JSON value a string holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``
+    without its pair), or None. Such a string has no UTF-8 form: it can be neither tokenized nor
+    written back in a response. The path is OpenAI's param form (``messages[0].content``)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if lone_surrogate_at(key, inner) is not None:  # in the key itself: name it escaped
+                return f"{path}.{ascii(key)}" if path else ascii(key)
+            if (found := lone_surrogate_at(item, inner)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate_at(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
+class TextBody(BaseModel):
+    """A request body whose strings must all be text (no lone surrogates): refused with a 400 that
+    names the field, before anything tokenizes or echoes them. An ApiError rather than a
+    ValueError, which pydantic would report at the body's root instead of at the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        if (path := lone_surrogate_at(data)) is not None:
+            raise ApiError(400, f"{path}: a string holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without "
+                                "its pair), which is not text; send the character itself or its surrogate pair",
+                           param=path)
+        return data
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage in every chunk (vLLM), with include_usage")
 
 
-class _Common(BaseModel):
+_NOT_IMPLEMENTED = "not implemented by this engine"
+
+
+class _Common(TextBody):
     """Parameters both endpoints share."""
 
     model_config = STRICT
@@ -49,25 +105,32 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens 'token_id:<id>' (vLLM)")
     user: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    # SGLang's extensions, which sglang-router writes into every request it forwards: accepted at the
-    # values that change nothing here (the text is the tokenizer's plain decode, cut before a stop string)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's sampling extensions (SamplingParams' fields of the same names)
+    repetition_penalty: float = Field(1.0, gt=0.0, description="1 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # SGLang's, which sglang-router writes into every request it forwards: no_stop_trim is
+    # include_stop_str_in_output by SGLang's name; hidden states are never returned
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # OpenAI's and vLLM's parameters the engine does not implement: accepted at their no-op values
+    logit_bias: dict[str, float] | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: int = 0
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported (they would make a token depend on earlier samples' "
-                             "counts, which the engine does not track); use 0")
-        return v
-
-    _plain_decode = field_validator("skip_special_tokens")(only(True, "the text is the tokenizer's plain decode"))
-    _stop_trimmed = field_validator("no_stop_trim")(only(False, "the text ends before a matched stop string"))
-    _no_hidden_states = field_validator("return_hidden_states")(only(False, "no hidden states are returned"))
+    _no_bias = field_validator("logit_bias")(lambda cls, v: _empty(v, "logit_bias"))
+    _no_truncation = field_validator("truncate_prompt_tokens")(only(None, why="prompts are never truncated"))
+    _no_beams = field_validator("use_beam_search")(only(False, why="beam search is not implemented"))
+    _no_length_penalty = field_validator("length_penalty")(only(1, why="it applies to beam search only"))
+    _one_priority = field_validator("priority")(only(0, why="requests are served in arrival order"))
+    _no_hidden_states = field_validator("return_hidden_states")(only(False, why="no hidden states are returned"))
 
     @field_validator("stop")
     @classmethod
@@ -76,35 +139,74 @@ class _Common(BaseModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true (as OpenAI's API)",
+                           param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            raise ApiError(400, "stream_options.continuous_usage_stats needs include_usage: true (usage in every "
+                                "chunk is usage included)", param="stream_options.continuous_usage_stats")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """SamplingParams of this request: its ``n`` samples share one prefill, sample i is keyed
         by ``sample_seed(seed, i)`` (bi_core.ops.sampling)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=self.seed, n=self.n, logprobs=logprobs,
-                              stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop, ignore_eos=self.ignore_eos)
+        if self.min_tokens > max_new_tokens:
+            raise ApiError(400, f"min_tokens ({self.min_tokens}) must be at most the tokens this request may "
+                                f"generate ({max_new_tokens})", param="min_tokens")
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            seed=self.seed, n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+
+def _empty(v, name: str):
+    if v:
+        raise ValueError(f"only null or an empty object is supported: {name} is {_NOT_IMPLEMENTED}")
+    return v
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=0, description="0: no tokens, with echo (the prompt's logprobs)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: per prompt token")
     suffix: str | None = None
+    best_of: int | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    _no_suffix = field_validator("suffix")(only(None, "", why="suffix (insertion) is not supported"))
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix (insertion) is not supported")
-        return v
+    @model_validator(mode="after")
+    def _echo_and_counts(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of must equal n ({self.n}) or be null: picking the best of more samples is "
+                                f"{_NOT_IMPLEMENTED}", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens 0 generates nothing: it needs echo: true (the prompt back, with its "
+                                "logprobs if logprobs is set)", param="max_tokens")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            param = "echo" if self.echo else "prompt_logprobs"
+            raise ApiError(400, f"{param} is supported without stream (the prompt's logprobs come with the finished "
+                                "request)", param=param)
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -115,6 +217,12 @@ class CompletionRequest(_Common):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The top-N the engine computes per prompt token: echo's logprobs, vLLM's prompt_logprobs,
+        the larger of the two when both are asked for (each answer keeps its own N)."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(wanted) if wanted else None
 
 
 class ChatMessage(BaseModel):
@@ -135,24 +243,53 @@ class ChatMessage(BaseModel):
             return "".join(part["text"] for part in self.content)
         return self.content or ""
 
+    def as_template_message(self) -> dict[str, str]:
+        """The message as the chat template reads it: role and content, and ``name`` when given
+        (templates that know it render it; Qwen's ignores it)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's and vLLM's chat parameters the engine does not implement: their no-op values
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # no tools: either value changes nothing
+    add_generation_prompt: bool = True
+    echo: bool = False
+    chat_template_kwargs: dict | None = None
     # sglang-router's additions to a chat request: no reasoning parser runs here, so separating
     # reasoning (or streaming it apart) changes nothing; continuing the last message is not supported
     continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
-    _no_continue = field_validator("continue_final_message")(only(False, "continuing the final assistant message "
-                                                                         "is not supported"))
+    _no_continue = field_validator("continue_final_message")(only(
+        False, why="continuing the final assistant message is not supported"))
+    _no_tools = field_validator("tools")(only(None, [], why=f"tool calling is {_NOT_IMPLEMENTED}"))
+    _no_tool_choice = field_validator("tool_choice")(only(None, "none", "auto", why=f"tool calling is {_NOT_IMPLEMENTED}"))
+    _generation_prompt = field_validator("add_generation_prompt")(only(
+        True, why="the prompt always ends with the assistant's turn"))
+    _no_echo = field_validator("echo")(only(False, why="echoing the last message is not supported"))
+    _no_template_kwargs = field_validator("chat_template_kwargs")(lambda cls, v: _empty(v, "chat_template_kwargs"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v is not None and v != {"type": "text"}:
+            raise ValueError(f"only null or {{\"type\": \"text\"}} is supported: structured output is {_NOT_IMPLEMENTED}")
+        return v
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.as_template_message() for m in self.messages]
 
     def num_logprobs(self) -> int | None:
         """Raises ValueError (about ``top_logprobs``) when top_logprobs comes without logprobs."""

@@ -37,19 +37,38 @@ def draft_table(size: int, vocab_size: int, eos_ids: tuple[int, ...], path: str 
 
 def read_table(path: str, vocab_size: int) -> list[int]:
     """A table file: a JSON list of ints, or ints separated by whitespace."""
-    p = Path(path)
+    expected = "expected token ids (a JSON list of ints, or ints separated by whitespace, e.g. what " \
+               "bi-engine draft-vocab writes)"
     try:
-        text = p.read_text()
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError("strategy.draft_vocab", f"cannot read {path}: {e.strerror or e}") from None
     try:
-        ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
-    except ValueError as e:
-        raise ConfigError("strategy.draft_vocab", f"{path}: expected token ids (a JSON list of ints, or ints "
-                          f"separated by whitespace): {e}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("strategy.draft_vocab", f"{path} is not a text file (byte 0x{raw[e.start]:02x} at "
+                          f"offset {e.start}); {expected}") from None
+    ids = _parse_ids(text, path, expected)
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise ConfigError("strategy.draft_vocab", f"{path}: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def _parse_ids(text: str, path: str, expected: str) -> list:
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("strategy.draft_vocab", f"{path}: not a JSON list ({e.msg} at line {e.lineno}, "
+                              f"column {e.colno}); {expected}") from None
+    ids = []
+    for n, item in enumerate(text.split(), 1):
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise ConfigError("strategy.draft_vocab", f"{path}: item {n} is {item[:40]!r}, not an int; "
+                              f"{expected}") from None
     return ids
 
 

@@ -223,8 +223,10 @@ class MTPStrategy(Strategy):
         if landed is not None:  # the samples flew (runtime/overlap.py): already in host memory
             sampled = rows_of(flat_seqs, landed)
         else:
+            # a verify row j counts drafts 1..j before it (its sample is kept only if they are accepted)
+            before = [list(d[:j]) for r, d in zip(rows, plan.drafts) if r.sample for j in range(len(r.logits_rows))]
             sampled = self.runner.sample(flat_seqs, [p for r in sampling for p in r.sample_positions], out.logits,
-                                         out.samples) if flat_seqs else []
+                                         out.samples, before) if flat_seqs else []
         commits, leaders, cursor, routed = [], [], 0, self.routing(out)
         for r, drafts, offset in zip(rows, plan.drafts, out.offsets):
             seq, got = r.seq, sampled[cursor:cursor + len(r.logits_rows)] if r.sample else []

@@ -51,7 +51,7 @@ def test_cuda_backend_matches_reference(backend, preset):
         assert ours < max(2 * ref, 1e-2), (i, ours, ref)
     # First greedy tokens: random real-shape models have top-2 logit gaps down to ~0.06 at logit scale
     # 1.0, and bf16 flips such near-ties; the bf16 reference itself missed 2 of 6 on the 35B shape
-    # (benchmarks/ref_match.py, H200, 2026-11-22). So: agree with fp32 as often as the bf16
+    # (dev/probes/ref_match.py, H200, 2026-11-22). So: agree with fp32 as often as the bf16
     # reference does, give or take one near-tie.
     agree = sum(o.token_ids[0] == r.token_ids[0] for o, r in zip(outs[(backend, "bfloat16")], outs[truth]))
     ref_agree = sum(o.token_ids[0] == r.token_ids[0] for o, r in zip(outs[("reference", "bfloat16")], outs[truth]))

@@ -1,9 +1,9 @@
 """Tensor parallelism on 2 GPUs (NCCL): the fixed-order all-reduce and NCCL's own all-reduce are
 both bitwise the rank-order sum r0 + r1 at every message size (1..256 rows). The invariant backend
-relies on the second at two ranks (one addition per element, which commutes; docs/parallel.md). TP=2 logits of
+relies on the second at two ranks (one addition per element, which commutes; docs/scale-out.md). TP=2 logits of
 the 35B-A3B shape (4 layers) stay as close to TP=1 as two correct bf16 engines are to each other; the engine-level
 invariance audit with TP=2 and its negative control run through `bi-engine verify`
-(benchmarks/tp_gpu.sh)."""
+(dev/gpu/tp_gpu.sh)."""
 
 from __future__ import annotations
 

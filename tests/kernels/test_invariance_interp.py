@@ -678,7 +678,7 @@ def test_silu_mul_kernel(device, dtype):
     got = silu_mul(x)
     want = F.silu(x[:, :n]) * x[:, n:]
     # fp32: numpy's sigmoid vs torch's silu differ in the last bits; bf16: the interpreter
-    # truncates each rounding (the GPU rounds to nearest even, docs/notes.md)
+    # truncates each rounding (the GPU rounds to nearest even, dev/notebook.md)
     tol = 1e-6 if dtype == torch.float32 else (2e-2 if device.type == "cpu" else 1e-2)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert row_mismatches(lambda rows: silu_mul(x[rows]), x.shape[0], (1,), device) == []

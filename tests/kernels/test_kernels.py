@@ -220,7 +220,7 @@ def test_gdn_decode_matches_reference(device, dtype):
     out = run_gdn_decode(spec, proj, weights, conv, state, ctx)
     want = ReferenceGdnImpl(spec).forward(proj, weights, conv_ref, state_ref, ctx)
     # seven bf16 roundings in a row (conv, silu, beta, o, the norm's three): the interpreter truncates
-    # each (docs/notes.md, tolerances), the GPU rounds to nearest even
+    # each (dev/notebook.md, tolerances), the GPU rounds to nearest even
     tol = (5e-2 if device.type == "cpu" else 2e-2) if dtype == torch.bfloat16 else 1e-4
     assert rel(out, want) < tol
     assert rel(state, state_ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -21,7 +21,7 @@ def test_fp8_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest sets it on the CPU
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm90_compile.py"), "--json"], env=env,
+    run = subprocess.run([sys.executable, str(ROOT / "dev" / "gpu" / "sm90_compile.py"), "--json"], env=env,
                          capture_output=True, text=True, timeout=600)
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert {name: r["error"] for name, r in results.items() if "error" in r} == {}

@@ -89,10 +89,33 @@ def test_disable_and_allowlist(monkeypatch):
     monkeypatch.setenv("BI_DISABLE_PLUGINS", "example_norm")
     assert "example_norm" not in load_registry().backends
     monkeypatch.delenv("BI_DISABLE_PLUGINS")
-    monkeypatch.setenv("BI_PLUGINS", "something_else")
-    assert "example_norm" not in load_registry().backends
-    monkeypatch.setenv("BI_PLUGINS", "example_norm")
+    other = md.EntryPoint(name="other_plugin", value="json", group=ENTRY_POINT_GROUP)  # a module with no hooks
+    installed = md.entry_points(group=ENTRY_POINT_GROUP)
+    monkeypatch.setattr(md, "entry_points", lambda group: md.EntryPoints([*installed, other]))
+    monkeypatch.setenv("BI_PLUGINS", "other_plugin")
+    reg = load_registry()
+    assert "example_norm" not in reg.backends and "other_plugin" in [p.name for p in reg.plugins]
+    monkeypatch.setenv("BI_PLUGINS", "example_norm,bi_core.backends.reference")  # a built-in's name: a no-op
     assert "example_norm" in load_registry().backends
+
+
+def test_allowlist_naming_a_plugin_that_is_not_installed_is_an_error(monkeypatch):
+    """It used to load no plugin at all, silently; now the error lists the installed ones."""
+    monkeypatch.setenv("BI_PLUGINS", "example_nrom,example_norm")
+    with pytest.raises(PluginError) as e:
+        load_registry()
+    assert str(e.value) == ("BI_PLUGINS: no installed plugin named 'example_nrom'; installed (entry points of group "
+                            f"{ENTRY_POINT_GROUP}): example_norm")
+
+
+def test_allowlist_error_from_the_cli_is_one_line(monkeypatch, capsys):
+    from bi_core.cli import main
+
+    monkeypatch.setenv("BI_PLUGINS", "nope")
+    assert main(["plugins"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bi-engine: error: BI_PLUGINS: no installed plugin named 'nope'; installed") and \
+        "example_norm" in err and len(err.strip().splitlines()) == 1
 
 
 class Misspelled:
@@ -134,3 +157,67 @@ def test_duplicate_names_are_errors():
 
     with pytest.raises(PluginError, match="backend 'reference' registered twice"):
         load_registry(extra_plugins=(Dup(),))
+
+
+class RaisesInHook:
+    @hookimpl
+    def bi_register_strategies(self, register):
+        raise ValueError("no strategy today")
+
+
+def test_a_hook_that_raises_names_the_plugin_and_the_hook():
+    with pytest.raises(PluginError) as e:
+        load_registry(extra_plugins=(RaisesInHook(),))
+    assert str(e.value) == ("plugin 'RaisesInHook' (registered in process) raised in hook bi_register_strategies: "
+                            "ValueError: no strategy today")
+
+
+def test_an_entry_point_hook_that_raises_names_its_package(monkeypatch):
+    import bi_example_backend
+
+    @hookimpl
+    def bi_register_backends(register):
+        register(Backend(name="broken", builders=(bi_example_backend.TorchNormBuilder(),) * 2))
+
+    monkeypatch.setattr(bi_example_backend, "bi_register_backends", bi_register_backends)
+    with pytest.raises(PluginError) as e:
+        load_registry()
+    assert str(e.value).startswith("plugin 'example_norm' (package bi-engine-example-backend 0.1.0), hook "
+                                   "bi_register_backends: backend 'broken': more than one builder for an op")
+
+
+def _norm_config(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {random: {preset: tiny-dense, seed: 0}, dtype: float32, device: cpu, max_model_len: 64}\n"
+                    "backend: reference\npolicy: {ops: {norm: [example_norm, reference]}}\n")
+    return path
+
+
+@pytest.mark.parametrize("method", ["check", "build"])
+def test_a_builder_that_raises_names_the_plugin_backend_and_method(method, monkeypatch, tmp_path, capsys):
+    """From the Python API a PluginError; from the CLI one line, exit 2 (was a bare traceback)."""
+    import bi_example_backend
+
+    from bi_core.cli import main
+
+    def boom(self, *args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bi_example_backend.TorchNormBuilder, method, boom)
+    message = (f"plugin 'example_norm' (package bi-engine-example-backend 0.1.0), backend 'example_norm', "
+               f"TorchNormBuilder.{method} raised RuntimeError: boom")
+    with pytest.raises(PluginError) as e:
+        build_engine(EngineConfig.from_yaml(_norm_config(tmp_path)))
+    assert str(e.value) == message
+    assert main(["run", "--config", str(_norm_config(tmp_path)), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err == f"bi-engine: error: {message}\n"
+
+
+def test_a_check_that_returns_no_list_is_named(monkeypatch):
+    import bi_example_backend
+
+    monkeypatch.setattr(bi_example_backend.TorchNormBuilder, "check", lambda self, spec, policy: "too wide")
+    cfg = EngineConfig.from_dict(tiny_config(policy={"ops": {"norm": ["example_norm", "reference"]}}))
+    with pytest.raises(PluginError, match=r"backend 'example_norm', TorchNormBuilder.check returned 'too wide'; "
+                                          "check must return a list of reason strings"):
+        build_engine(cfg)

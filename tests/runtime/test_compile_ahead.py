@@ -485,7 +485,7 @@ def test_a_start_skips_the_entries_whose_kernel_files_changed(start_env, tmp_pat
 
 def test_the_shipped_manifests_match_the_kernel_files():
     """Every shipped compile manifest was recorded from the kernel files in this tree: after editing
-    a kernel file, re-record the manifests that compile from it on the GPU (docs/notes.md says
+    a kernel file, re-record the manifests that compile from it on the GPU (dev/notebook.md says
     how), or a start compiles those kernels lazily again. Negative control: a changed hash shows."""
     from bi_core.backends.cuda_common import COMPILE_MANIFESTS
 

@@ -104,7 +104,7 @@ def test_pause_abort_answers_requests_with_their_tokens_and_holds_new_ones(ctl):
     assert len(last["meta_info"]["output_token_logprobs"]) == len(last["output_ids"])
     done = cmpl.join().response
     assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "abort", done.text
-    assert done.json()["metadata"] == {"weight_version": 0}
+    assert done.json()["metadata"] == {"weight_version": "0"}  # a string, as the openai SDK types it
     # a request sent while paused waits, and is served after the resume
     held = Background(ctl, "/generate", {"input_ids": [5, 5], "sampling_params": {"max_new_tokens": 4}}, stream=False)
     time.sleep(0.5)
@@ -177,7 +177,7 @@ def test_reset_prefix_cache_drops_cached_prompts(ctl):
 def test_weight_version_and_world_size(ctl):
     chat = post(ctl, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                              "max_tokens": 2})
-    assert chat.status_code == 200 and chat.json()["metadata"] == {"weight_version": 0}, chat.text  # SGLang's place
+    assert chat.status_code == 200 and chat.json()["metadata"] == {"weight_version": "0"}, chat.text  # SGLang's place
     assert get(ctl, "/get_weight_version").json() == {"weight_version": 0}
     assert get(ctl, "/weight_info").json() == {"weight_version": 0}
     info = get(ctl, "/get_model_info").json()

@@ -164,11 +164,15 @@ def test_a_batch_stream_says_which_item_each_event_is(gen_server):
     ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"temperature": "0.5"}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
+    ({"input_ids": [1], "custom_logit_processor": "gASVAAAA"}, "custom_logit_processor"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 600}}, "sampling_params.max_new_tokens"),
-    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, "sampling_params.frequency_penalty"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
     ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    ({"input_ids": [1], "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+     "sampling_params.min_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temprature": 0}}, "sampling_params.temprature"),
     ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params"),
@@ -244,7 +248,7 @@ def test_abort_all_and_vllms_abort_requests_by_a_completion_id(gen_server):
     assert r.status_code == 200 and r.json() == {"status": "aborted", "aborted": 1}, r.text
     t2.join(60)
     assert got2[-1] == "[DONE]" and got2[-2]["choices"][0]["finish_reason"] == "abort"
-    assert got2[-2]["metadata"] == {"weight_version": 0}
+    assert got2[-2]["metadata"] == {"weight_version": "0"}
     r = post(gen_server, {"abort_all": True}, "/abort_request")
     assert r.status_code == 200, r.text
     t1.join(60)

@@ -6,6 +6,7 @@ leaves generation as it was."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import ScriptedChannel
@@ -32,7 +33,8 @@ from bi_core.serve.messages import (
 
 
 class _Scheduler:
-    def __init__(self) -> None:
+    def __init__(self, max_num_seqs: int = 0) -> None:
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs)  # 0: no room (what waits, waits)
         self.running, self.waiting = [], []
         self.num_pages_used = self.num_preemptions = 0
 
@@ -41,14 +43,14 @@ class _Scheduler:
 
 
 class _Cache:
-    num_blocks = 64
+    num_blocks, block_size = 64, 16
 
 
 class FakeEngine:
     """Just what the loop calls: requests are queued, a pause in mode abort ends them."""
 
-    def __init__(self) -> None:
-        self.scheduler, self.cache = _Scheduler(), _Cache()
+    def __init__(self, max_num_seqs: int = 0) -> None:
+        self.scheduler, self.cache = _Scheduler(max_num_seqs), _Cache()
         self.weight_version, self.num_prompt_tokens_computed = 0, 0
         self.requests: dict[int, Sequence] = {}
         self._paused = self._sleeping = False
@@ -199,3 +201,20 @@ def test_abort_requests_by_id_and_all_answer_how_many():
 def test_a_bad_pause_mode_from_the_engine_is_invalid():
     loop, engine, channel = _loop(PauseGeneration(1, "sideways", False))
     assert channel.sent[-1] == ControlFailed(1, "invalid", "bad mode 'sideways'")
+
+
+def test_the_waiting_limit_counts_only_requests_the_next_step_cannot_admit():
+    """60 requests arrive between two steps with 16 sequence slots free and
+    serve.max_waiting_requests 4: the 16 the next step admits are not waiting for room, so 20 are
+    added (16 + 4 waiting) and 40 refused; a running request takes a slot."""
+    engine, channel = FakeEngine(max_num_seqs=16), ScriptedChannel()
+    loop = EngineLoop(engine, channel, max_waiting=4)
+    channel.incoming += [_add(k) for k in range(60)]
+    loop._drain(0.0)
+    assert [m.key for m in channel.sent if isinstance(m, Added)] == list(range(20))
+    assert [m.key for m in channel.sent if isinstance(m, Refused)] == list(range(20, 60))
+    engine.scheduler.running.append(engine.scheduler.waiting.pop())  # one admitted: one slot fewer
+    channel.sent.clear()
+    channel.incoming.append(_add(60))
+    loop._drain(0.0)
+    assert [type(m) for m in channel.sent] == [Refused]

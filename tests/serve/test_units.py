@@ -93,3 +93,30 @@ def test_serve_bench_needles_get_token_ids_from_the_server(server):
     assert len(ids) == len(logprobs) == 32 and all(0 <= t < 256 for t in ids)
     top = r.json()["choices"][0]["logprobs"]["top_logprobs"]
     assert all(f"token_id:{t}" in entry for t, entry in zip(ids, top))  # the sampled token is among them
+
+
+def _templated_tokenizer(path: Path):
+    """A one-character-per-token Hugging Face tokenizer whose chat template renders a message's name."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from bi_core.models.tokenizer import HFTokenizer
+
+    vocab = {c: i for i, c in enumerate(["[UNK]", "<|im_end|>", "\n", *map(chr, range(32, 127))])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}:{{ m.content }}"
+                         "<|im_end|>{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save_pretrained(path)
+    return HFTokenizer(path)
+
+
+def test_a_chat_messages_name_reaches_the_chat_template(tmp_path):
+    req = ChatCompletionRequest.model_validate({"model": "tiny", "messages": [
+        {"role": "user", "content": "hi", "name": "ann"}, {"role": "developer", "content": "be brief"}]})
+    assert req.conversation() == [{"role": "user", "content": "hi", "name": "ann"},
+                                  {"role": "system", "content": "be brief"}]
+    tokenizer = _templated_tokenizer(tmp_path)
+    ids, _ = tokenizer.chat(req.conversation())
+    assert ids == tokenizer.encode("user(ann):hi<|im_end|>system:be brief<|im_end|>assistant:")

@@ -128,3 +128,102 @@ def test_config_file_problems_are_one_line(tmp_path):
         r = cli("--config", str(path))
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert message in r.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "inf"], "argument --temperature: expected a finite number in [0.0, 100.0], got inf"),
+    (["--temperature", "nan"], "argument --temperature: expected a finite number in [0.0, 100.0], got nan"),
+    (["--temperature", "1e999"], "argument --temperature: expected a finite number in [0.0, 100.0], got inf"),
+    (["--seed", str(2 ** 70)], f"argument --seed: expected a seed in [0, 2**64 - 1] (random draws are keyed by 64 "
+                               f"bits), got {2 ** 70}"),
+    (["--seed", "-1"], "argument --seed: expected an int >= 0, got -1"),
+    (["--logprobs", "21"], "argument --logprobs: expected an int <= 20, got 21"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive int, got 0"),
+])
+def test_run_flags_take_what_the_config_keys_take(flags, message, capsys):
+    """Each flag is checked by its config key's own parser as it is parsed: exit 2 naming the flag,
+    before any engine is built (inf and 2**70 used to be taken and sampled with)."""
+    from bi_core.cli import main
+
+    assert main(["run", "--config", CONFIG, "--prompt-ids", "1,2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"bi-engine run: error: {message}\n" in err and "Traceback" not in err, err
+
+
+def test_the_largest_seed_flag_is_taken(capsys):
+    from bi_core.cli import main
+
+    assert main(["run", "--config", CONFIG, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--temperature", "1",
+                 "--seed", str(2 ** 64 - 1), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)[0]["token_ids"]) == 1
+
+
+@pytest.mark.parametrize("ids,item", [("1,,2", "item 2 is empty"), ("1,2,", "item 3 is empty"),
+                                      ("1,-3", "item 2 is '-3'"), ("", "item 1 is empty")])
+def test_prompt_ids_with_a_hole_are_refused(ids, item, capsys):
+    """'1,,2' was read as [1, 2]: an empty item is more likely a lost id than nothing."""
+    from bi_core.cli import main
+
+    assert main(["run", "--config", CONFIG, "--prompt-ids", ids]) == 2
+    assert capsys.readouterr().err == (f"bi-engine: error: --prompt-ids[0]: expected comma-separated integers >= 0 "
+                                       f"(token ids), got {ids!r} ({item})\n")
+
+
+def test_explain_with_an_unknown_backend_is_an_error_listing_the_known_ones(tmp_path, capsys):
+    from bi_core.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {random: {preset: tiny-dense}, device: cpu}\nbackend: refrence\n")
+    assert main(["explain", "--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("bi-engine: error: backend: unknown backend 'refrence'; registered: ") and \
+        "cuda_default" in captured.err and "reference" in captured.err and captured.err.endswith(" (or auto)\n")
+    assert captured.out == ""
+
+
+def test_a_nan_config_value_is_one_line_naming_the_key(tmp_path, capsys):
+    from bi_core.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(Path(CONFIG).read_text() + "serve: {shutdown_timeout_s: .nan}\n")
+    assert main(["explain", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == ("bi-engine: error: serve.shutdown_timeout_s: expected a finite number in "
+                                       "[0.0, 3600.0], got nan\n")
+
+
+def test_draft_vocab_out_must_be_a_file_in_a_directory_that_exists(tmp_path, capsys):
+    """Both were an OSError traceback after counting the whole corpus; now refused before counting."""
+    from bi_core.cli import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    for out, message in ((tmp_path / "missing" / "t.json", f"--out: directory {tmp_path / 'missing'} does not exist"),
+                         (tmp_path, f"--out: {tmp_path} is a directory; name the file to write")):
+        assert main(["draft-vocab", "--config", CONFIG, "--out", str(out), str(text)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bi-engine: error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_draft_vocab_jsonl_rows_must_be_text(tmp_path, capsys):
+    """A row that is neither a string nor an object with a string 'text' was counted as its JSON repr."""
+    from bi_core.cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('"fine"\n{"txt": "typo"}\n')
+    assert main(["draft-vocab", "--config", CONFIG, "--out", str(tmp_path / "t.json"), str(corpus)]) == 2
+    assert capsys.readouterr().err == (f"bi-engine: error: {corpus}:2: expected a JSON string or an object with a "
+                                       "string 'text' field\n")
+
+
+def test_a_binary_draft_vocab_file_is_one_line_naming_the_key(tmp_path, capsys):
+    from bi_core.cli import main
+
+    table = tmp_path / "weights.bin"
+    table.write_bytes(b"\x00\x01\x02\xff\xfe" * 8)
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {random: {preset: tiny-dense, seed: 0}, dtype: float32, device: cpu, max_model_len: 64}\n"
+                    f"backend: reference\nstrategy: {{name: mtp, draft_vocab_size: 8, draft_vocab: '{table}'}}\n")
+    assert main(["run", "--config", str(path), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err == (f"bi-engine: error: strategy.draft_vocab: {table} is not a text file (byte "
+                                       "0xff at offset 3); expected token ids (a JSON list of ints, or ints separated "
+                                       "by whitespace, e.g. what bi-engine draft-vocab writes)\n")

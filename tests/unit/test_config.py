@@ -37,7 +37,15 @@ def test_valid_config_roundtrip():
     (tiny_config(cache={"num_blocks": "many"}), "cache.num_blocks: expected an int, got str 'many'"),
     (tiny_config(scheduler={"prefill_chunk_size": 1000}), "scheduler.prefill_chunk_size: must not exceed"),
     (tiny_config(strategy={"num_speculative_tokens": 9}), "strategy.num_speculative_tokens: expected an int <= 4, got 9"),
-    (tiny_config(sampling={"top_p": 1.5}), "sampling.top_p: expected a number in [0.0, 1.0], got 1.5"),
+    (tiny_config(sampling={"top_p": 1.5}), "sampling.top_p: expected a number in (0.0, 1.0], got 1.5"),
+    (tiny_config(sampling={"top_p": 0.0}), "sampling.top_p: expected a number in (0.0, 1.0], got 0.0"),
+    (tiny_config(sampling={"temperature": "1e-3"}), "sampling.temperature: expected a number, got str '1e-3' "
+                                                    "(YAML reads 1e-3 as a string; write it with a dot"),
+    (tiny_config(sampling={"temperature": 10 ** 400}), "sampling.temperature: expected a number in [0.0, 100.0]"),
+    (tiny_config(sampling={"seed": 2 ** 64}), "sampling.seed: expected a seed in [0, 2**64 - 1]"),
+    (tiny_config(seed=2 ** 70), "seed: expected a seed in [0, 2**64 - 1] (random draws are keyed by 64 bits), got "
+                                f"{2 ** 70}"),
+    (tiny_config(model={"random": {"seed": 2 ** 64}}), "model.random.seed: expected a seed in [0, 2**64 - 1]"),
     (tiny_config(prompts=["ok", []]), "prompts[1]: expected a non-empty string or a non-empty list of token ids"),
     (tiny_config(prompts="hello"), "prompts: expected a list of prompts, got str"),
     ({"backend": "reference"}, "model: missing required section"),
@@ -128,3 +136,62 @@ def test_to_dict_round_trips_through_from_dict():
     data = cfg.to_dict()
     assert data["parallel"]["data_parallel_size"] == 3 and isinstance(data["model"], dict)
     assert EngineConfig.from_dict(data) == cfg
+
+
+def test_every_float_key_refuses_nan_and_inf():
+    """NaN compared false with both bounds, so it passed the range check (serve.shutdown_timeout_s: .nan).
+    Every float field of every config section, new ones included as they are added."""
+    import attrs
+
+    import bi_core.config as config
+
+    sections = [obj for obj in vars(config).values() if isinstance(obj, type) and attrs.has(obj)]
+    keys = [(cls, f) for cls in sections for f in attrs.fields(cls) if f.type in ("float", "float | None")]
+    assert {"SamplingConfig.temperature", "SamplingConfig.top_p", "CacheConfig.gpu_memory_utilization",
+            "ServeConfig.shutdown_timeout_s"} <= {f"{cls.__name__}.{f.name}" for cls, f in keys}
+    for cls, f in keys:
+        for value in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(ConfigError, match="^k: expected a finite number") as e:
+                f.metadata["parse"](value, "k")
+            assert str(value) in str(e.value), (cls, f.name)
+
+
+def test_nan_in_a_yaml_file_names_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {random: {preset: tiny-dense}}\nserve: {shutdown_timeout_s: .nan}\n")
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_yaml(path)
+    assert str(e.value) == "serve.shutdown_timeout_s: expected a finite number in [0.0, 3600.0], got nan"
+
+
+def test_the_largest_seed_is_taken():
+    cfg = EngineConfig.from_dict(tiny_config(seed=2 ** 64 - 1, sampling={"seed": 2 ** 64 - 1}))
+    assert cfg.seed == cfg.sampling.seed == 2 ** 64 - 1
+
+
+@pytest.mark.parametrize("text,key,where", [
+    ("model: {random: {preset: tiny-dense}}\nbackend: reference\nbackend: cuda_default\n", "backend", "lines 2 and 3"),
+    ("model:\n  random: {preset: tiny-dense}\n  dtype: float32\n  random: {preset: tiny-moe}\n", "model.random",
+     "lines 2 and 4"),
+    ("model: {random: {preset: tiny-dense}}\nsampling: {seed: 1, seed: 2}\n", "sampling.seed",
+     "line 2, columns 12 and 21"),
+    ("model: {random: {preset: tiny-dense}}\nprompts:\n  - [1, 2]\n  - {a: 1, a: 2}\n", "prompts[1].a",
+     "line 4, columns 6 and 12"),
+    ("model: {random: {preset: tiny-dense}}\nscheduler:\n  8: 1\n  0x8: 2\n", "scheduler.8", "lines 3 and 4"),
+])
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, text, key, where):
+    """YAML keeps the last of two equal keys; a config that says one thing twice is refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_yaml(path)
+    assert str(e.value) == f"{key}: given twice in {path} ({where}); YAML would silently keep the last one, so keep " \
+                           "one of them"
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    """'<<: *base' then a key of its own: YAML's override, not a duplicate."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {random: {preset: tiny-dense}}\nscheduler:\n  <<: &s {max_num_seqs: 4, "
+                    "max_num_batched_tokens: 64}\n  max_num_seqs: 2\n")
+    assert EngineConfig.from_yaml(path).scheduler.max_num_seqs == 2

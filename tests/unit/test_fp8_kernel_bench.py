@@ -1,4 +1,4 @@
-"""benchmarks/fp8_kernel_bench.py's --cold rotation: enough weight copies that a call finds none of
+"""benchmarks/kernels/fp8_kernel_bench.py's --cold rotation: enough weight copies that a call finds none of
 its weights in the L2 (the GPU timing itself runs on the device only)."""
 
 from __future__ import annotations

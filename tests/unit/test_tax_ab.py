@@ -1,4 +1,4 @@
-"""benchmarks/tax_ab.py on the CPU: the bench processes are stand-ins writing reports."""
+"""dev/probes/tax_ab.py on the CPU: the bench processes are stand-ins writing reports."""
 
 from __future__ import annotations
 

@@ -31,3 +31,12 @@ def test_byte_level_bpe_tokens_map_back_to_their_bytes(tmp_path):
         assert b"".join(tok.token_bytes(i) for i in ids) == s.encode("utf-8")
     end = tok._tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.token_bytes(end) == b"<|im_end|>"
+
+
+def test_token_names_are_distinct_for_distinct_tokens():
+    """Logprobs name a token by its text, or OpenAI's ``bytes:\\xNN`` for half a character (each
+    alone decodes to U+FFFD), or a special token's name: one name per token of the vocabulary."""
+    tok = ByteTokenizer()
+    names = [tok.token_name(i) for i in range(260)]
+    assert len(set(names)) == 260
+    assert names[ord("a")] == "a" and names[0xC3] == "bytes:\\xc3" and names[tok.im_end] == "<|im_end|>"

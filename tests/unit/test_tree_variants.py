@@ -1,4 +1,4 @@
-"""benchmarks/tree_variants.sh: each variant's bench runs that variant's bi_core (not the working
+"""dev/gpu/tree_variants.sh: each variant's bench runs that variant's bi_core (not the working
 directory's), in the order given, and a sed that changes nothing fails the variant."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ MARK = "bi_core/cli.py|s/override policy.batch_invariant/VARIANT-MARK policy.bat
 
 def _run(*variants: str) -> subprocess.CompletedProcess:
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(["bash", "benchmarks/tree_variants.sh", "1", *variants, "--", "--help"], cwd=ROOT, env=env,
+    return subprocess.run(["bash", "dev/gpu/tree_variants.sh", "1", *variants, "--", "--help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -1,13 +1,14 @@
 """GPU sampler: one Triton program per (row, vocabulary chunk) then one per row (greedy or
 Gumbel-max with Philox keyed by the row's key, reading the logits in their own dtype); rows with
-top-k/top-p get their logits filtered row by row first. Without top-N logprobs the kernel writes
+penalties, min_tokens' mask or min-p/top-k/top-p get their logits prepared row by row first
+(``prepared_row``) and drawn again by the same kernel. Without top-N logprobs the kernel writes
 the (token, logprob) pairs the host reads back in one transfer."""
 
 from __future__ import annotations
 
 import torch
 
-from bi_core.backends.reference.sampling import filter_logits
+from bi_core.backends.reference.sampling import prepared_row
 from bi_core.ops.sampling import SamplerOutput, SamplingBatch
 
 
@@ -36,21 +37,22 @@ class CudaSamplerImpl:
         keys = torch.tensor(batch.keys, dtype=torch.int64).to(dev, non_blocking=True)
         temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
         tokens, lse, packed = sample(logits, keys, temps)
-        filtered = [i for i in range(logits.shape[0]) if batch.needs_filter(i)]
+        prepared = [i for i in range(logits.shape[0]) if not batch.is_plain(i)]
         n = batch.num_logprobs
-        if not filtered and n == 0:
+        if not prepared and n == 0:
             empty = torch.empty((logits.shape[0], 0), device=dev)
             return SamplerOutput(token_ids=tokens, logprobs=packed[:, 1].float(), top_ids=empty.long(),
                                  top_logprobs=empty, packed=packed)
         logits = logits.float()
-        if filtered:
-            # Row by row, so a row's filtering never runs a batched kernel whose shape depends on the batch.
-            rows = torch.stack([filter_logits(logits[i] / batch.temperatures[i], batch.top_ks[i], batch.top_ps[i])
-                                for i in filtered])
-            idx = torch.tensor(filtered, device=dev)
-            ones = torch.ones(len(filtered), dtype=torch.float32, device=dev)
-            tokens[idx] = sample(rows, keys[idx], ones)[0]
-        logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse
+        if prepared:
+            # Row by row, so a row's filtering never runs a batched kernel whose shape depends on the
+            # batch; drawn greedy (temperature 0) or at temperature 1 (prepared rows are divided by theirs)
+            rows = torch.stack([prepared_row(logits[i], batch, i) for i in prepared])
+            idx = torch.tensor(prepared, device=dev)
+            temps = torch.tensor([0.0 if batch.temperatures[i] == 0.0 else 1.0 for i in prepared],
+                                 dtype=torch.float32).to(dev, non_blocking=True)
+            tokens[idx] = sample(rows, keys[idx], temps)[0]
+        logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse  # raw: the sampled token under the model's distribution
         top = torch.topk(logits, n, dim=-1)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_ids=top.indices,
                              top_logprobs=top.values - lse[:, None])

@@ -1,0 +1,45 @@
+"""One ``bi-engine serve`` process (the embedded tiny model on the CPU, no API key, one torch
+thread so its arithmetic matches the Python API's bitwise) that the recorded client bodies are
+replayed against, and the Python API on the same config."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+# the server process helper of tests/serve (loaded by path: a second module named conftest would
+# shadow that one on sys.path)
+_spec = importlib.util.spec_from_file_location("serve_conftest", Path(__file__).parents[1] / "serve" / "conftest.py")
+serve_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve_conftest)
+
+
+# prompts are prefilled in 32-token chunks, so a repeated prompt finds its prefix cached
+CONFIG = serve_conftest.CONFIG.replace("max_num_batched_tokens: 2048}", "max_num_batched_tokens: 2048, "
+                                       "prefill_chunk_size: 32}")
+
+
+@pytest.fixture(scope="session")
+def client_server(tmp_path_factory):
+    assert "prefill_chunk_size" in CONFIG
+    s = serve_conftest.ServerProcess(tmp_path_factory.mktemp("clients"), config=CONFIG, env={"OMP_NUM_THREADS": "1"})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The Python API on the server's config, with the server engine's thread count."""
+    from bi_core import EngineConfig, build_engine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield build_engine(EngineConfig.from_dict(yaml.safe_load(CONFIG)))
+    torch.set_num_threads(before)
