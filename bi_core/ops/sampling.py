@@ -50,6 +50,9 @@ class SamplingBatch:
     num_logprobs: int  # top-N logprobs to return (0 = only the sampled token's)
     min_ps: list[float] | None = None  # 0 = off; None: off for every row
     adjust: list[LogitsAdjust | None] | None = None  # None: no row's logits are adjusted
+    # per row, the temperature its reported logprobs are at (SamplingParams.logprob_temperature);
+    # None: every row's are the raw distribution's
+    logprob_temperatures: list[float] | None = None
 
     def needs_filter(self, i: int) -> bool:
         return needs_filter(self.temperatures[i], self.top_ks[i], self.top_ps[i], self.min_p(i))
@@ -79,17 +82,42 @@ def adjusts_logits(seq) -> bool:
 
 
 def device_sampled(seqs) -> bool:
-    """Whether a step's own device samples (greedy or plain temperature, token and its logprob)
-    serve these requests: none wants filtering, adjusted logits or top-N logprobs."""
-    return not any(s.params.logprobs or adjusts_logits(s)
+    """Whether a step's own device samples (greedy or plain temperature, token and its raw logprob)
+    serve these requests: none wants filtering, adjusted logits, top-N logprobs or logprobs at its
+    temperature."""
+    return not any(s.params.logprobs or adjusts_logits(s) or s.params.logprob_temperature != 1.0
                    or needs_filter(s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p)
                    for s in seqs)
+
+
+def at_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """``float32(logits) / T`` per row (``temperatures`` ``[B]``): the logits whose log-softmax is a
+    request's distribution at its temperature. The sampler's ``logprobs_of`` of these is what a
+    ``logprobs_mode="temperature"`` request reports; a trainer computing the same two steps gets
+    those bits (``bi_core.train``)."""
+    return logits.float() / temperatures.to(device=logits.device, dtype=torch.float32)[:, None]
+
+
+def with_logprob_temperatures(sampler, out: SamplerOutput, logits: torch.Tensor, batch: SamplingBatch,
+                              num_logprobs: int) -> SamplerOutput:
+    """``out`` with the rows whose logprobs are at a temperature (``batch.logprob_temperatures``)
+    computed again by ``sampler.logprobs_of`` from ``at_temperature`` logits, top-N too."""
+    temps = batch.logprob_temperatures
+    rows = [i for i, t in enumerate(temps or ()) if t != 1.0]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    scaled = at_temperature(logits[idx], torch.tensor([temps[i] for i in rows], dtype=torch.float32))
+    again = sampler.logprobs_of(scaled, out.token_ids[idx], num_logprobs)
+    logprobs, top_ids, top_lps = out.logprobs.clone(), out.top_ids.clone(), out.top_logprobs.clone()
+    logprobs[idx], top_ids[idx], top_lps[idx] = again.logprobs, again.top_ids, again.top_logprobs
+    return SamplerOutput(token_ids=out.token_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps)
 
 
 @attrs.define
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32, log p(token) under the raw (temperature 1) distribution
+    logprobs: torch.Tensor  # [B] float32, log p(token) under the raw distribution, or at the row's temperature
     top_ids: torch.Tensor  # [B, N] int64
     top_logprobs: torch.Tensor  # [B, N] float32
     packed: torch.Tensor | None = None  # [B, 2] float64 (token, logprob) when the impl made it (N = 0)

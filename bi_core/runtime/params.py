@@ -64,6 +64,9 @@ def _token_ids(value) -> tuple[int, ...]:
     return tuple(operator.index(t) for t in items)
 
 
+LOGPROBS_MODES = ("raw", "temperature")
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How one request is decoded. ``seed`` keys its randomness: draws depend only on (seed, position)."""
@@ -96,6 +99,10 @@ class SamplingParams:
     # the top-k expert ids of every MoE layer for each position that ran through the model
     # (routing replay; needs model.enable_return_routed_experts)
     return_routed_experts: bool = False
+    # which distribution token_logprobs and logprobs are of: "raw" the model's (vLLM's default),
+    # "temperature" the one sampled at this request's temperature, log_softmax(logits / T) (SGLang's
+    # default, what RL trainers compute; the same as raw for greedy requests and at T = 1)
+    logprobs_mode: str = "raw"
 
     def __attrs_post_init__(self) -> None:
         self._check_counts()
@@ -103,6 +110,8 @@ class SamplingParams:
         for name in ("ignore_eos", "return_routed_experts", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(self.logprobs_mode in LOGPROBS_MODES,
+               f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     def _check_counts(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, f"n must be a positive int, got {self.n!r}")
@@ -135,6 +144,11 @@ class SamplingParams:
         """The tokenizer's ``decode`` options for this request's text."""
         return {"skip_special_tokens": self.skip_special_tokens,
                 "spaces_between_special_tokens": self.spaces_between_special_tokens}
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature its reported logprobs are at (1.0: the raw distribution)."""
+        return self.temperature if self.logprobs_mode == "temperature" and self.temperature > 0.0 else 1.0
 
     @property
     def has_penalties(self) -> bool:

@@ -18,10 +18,12 @@ def sampling_batch(seqs: list[Sequence], positions: list[int], num_logprobs: int
     AR would have had there)."""
     adjust = [row_adjust(s, p, before[i] if before is not None else (), eos_ids, vocab_size)
               for i, (s, p) in enumerate(zip(seqs, positions))]
+    temps = [s.params.logprob_temperature for s in seqs]
     return SamplingBatch(temperatures=[s.params.temperature for s in seqs], top_ks=[s.params.top_k for s in seqs],
                          top_ps=[s.params.top_p for s in seqs], keys=[mix_seed(s.seed, p) for s, p in zip(seqs, positions)],
                          num_logprobs=num_logprobs, min_ps=[s.params.min_p for s in seqs],
-                         adjust=adjust if any(a is not None for a in adjust) else None)
+                         adjust=adjust if any(a is not None for a in adjust) else None,
+                         logprob_temperatures=temps if any(t != 1.0 for t in temps) else None)
 
 
 def row_adjust(seq: Sequence, position: int, before: Seq[int], eos_ids: tuple[int, ...],

@@ -19,6 +19,7 @@ import torch
 from bi_core.backends.reference.attention import Rope
 from bi_core.ops.activation import Fp8Activation
 from bi_core.ops.gdn import GdnWeights
+from bi_core.ops.sampling import at_temperature
 from bi_core.train import math
 
 # set only while a checkpointed layer recomputes for its backward (``math_mode``): a context
@@ -236,29 +237,35 @@ class HeadLogprobFn(torch.autograd.Function):
     the backward recomputes each block's logits, so no batch-wide logits are ever kept."""
 
     @staticmethod
-    def forward(ctx, head, sampler, hidden, weight, targets):
+    def forward(ctx, head, sampler, temperature: float, hidden, weight, targets):
+        """``temperature`` != 1: the logprobs a ``logprobs_mode="temperature"`` request reports
+        (``ops.sampling.at_temperature``, then the sampler's arithmetic)."""
         ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature = temperature
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for a in range(0, hidden.shape[0], HEAD_BLOCK):
             logits = head.forward(hidden[a:a + HEAD_BLOCK], weight)
+            if temperature != 1.0:
+                logits = at_temperature(logits, torch.full((logits.shape[0],), temperature, dtype=torch.float32))
             out[a:a + HEAD_BLOCK] = sampler.logprobs_of(logits, targets[a:a + HEAD_BLOCK], 0).logprobs
         return out
 
     @staticmethod
     def backward(ctx, g):
         hidden, weight, targets = ctx.saved_tensors
-        gh = torch.empty_like(hidden) if ctx.needs_input_grad[2] else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[3] else None
+        gh = torch.empty_like(hidden) if ctx.needs_input_grad[3] else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[4] else None
         for a in range(0, hidden.shape[0], HEAD_BLOCK):
             h, gb, t = hidden[a:a + HEAD_BLOCK], g[a:a + HEAD_BLOCK], targets[a:a + HEAD_BLOCK]
-            grad = torch.softmax(torch.nn.functional.linear(h, weight).float(), dim=-1).mul_(-gb[:, None])
+            t_ = ctx.temperature
+            grad = torch.softmax(torch.nn.functional.linear(h, weight).float() / t_, dim=-1).mul_(-gb[:, None])
             grad.scatter_add_(1, t[:, None], gb[:, None].float())
-            grad = grad.to(hidden.dtype)
+            grad = (grad / t_).to(hidden.dtype)
             if gh is not None:
                 gh[a:a + HEAD_BLOCK] = grad @ weight
             if gw is not None:
                 gw += (grad.t() @ h).float()
-        return None, None, gh, None if gw is None else gw.to(weight.dtype), None
+        return None, None, None, gh, None if gw is None else gw.to(weight.dtype), None
 
 
 WRAPPERS = {"linear": TrainLinear, "norm": TrainNorm, "topk": TrainTopK, "attention": TrainAttention,

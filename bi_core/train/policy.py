@@ -10,6 +10,8 @@ layout of the batch that reproduces the engine's arithmetic per token (``train/l
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ from torch.func import functional_call
 
 from bi_core.backends.reference.moe import ReferenceMoEImpl
 from bi_core.config import EngineConfig
-from bi_core.errors import ConfigError
+from bi_core.errors import ConfigError, RequestError
 from bi_core.models.loader import load_weights
 from bi_core.models.qwen3_5 import DecoderLayer, Qwen35Model, local_args
 from bi_core.models.random_init import init_random_weights
@@ -189,7 +191,7 @@ class PolicyModel(nn.Module):
         return plan_train(prompts, completions, chunk_size=s.chunk_size, decode_tokens=s.decode_tokens,
                           block_size=s.block_size, vocab_size=s.vocab_size, max_len=s.max_len, device=self.device)
 
-    def forward(self, ctx: TrainContext) -> torch.Tensor:
+    def forward(self, ctx: TrainContext, temperature: float = 1.0) -> torch.Tensor:
         """The logprobs of every completion token of the planned batch, flat ``[sum C]``."""
         caches = self._caches(ctx)
         x, residual = self.model.embed_tokens.weight[ctx.input_ids].to(self.dtype), None
@@ -201,14 +203,18 @@ class PolicyModel(nn.Module):
             head, weight = self._engine._tied_head, self.model.embed_tokens.weight
         else:
             head, weight = self._engine.lm_head.impl, self.lm_head.weight
-        return ops.HeadLogprobFn.apply(head.impl, self._engine.sampler.impl, hidden, weight.to(self.dtype), ctx.targets)
+        return ops.HeadLogprobFn.apply(head.impl, self._engine.sampler.impl, float(temperature), hidden,
+                                       weight.to(self.dtype), ctx.targets)
 
     def token_logprobs(self, prompts, completions, temperature: float = 1.0) -> list[torch.Tensor]:
-        """Per sequence, the logprob of each completion token ``[C_i]`` (float32, differentiable)."""
-        if temperature != 1.0:
-            raise NotImplementedError("temperature")
+        """Per sequence, the logprob of each completion token ``[C_i]`` (float32, differentiable),
+        under the model's distribution at ``temperature``: 1.0, the raw one the engine reports by
+        default; another, what a request with that temperature and ``logprobs_mode="temperature"``
+        reports (both bitwise on the invariant backend)."""
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise RequestError(f"token_logprobs: temperature must be a finite number > 0, got {temperature!r}")
         ctx = self.plan(prompts, completions)
-        return list(torch.split(self(ctx), ctx.completion_lens))
+        return list(torch.split(self(ctx, temperature), ctx.completion_lens))
 
     def _caches(self, ctx: TrainContext) -> ModelCaches:
         """Fresh, zeroed caches for the batch (pages and state slots, as the engine's cache holds them)."""

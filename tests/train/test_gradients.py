@@ -189,5 +189,7 @@ def test_linear_norm_and_logprob_gradients():
     _check_op(lambda *a: sum(norm.forward_add(*a)), lambda *a: sum(ReferenceRMSNormImpl(1e-6).forward_add(*a)),
               [x, r, w2])
     head, targets = torch.randn(300, 64, generator=gen) / 8, torch.randint(0, 300, (9,), generator=gen)
-    _check_op(lambda h, hw: HeadLogprobFn.apply(ReferenceLinearImpl(), ReferenceSamplerImpl(), h, hw, targets),
-              lambda h, hw: torch.log_softmax(h @ hw.t(), dim=-1).gather(1, targets[:, None])[:, 0], [x, head])
+    for t in (1.0, 0.7):
+        _check_op(lambda h, hw, t=t: HeadLogprobFn.apply(ReferenceLinearImpl(), ReferenceSamplerImpl(), t, h, hw, targets),
+                  lambda h, hw, t=t: torch.log_softmax(h @ hw.t() / t, dim=-1).gather(1, targets[:, None])[:, 0],
+                  [x, head])

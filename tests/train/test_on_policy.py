@@ -126,6 +126,22 @@ def test_after_a_step_and_a_sync_with_prefix_cache_hits(device):
         check_on_policy(want, policy.token_logprobs(ps, cs))
 
 
+def test_logprobs_at_the_sampling_temperature(device):
+    """Requests with ``logprobs_mode="temperature"`` report log_softmax(logits / T) of what they
+    sampled (SGLang's default); the trainer at that temperature gives those bits, and at 1.0 not."""
+    registry = load_registry(extra_plugins=(TritonAnywhere(),))
+    config = _config(device)
+    prompts = _prompts()[:2]
+    params = [SamplingParams(max_new_tokens=4, temperature=t, seed=41, ignore_eos=True, logprobs_mode="temperature")
+              for t in (0.7, 1.3)]
+    outs = build_engine(config, registry).generate(prompts, params)
+    policy = PolicyModel.from_config(config, registry)
+    for p, o, t in zip(prompts, outs, (0.7, 1.3)):
+        check_on_policy([o], policy.token_logprobs([p], [o.token_ids], temperature=t))
+        with pytest.raises(OnPolicyMismatch):
+            check_on_policy([o], policy.token_logprobs([p], [o.token_ids]))
+
+
 def test_check_on_policy_names_the_first_difference():
     want = [[-1.0, -2.0], [-0.5]]
     check_on_policy(want, [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from bi_core.backends.reference.sampling import prepared_row
-from bi_core.ops.sampling import SamplerOutput, SamplingBatch
+from bi_core.ops.sampling import SamplerOutput, SamplingBatch, with_logprob_temperatures
 
 
 class CudaSamplerImpl:
@@ -39,7 +39,7 @@ class CudaSamplerImpl:
         tokens, lse, packed = sample(logits, keys, temps)
         prepared = [i for i in range(logits.shape[0]) if not batch.is_plain(i)]
         n = batch.num_logprobs
-        if not prepared and n == 0:
+        if not prepared and n == 0 and batch.logprob_temperatures is None:
             empty = torch.empty((logits.shape[0], 0), device=dev)
             return SamplerOutput(token_ids=tokens, logprobs=packed[:, 1].float(), top_ids=empty.long(),
                                  top_logprobs=empty, packed=packed)
@@ -54,5 +54,6 @@ class CudaSamplerImpl:
             tokens[idx] = sample(rows, keys[idx], temps)[0]
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse  # raw: the sampled token under the model's distribution
         top = torch.topk(logits, n, dim=-1)
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_ids=top.indices,
-                             top_logprobs=top.values - lse[:, None])
+        out = SamplerOutput(token_ids=tokens, logprobs=logprobs, top_ids=top.indices,
+                            top_logprobs=top.values - lse[:, None])
+        return with_logprob_temperatures(self, out, logits, batch, n)

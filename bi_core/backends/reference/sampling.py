@@ -3,7 +3,14 @@ from __future__ import annotations
 import torch
 
 from bi_core.backends.reference.common import check_dtype
-from bi_core.ops.sampling import LogitsAdjust, SamplerOutput, SamplingBatch, SamplingBuilder, SamplingSpec
+from bi_core.ops.sampling import (
+    LogitsAdjust,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingBuilder,
+    SamplingSpec,
+    with_logprob_temperatures,
+)
 
 
 def adjust_logits(row: torch.Tensor, adj: LogitsAdjust) -> torch.Tensor:
@@ -90,12 +97,9 @@ class ReferenceSamplerImpl:
             noise = gumbel_noise(batch.keys[i], row.shape[0], row.device)
             tokens[i] = torch.argmax(row + noise)
         top = torch.topk(logprobs_all, batch.num_logprobs, dim=-1)
-        return SamplerOutput(
-            token_ids=tokens,
-            logprobs=logprobs_all.gather(1, tokens[:, None])[:, 0],
-            top_ids=top.indices,
-            top_logprobs=top.values,
-        )
+        out = SamplerOutput(token_ids=tokens, logprobs=logprobs_all.gather(1, tokens[:, None])[:, 0],
+                            top_ids=top.indices, top_logprobs=top.values)
+        return with_logprob_temperatures(self, out, logits, batch, batch.num_logprobs)
 
 
 class ReferenceSamplingBuilder(SamplingBuilder):
