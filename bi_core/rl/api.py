@@ -127,10 +127,11 @@ class RolloutAPI:
         """Join a trainer's weight-update group: trainer rank 0, engine rank r at ``rank_offset + r``;
         backend None: nccl on CUDA, gloo on the CPU (``bi_core.rl.protocol``). The rendezvous runs in
         a thread, at most ``timeout_s``; ``wait``: block until every member joined (its failure
-        raised). Without, the engine steps on meanwhile and this returns the ``joining.Join`` (the
-        group is usable once it is done; an update of it first waits for it)."""
-        return self.weight_sync.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+        raised; returns None). Without, this returns the ``joining.Join`` at once and the engine
+        steps on meanwhile (the group is usable once it is done; an update of it first waits)."""
+        join = self.weight_sync.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
                                            timeout_s, wait=wait)
+        return None if wait else join
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,

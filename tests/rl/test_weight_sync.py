@@ -362,8 +362,8 @@ def test_tp_messages_replay_the_weight_sync_calls():
         def __init__(self):
             self.calls = []
 
-        def init_weights_update_group(self, *a):
-            self.calls.append(("init", *a))
+        def init_weights_update_group(self, *a, wait=True):
+            self.calls.append(("init", *a, wait))
 
         def update_weights_from_distributed(self, *a):
             self.calls.append(("update", *a))
@@ -376,7 +376,9 @@ def test_tp_messages_replay_the_weight_sync_calls():
     msgs = [ls.InitWeightsUpdateGroup("h", 1, 1, 3, "g", "gloo", 5.0),
             ls.UpdateWeightsFromTrainer(["a"], ["float32"], [[2]], "g", True, 3), ls.DestroyWeightsUpdateGroup("g")]
     assert all(ls.replay(eng, m, rank=1) for m in msgs)
-    assert eng.calls == [("init", "h", 1, 1, 3, "g", "gloo", 5.0), ("update", ["a"], ["float32"], [[2]], "g", True, 3),
+    # a worker rank joins in a thread (rank 0 steps on meanwhile): wait=False
+    assert eng.calls == [("init", "h", 1, 1, 3, "g", "gloo", 5.0, False),
+                         ("update", ["a"], ["float32"], [[2]], "g", True, 3),
                          ("destroy", "g")]
 
 
