@@ -194,7 +194,7 @@ class Rebuild:
         if _extent(size, stride, offset) * dtype.itemsize > storage_bytes:
             raise _refuse(f"a tensor of size {size}, stride {stride} at offset {offset} reaches past its storage of "
                           f"{storage_bytes} bytes")
-        if not (handle is None or isinstance(handle, bytes)) or not isinstance(event, bytes) \
+        if not all(v is None or isinstance(v, bytes) for v in (handle, event)) \
                 or not isinstance(grad, bool) or not isinstance(event_sync, bool):
             raise _refuse("rebuild_cuda_tensor's handles must be bytes and its flags booleans")
         _shm_name(counter, "a CUDA IPC reference counter's name")
