@@ -15,7 +15,8 @@ from conftest import API_KEY, CONFIG, ScriptedChannel, ServerProcess, httpx
 from bi_core.config import ServeConfig
 from bi_core.errors import CollectiveRpcError
 from bi_core.serve.dev import dev_mode
-from bi_core.serve.loop import EngineLoop, _Failed, _rpc_result
+from bi_core.serve.loop import EngineLoop
+from bi_core.serve.loop_control import _Failed, _rpc_result
 from bi_core.serve.messages import CollectiveRpc
 
 HERE = Path(__file__).parent
