@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import API_KEY, CONFIG, ScriptedChannel, ServerProcess, httpx
+from serve_helpers import API_KEY, CONFIG, ScriptedChannel, ServerProcess, httpx
 
 from bi_core.config import ServeConfig
 from bi_core.errors import CollectiveRpcError
@@ -43,7 +43,7 @@ class Remote:
 
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory):
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)  # the engine process imports Remote
+    path = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH")) if p)  # imports Remote
     s = ServerProcess(tmp_path_factory.mktemp("dev"), "--dev-mode", config=DEV_CONFIG, env={"PYTHONPATH": path})
     yield s
     s.stop()

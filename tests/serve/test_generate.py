@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 import yaml
-from conftest import CONFIG, ServerProcess, httpx
+from serve_helpers import CONFIG, ServerProcess, httpx
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 

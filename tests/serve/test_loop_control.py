@@ -10,7 +10,7 @@ import types
 from types import SimpleNamespace
 
 import pytest
-from conftest import ScriptedChannel
+from serve_helpers import ScriptedChannel
 
 from bi_core.errors import RequestError
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence

@@ -10,7 +10,7 @@ import pickle
 
 import attrs
 import pytest
-from conftest import ScriptedChannel
+from serve_helpers import ScriptedChannel
 
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import messages

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import CONFIG, ServerProcess, free_port, httpx
+from serve_helpers import CONFIG, ServerProcess, free_port, httpx
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 

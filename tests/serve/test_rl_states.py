@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-from conftest import CONFIG, ServerProcess, free_port, httpx
+from serve_helpers import CONFIG, ServerProcess, free_port, httpx
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0.9, "sampling_seed": 3, "ignore_eos": True}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -15,7 +15,7 @@ import threading
 import types
 
 import pytest
-from conftest import CONFIG, ServerProcess, httpx
+from serve_helpers import CONFIG, ServerProcess, httpx
 
 from bi_core.serve.auth import CONTROL_PATHS, Guard, bearer_token, is_loopback
 
@@ -120,8 +120,8 @@ def test_beyond_loopback_without_a_key_the_control_routes_answer_403_and_generat
 
 
 def test_the_admin_key_opens_the_control_routes_and_the_api_key_the_rest(tmp_path):
-    config = CONFIG.replace("shutdown_timeout_s: 20}", "shutdown_timeout_s: 20, api_key: k, admin_api_key: a}")
-    s = ServerProcess(tmp_path, "--host", "0.0.0.0", config=config)
+    config = CONFIG.replace("shutdown_timeout_s: 20}", "shutdown_timeout_s: 20, api_key: k}")
+    s = ServerProcess(tmp_path, "--host", "0.0.0.0", "--admin-api-key", "a", config=config)  # the flag sets the key
     try:
         url, body = f"{s.url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
         assert httpx.post(url, json=body, headers={"Authorization": "bearer k"}, timeout=60).status_code == 200

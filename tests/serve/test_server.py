@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY, CONFIG, ServerProcess, aborted, eventually, httpx, metric
+from serve_helpers import API_KEY, CONFIG, ServerProcess, aborted, eventually, httpx, metric
 
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
