@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override serve.host (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="override serve.port (default 8000)")
     serve.add_argument("--api-key", help="override serve.api_key: require 'Authorization: Bearer <key>'")
+    serve.add_argument("--admin-api-key", help="override serve.admin_api_key: the key of the control routes "
+                                               "(docs/security.md)")
     serve.add_argument("--dev-mode", action="store_true", help="override serve.dev_mode: development routes "
                        "(POST /collective_rpc), as vLLM's VLLM_SERVER_DEV_MODE=1")
     serve.add_argument("--data-parallel-size", type=int, help="override parallel.data_parallel_size: N > 1 replicas "
@@ -164,7 +166,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.port is not None and not 0 <= args.port <= 65535:
         raise BiEngineError(f"--port: expected 0..65535, got {args.port}")
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
-                                   ("dev_mode", args.dev_mode or None)) if v is not None}
+                                   ("admin_api_key", args.admin_api_key), ("dev_mode", args.dev_mode or None))
+                 if v is not None}
     config = config.replace(serve=overrides) if overrides else config
     if args.data_parallel_size is not None:
         if args.data_parallel_size < 1:

@@ -345,7 +345,18 @@ class ServeConfig:
     port: int = _field(_int(0, 65535), 8000)
     model_name: str | None = _field(_optional(_str), None, doc="the model id clients send (default: checkpoint "
                                                               "directory or preset name)")
-    api_key: str | None = _field(_optional(_str), None, doc="require 'Authorization: Bearer <key>'")
+    api_key: str | None = _field(_optional(_str), None, doc="require 'Authorization: Bearer <key>' on every route "
+                                 "but /health and /metrics (and on the control routes, unless admin_api_key is set)")
+    admin_api_key: str | None = _field(_optional(_str), None, doc="SGLang's admin key: the control routes (weight "
+                                       "updates, sleep, pause, aborts, ...) need it, and api_key no longer opens them")
+    allow_unauthenticated_control: bool = _field(_bool, False, doc="let the control routes answer without a key on "
+                                                 "a host beyond loopback (default: they answer 403 there until a key "
+                                                 "is set; docs/security.md)")
+    weights_root: str | None = _field(_optional(_str), None, doc="the directory /update_weights_from_disk may read "
+                                      "checkpoints under (default: model.path's parent; none for a random model)")
+    weight_sync_timeout_s: float = _field(_float(0.1, 86400.0), 300.0, doc="how long joining a trainer's "
+                                          "weight-update group (and each of its collectives) may wait for the "
+                                          "trainer; generation goes on meanwhile")
     max_waiting_requests: int = _field(_int(1), 4096, doc="requests queued beyond this are refused with 503")
     shutdown_timeout_s: float = _field(_float(0.0, 3600.0), 30.0, doc="on SIGTERM/SIGINT, in-flight requests "
                                                                      "finish within this, then are aborted")

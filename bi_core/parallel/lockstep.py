@@ -299,7 +299,8 @@ def weight_sync(engine, message: Message, rank: int) -> None:
     try:
         match message:
             case InitWeightsUpdateGroup(address, port, offset, world, name, backend, timeout_s):
-                engine.init_weights_update_group(address, port, offset, world, name, backend, timeout_s)
+                # joined in a thread (rank 0 steps on meanwhile, so must this rank); an update waits for it
+                engine.init_weights_update_group(address, port, offset, world, name, backend, timeout_s, wait=False)
             case UpdateWeightsFromTrainer(names, dtypes, shapes, name, flush_cache, version):
                 engine.update_weights_from_distributed(names, dtypes, shapes, name, flush_cache, version)
             case DestroyWeightsUpdateGroup(name):

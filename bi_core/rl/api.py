@@ -57,7 +57,7 @@ class RolloutAPI:
             self._driver.send_update(str(weights) if is_path else source, [st.name for st in steps], self.device)
         count = apply_update(self.model, source, steps)
         self.after_weight_update(flush_cache, version)
-        self.weight_sync.landed(st.name for st in steps)
+        self.weight_sync.landed(steps)
         return count
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str | bytes], *,
@@ -123,11 +123,15 @@ class RolloutAPI:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str | None = None,
-                                  timeout_s: float = 300.0) -> None:
+                                  timeout_s: float = 300.0, wait: bool = True):
         """Join a trainer's weight-update group: trainer rank 0, engine rank r at ``rank_offset + r``;
-        backend None: nccl on CUDA, gloo on the CPU. Blocks until every member joined (``bi_core.rl.protocol``)."""
-        self.weight_sync.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
-                                    timeout_s)
+        backend None: nccl on CUDA, gloo on the CPU (``bi_core.rl.protocol``). The rendezvous runs in
+        a thread, at most ``timeout_s``; ``wait``: block until every member joined (its failure
+        raised; returns None). Without, this returns the ``joining.Join`` at once and the engine
+        steps on meanwhile (the group is usable once it is done; an update of it first waits)."""
+        join = self.weight_sync.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                           timeout_s, wait=wait)
+        return None if wait else join
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,

@@ -27,6 +27,7 @@ import torch
 from bi_core.errors import RequestError
 from bi_core.parallel import lockstep
 from bi_core.policies.apply import applied
+from bi_core.rl.coverage import WeightsMissing
 from bi_core.rl.receiver import started
 from bi_core.runtime.warmup import capture_graphs, wants_warmup
 
@@ -57,11 +58,16 @@ class RolloutControl:
         self.paused, self.mode = False, None
 
     def refuse_if_idle(self, what: str) -> None:
-        """``generate``/``score`` would wait forever: paused or asleep."""
+        """``generate``/``score`` would wait forever (paused or asleep), or serve garbage (the
+        weights are missing: a level-2 sleep, a broken update): one error before any prompt."""
         if self.paused:
             raise RequestError(f"{what}: the engine is paused (pause_generation(mode={self.mode!r})); it would wait "
                                "forever. Call resume_generation() first")
         self.refuse_if_asleep(what)
+        try:
+            self.engine.weight_sync.check_serving()
+        except WeightsMissing as e:
+            raise WeightsMissing(f"{what}: {e}") from None
 
     def refuse_if_asleep(self, what: str, part: str | None = None) -> None:
         """RequestError while the engine sleeps (``part``: while that part of it does)."""
@@ -84,6 +90,8 @@ class RolloutControl:
                                "cache memory; pause_generation(mode='abort' or 'wait') first")
         self.engine._mirror(lockstep.Sleep(level), now=True)
         self.engine.runner.sleep(level)
+        if level == 2:  # nothing to serve with until a weight update has filled them again
+            self.engine.weight_sync.released()
 
     def wake_up(self, tags: list[str] | None) -> None:
         if tags is not None and (isinstance(tags, str) or not set(tags) <= set(WAKE_TAGS) or not tags):

@@ -8,7 +8,8 @@ engine build a torch.distributed process group of their own: a ``TCPStore`` the 
 or ``ProcessGroupNCCL`` (GPU) built on it directly, never the default group (the engine's
 tensor-parallel ranks use that one). The trainer is rank 0; engine rank r (tensor parallel) is
 ``rank_offset + r``; several engines may share one group at different offsets. Both calls block
-until every member has joined (at most ``timeout_s``).
+until every member has joined (at most ``timeout_s``); the engine's rendezvous runs in a thread
+(``joining.py``), so a server steps on meanwhile and answers the call when it ends.
 
 One update (``WeightSender.send``):
 

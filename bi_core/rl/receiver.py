@@ -11,8 +11,9 @@ tokens would mix two models), as ``update_weights`` refuses; RL users pause firs
 Requests queued but not started (added while paused, or held by mode ``wait``) stay queued and
 run wholly on the new weights; their ``weight_version`` becomes the new one.
 
-A failure after some buckets were copied leaves the model part old, part new: the engine then
-refuses new requests (``check_serving``) until an update that rewrites those tensors lands."""
+A failure after some buckets were copied leaves the model part old, part new; a level-2 sleep
+leaves no weights at all: either way the engine then refuses new requests (``check_serving``:
+``coverage.WeightsMissing``) until updates that rewrite what is missing have landed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import torch
 from bi_core.errors import BiEngineError, CheckpointError, RequestError
 from bi_core.models.loader import TensorDict, apply_update, check_update
 from bi_core.parallel import lockstep
+from bi_core.rl.coverage import Coverage
+from bi_core.rl.joining import Join
 from bi_core.rl.protocol import (
     GO,
     REFUSED,
@@ -75,33 +78,38 @@ class WeightSync:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.groups: dict[str, WeightGroup] = {}
-        self.stale: set[str] = set()  # tensors an incomplete update wrote (engine names, normalised)
-        self.stale_reason = ""
+        self.joining: dict[str, Join] = {}  # groups whose rendezvous runs in a thread (``joining.py``)
+        self.coverage = Coverage(engine.model)  # what a level-2 sleep or a broken update left unwritten
 
     # ------------------------------------------------------------------ serving
 
     def check_serving(self) -> None:
-        """RequestError while an incomplete update left the model part old, part new."""
-        if self.stale:
-            raise RequestError(f"the engine's weights are incomplete: {self.stale_reason}; requests are refused "
-                               f"until an update that rewrites those {len(self.stale)} tensor(s) lands "
-                               "(update_weights_from_distributed or update_weights)")
+        """WeightsMissing (a RequestError) while the weights are not whole: a level-2 sleep dropped
+        them, or an incomplete update left the model part old, part new."""
+        self.coverage.check()
 
-    def landed(self, names) -> None:
-        """A complete update wrote ``names``."""
-        self.stale.difference_update(names)
+    def landed(self, steps) -> None:
+        """A complete update wrote these copy steps (``loader.check_update``'s)."""
+        self.coverage.landed(steps)
 
-    def _broke(self, err: BiEngineError, applied: list[str], done: int, total: int) -> None:
+    def released(self) -> None:
+        """A level-2 sleep dropped every weight."""
+        self.coverage.lose_all("they were released by sleep level 2 and no weight update has filled them since")
+
+    def _broke(self, err: BiEngineError, applied: list, done: int, total: int) -> None:
         if applied:
-            self.stale.update(applied)
-            self.stale_reason = f"a weight update from the trainer failed after {done} of {total} bucket(s) " \
-                                f"were copied into the model ({err})"
-            log.error("%s", self.stale_reason)
+            reason = f"a weight update from the trainer failed after {done} of {total} bucket(s) were copied " \
+                     f"into the model ({err})"
+            self.coverage.lose(applied, reason)
+            log.error("%s", reason)
 
     # ------------------------------------------------------------------ the group
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str | None, timeout_s: float) -> None:
+                   group_name: str, backend: str | None, timeout_s: float, wait: bool = True) -> Join:
+        """Check the call, then join in a thread (``joining.Join``); ``wait``: until it is done (its
+        error raised here). Without, the group is usable once the join is done: ``settle`` files
+        it, and a call that needs it first waits for it."""
         e = self.engine
         ints = {"master_port": master_port, "rank_offset": rank_offset, "world_size": world_size}
         bad = [k for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool)]
@@ -116,22 +124,57 @@ class WeightSync:
                                f"rank_offset={rank_offset}, world_size={world_size}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise RequestError(f"init_weights_update_group: timeout_s must be a positive number, got {timeout_s!r}")
-        if group_name in self.groups:
-            raise RequestError(f"init_weights_update_group: group '{group_name}' exists already "
+        if group_name in self.groups or group_name in self.joining:
+            state = "exists already" if group_name in self.groups else "is being joined"
+            raise RequestError(f"init_weights_update_group: group '{group_name}' {state} "
                                "(destroy_weights_update_group first)")
         backend = resolve_backend(backend, e.device)
         e._mirror(lockstep.InitWeightsUpdateGroup(master_address, master_port, rank_offset, world_size, group_name,
                                                   backend, float(timeout_s)), now=True)
-        self.groups[group_name] = WeightGroup(group_name, master_address, master_port, rank_offset + e.tp.rank,
-                                              world_size, backend, e.device, float(timeout_s))
+        join = Join(group_name, lambda: WeightGroup(group_name, master_address, master_port, rank_offset + e.tp.rank,
+                                                    world_size, backend, e.device, float(timeout_s)), float(timeout_s))
+        self.joining[group_name] = join
+        if wait:
+            self.settle(join)
+        return join
+
+    def settle(self, join: Join) -> WeightGroup:
+        """Wait for ``join`` (at most its timeout) and file its group; its error is raised (and the
+        name is free again). A join destroyed meanwhile is a RequestError."""
+        if self.joining.get(join.name) is not join:
+            raise RequestError(f"init_weights_update_group: group '{join.name}' was destroyed while it was being "
+                               "joined")
+        try:
+            group = join.wait()
+        finally:
+            del self.joining[join.name]
+        self.groups[join.name] = group
+        return group
+
+    def states(self) -> dict[str, dict]:
+        """Each group's state (``/health``): ready, or joining (since when, its timeout)."""
+        return {**{n: {"state": "ready"} for n in self.groups}, **{n: j.state() for n, j in self.joining.items()}}
+
+    def abandon_joins(self) -> None:
+        """Give up every join still running (the engine stops): each group is left once its thread has it."""
+        for join in self.joining.values():
+            join.abandon()
+        self.joining.clear()
 
     def destroy_group(self, group_name: str) -> None:
-        group = self._group(group_name, "destroy_weights_update_group")
+        join = self.joining.pop(group_name, None)
+        if join is None:
+            group = self._group(group_name, "destroy_weights_update_group")
         self.engine._mirror(lockstep.DestroyWeightsUpdateGroup(group_name), now=True)
+        if join is not None:  # still joining: given up (left as soon as its thread has it)
+            join.abandon()
+            return
         del self.groups[group_name]
         group.close()
 
     def _group(self, group_name: str, what: str) -> WeightGroup:
+        if group_name in self.joining:  # a call that needs it waits for the join (at most its timeout)
+            return self.settle(self.joining[group_name])
         if group_name not in self.groups:
             raise RequestError(f"{what}: no weight-update group '{group_name}' (init_weights_update_group first; "
                                f"groups now: {sorted(self.groups) or 'none'})")
@@ -160,7 +203,7 @@ class WeightSync:
         names, dtypes, shapes = meta
         layout = bucket_layout([nbytes(s, d) for s, d in zip(shapes, dtypes)], rows[0][1])
         by_name = {st.name: st for st in steps}
-        applied: list[str] = []
+        applied: list = []
         failure = None
         for i, bucket in enumerate(layout):
             buf = torch.empty(bucket.size, dtype=torch.uint8, device=group.device)
@@ -172,7 +215,7 @@ class WeightSync:
             if failure is None:
                 part = TensorDict([(names[j], view(buf, off, n, shapes[j], dtypes[j])) for j, off, n in bucket.entries])
                 mine = [by_name[n] for n in part.names() if n in by_name]
-                applied += [st.name for st in mine]
+                applied += mine
                 try:
                     apply_update(e.model, part, mine)
                 except (RuntimeError, BiEngineError) as err:
@@ -188,7 +231,7 @@ class WeightSync:
         e.after_weight_update(flush_cache=flush_cache, version=weight_version)
         for seq in e.requests.values():  # queued, not started (checked): they run wholly on the new weights
             seq.weight_version = e.weight_version
-        self.landed(by_name)
+        self.landed(steps)
         return len(steps)
 
     def _check(self, names, dtypes, shapes, weight_version, abort_all: bool = False):

@@ -4,8 +4,9 @@ A trainer on the same GPU (colocated RL) serializes ``(name, tensor)`` pairs wit
 ``serialize_named_tensors``: torch's multiprocessing reducers turn a CUDA tensor into a CUDA IPC
 handle and a CPU tensor into a shared-memory file name, pickled (``ForkingPickler``) and base64
 encoded, so the payload is a few hundred bytes per tensor whatever its size. The engine opens the
-handles (``deserialize_named_tensors``), copies into its parameters (``LLMEngine.update_weights``,
-which checks every name, shape and dtype first) and lets go of them. The trainer keeps its tensors
+handles (``deserialize_named_tensors``; never with a general unpickler: ``handles.py`` reads tensor
+handles and nothing else), copies into its parameters (``LLMEngine.update_weights``, which checks
+every name, shape and dtype first) and lets go of them. The trainer keeps its tensors
 (and its process) alive until the call has returned.
 
 The format is SGLang's ``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``, so a
@@ -23,6 +24,7 @@ import torch
 import torch.multiprocessing as tmp  # registers torch's reducers with ForkingPickler
 
 from bi_core.errors import RequestError
+from bi_core.rl.handles import open_pairs
 
 LOAD_FORMATS = (None, "direct")  # SGLang's default: a list of (name, tensor) pairs
 
@@ -54,19 +56,10 @@ def serialize_named_tensors(named: Mapping[str, torch.Tensor] | Iterable[tuple[s
 
 def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
     """Open a ``serialize_named_tensors`` payload (base64 text, or its raw pickle bytes): the
-    trainer's tensors, shared. A payload that does not open is a RequestError saying why."""
+    trainer's tensors, shared. A payload that does not open, or that holds anything but tensor
+    handles (``handles.HandleUnpickler``), is a RequestError saying why."""
     try:
         raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
     except ValueError as e:
         raise RequestError(f"update_weights_from_tensor: the payload is not base64 ({e})") from None
-    try:
-        pairs = ForkingPickler.loads(raw)
-    except Exception as e:  # a handle whose owner is gone, another GPU's handle, truncated data
-        raise RequestError(f"update_weights_from_tensor: the payload's tensors could not be opened "
-                           f"({type(e).__name__}: {e}); is the trainer process still holding them?") from None
-    if not isinstance(pairs, list) or not all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in pairs):
-        raise RequestError("update_weights_from_tensor: the payload must hold a list of (name, tensor) pairs "
-                           "(bi_core.rl.serialize_named_tensors)")
-    return pairs
+    return open_pairs(raw)  # never a general unpickler: only tensor handles (handles.py)

@@ -177,8 +177,10 @@ class LLMEngine(RolloutAPI):
     # ------------------------------------------------------------------ the step loop
 
     def has_work(self) -> bool:
-        """Whether ``step()`` would run anything: unfinished requests, neither paused nor asleep."""
-        return not self.rollout.paused and not self.runner.sleeping and self.scheduler.has_work()
+        """Whether ``step()`` would run anything: unfinished requests, neither paused nor asleep, and
+        whole weights (after a level-2 sleep, queued requests wait for a weight sync)."""
+        return (not self.rollout.paused and not self.runner.sleeping and self.weight_sync.coverage.whole
+                and self.scheduler.has_work())
 
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it (none while paused or asleep)."""

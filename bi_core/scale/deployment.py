@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import signal
 import sys
 import tempfile
@@ -18,14 +19,15 @@ from pathlib import Path
 import ray
 import uvicorn
 
-from bi_core.config import EngineConfig
+from bi_core.config import EngineConfig, ServeConfig
 from bi_core.errors import BiEngineError
 from bi_core.scale import placement
 from bi_core.scale.front import ControlFront, create_front
 from bi_core.scale.options import ScaleOptions
 from bi_core.scale.router import RouterProcess
 from bi_core.scale.supervisor import Supervisor
-from bi_core.serve import check_port
+from bi_core.serve import check_port, note_control_guard
+from bi_core.serve.auth import Guard
 
 log = logging.getLogger("bi_core.scale")
 
@@ -71,7 +73,10 @@ def run(config_path: str, config: EngineConfig, options: ScaleOptions) -> int:
     check_port(s.host, s.port)
     check_port(s.host, control_port)
     replica_config = placement.replica_config(config_path, config)  # before Ray starts: a bad path fails fast
+    replica_key = replica_control_key(s, replica_config)
+    guard = Guard.of(s)
     _log_to_stderr()
+    note_control_guard(guard, "the control front", log)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     supervisor = router = None
     try:
@@ -92,7 +97,7 @@ def run(config_path: str, config: EngineConfig, options: ScaleOptions) -> int:
         urls = supervisor.start_all()
         router.start(urls, options.startup_timeout_s)
         supervisor.watch()
-        front = ControlFront(supervisor, config.parallel.tensor_parallel_size, s.api_key, router.url)
+        front = ControlFront(supervisor, config.parallel.tensor_parallel_size, guard, replica_key, router.url)
         log.info("router on http://%s:%d (generation), control on http://%s:%d (fanned out to every replica)",
                  s.host, s.port, s.host, control_port)
         server = _Front(uvicorn.Config(create_front(front), host=s.host, port=control_port, log_level="warning",
@@ -111,6 +116,18 @@ def run(config_path: str, config: EngineConfig, options: ScaleOptions) -> int:
             signal.signal(sig, handler)
         _stop(supervisor, router, s.shutdown_timeout_s)
     return 0
+
+
+def replica_control_key(s: ServeConfig, replica_config: dict) -> str | None:
+    """The key the control front sends the replicas. They listen on their node's address (beyond
+    loopback), so their control routes need one: serve.admin_api_key or serve.api_key when set,
+    else one made here for this deployment (written into their config, never on a command line),
+    which only the front knows."""
+    if s.admin_api_key is not None or s.api_key is not None:
+        return s.admin_api_key or s.api_key
+    key = secrets.token_urlsafe(32)
+    replica_config["serve"] = {**(replica_config.get("serve") or {}), "admin_api_key": key}
+    return key
 
 
 def _stop(supervisor: Supervisor | None, router: RouterProcess | None, timeout_s: float) -> None:

@@ -8,7 +8,8 @@ the error that kept it from answering), ``skipped`` (replicas that were not up: 
 failed), and every field whose value all replicas' bodies share (``"status": "paused"``,
 ``"is_paused": true``, ``"weight_version": 3``), so a client written for one server reads it
 unchanged. Its status: 200 when every replica succeeded, the replicas' status when they all
-answered the same one, else 502."""
+answered the same one, else 502; a failure also carries OpenAI's ``error`` object (the replicas'
+own when they all gave the same one)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any
 
 import attrs
 import httpx
+
+from bi_core.serve import formats
 
 OWN_FIELDS = ("success", "message", "replicas", "skipped")
 
@@ -87,4 +90,7 @@ def merge(path: str, answers: list[Answer], skipped: list[dict]) -> tuple[int, d
         status = codes.pop()
     else:
         status = 502
+    if not success and not isinstance(body.get("error"), dict):  # OpenAI's error object, as a lone server's
+        body["error"] = formats.error_body(message, "server_error" if status >= 500 else "invalid_request_error",
+                                           code="replicas_failed")["error"]
     return status, body

@@ -17,10 +17,12 @@ from collections.abc import Callable
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bi_core.scale import fanout
 from bi_core.scale.supervisor import Supervisor
+from bi_core.serve.auth import Guard
 from bi_core.serve.errors import ApiError, error_response
 
 # (methods, path) fanned out as they come
@@ -40,11 +42,14 @@ TIMEOUT = httpx.Timeout(None, connect=10.0)
 
 
 class ControlFront:
-    """What the routes share: the supervisor (who is up), the HTTP client, the settings."""
+    """What the routes share: the supervisor (who is up), the HTTP client, the settings. ``guard``:
+    who may call this front (``bi_core.serve.auth``); ``replica_key``: what it sends the replicas
+    (their control key: never the client's own header)."""
 
-    def __init__(self, supervisor: Supervisor, tensor_parallel_size: int, api_key: str | None,
+    def __init__(self, supervisor: Supervisor, tensor_parallel_size: int, guard: Guard, replica_key: str | None,
                  router_url: str) -> None:
-        self.supervisor, self.tp, self.api_key, self.router_url = supervisor, tensor_parallel_size, api_key, router_url
+        self.supervisor, self.tp, self.guard, self.router_url = supervisor, tensor_parallel_size, guard, router_url
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key is not None else {}
         self.client = httpx.AsyncClient(timeout=TIMEOUT)
 
     def targets(self) -> tuple[list[tuple[int, str]], list[dict]]:
@@ -55,9 +60,9 @@ class ControlFront:
                    if s["replica"] not in up]
         return [(r.index, r.url) for r in live], skipped
 
-    @staticmethod
-    def headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+    def headers(self, request: Request) -> dict[str, str]:
+        kept = {k: v for k, v in request.headers.items() if k.lower() == "content-type"}
+        return {**kept, **self.replica_headers}
 
     async def fan_out(self, request: Request, path: str, bodies=None) -> JSONResponse:
         """The call to every replica that is up; ``bodies(targets)``: one body each (else the call's own)."""
@@ -115,14 +120,15 @@ def create_front(front: ControlFront) -> FastAPI:
     async def api_error(request: Request, e: ApiError):
         return error_response(e)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # 404, 405: OpenAI-shaped too
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail} on the "
+                                                      "control front (generation goes to the router's port)"))
+
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        key = front.api_key
-        if key is not None and request.url.path != "/health" and \
-                request.headers.get("authorization") != f"Bearer {key}":
-            return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                           "authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+        refused = front.guard.check(request.url.path, request.headers.get("authorization"))
+        return error_response(refused) if refused is not None else await call_next(request)
 
     def route(path: str, bodies=None):
         async def handler(request: Request):
@@ -145,6 +151,9 @@ def create_front(front: ControlFront) -> FastAPI:
             data = json.loads(await request.body() or b"{}")
         except ValueError:
             raise ApiError(400, f"{request.url.path}: the body is not JSON") from None
+        if request.url.path == "/abort_request" and isinstance(data, dict) and not data.get("rid") and \
+                not data.get("abort_all"):
+            return Response(status_code=200)  # verl's default call: nothing to abort, as a lone server answers
         if not isinstance(data, dict) or data.get("request_ids") or data.get("rid") or (
                 request.url.path == "/abort_request" and not data.get("abort_all")):
             raise ApiError(400, "only aborting all requests is fanned out (/abort_requests with no request_ids, "

@@ -1,15 +1,18 @@
 """``bi-engine serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
 
 Two processes: this one runs the HTTP front (``app.py``: routes, OpenAI formats, errors;
-``protocol.py``: request models; ``native.py``: SGLang's ``/generate``; ``control.py``: the RL
-control routes of vLLM and SGLang; ``dev.py``: vLLM's dev-mode ``/collective_rpc``; ``metrics.py``:
+``protocol.py``: request models; ``native.py``: SGLang's ``/generate``; ``control.py`` and
+``control_bodies.py``: the RL control routes of vLLM and SGLang; ``auth.py``: who may call which
+route (docs/security.md); ``dev.py``: vLLM's dev-mode ``/collective_rpc``; ``metrics.py``:
 Prometheus; ``client.py``: the engine process's handle), and the engine process runs the engine
-loop (``loop.py``), so HTTP work never holds the engine's GIL; ``messages.py`` holds the messages between the two. Needs the ``serve`` extra:
+loop (``loop.py``, its control calls in ``loop_control.py``), so HTTP work never holds the engine's
+GIL; ``messages.py`` holds the messages between the two. Needs the ``serve`` extra:
 ``pip install "bi-engine[serve]"``."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 from pathlib import Path
@@ -52,10 +55,35 @@ def check_port(host: str, port: int) -> None:
                             "--host / --port)") from None
 
 
+def log_to_stderr() -> None:
+    """The server's own lines (``bi_core.*``) in uvicorn's format, once."""
+    logger = logging.getLogger("bi_core")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def note_control_guard(guard, where: str, log: logging.Logger | None = None) -> None:
+    """Say at start what the control routes' rule (``auth.Guard``) makes of this address."""
+    log = log or logging.getLogger("bi_core.serve")
+    if guard.control_unguarded:
+        log.warning("serve.allow_unauthenticated_control: the control routes (weight updates, sleep, pause, aborts, "
+                    "...) of %s answer anyone who reaches %s without a key (docs/security.md)", where, guard.host)
+    elif guard.control_refused:
+        log.warning("%s listens on %s (beyond loopback) without an API key: its control routes answer 403 until "
+                    "serve.admin_api_key or serve.api_key is set (or serve.allow_unauthenticated_control: true)",
+                    where, guard.host)
+
+
 def run_server(config: EngineConfig) -> int:
     """Start the engine process, serve until SIGTERM/SIGINT, then stop accepting, let in-flight
     requests finish within serve.shutdown_timeout_s, abort what is left (each answers an
-    OpenAI-shaped error), stop the engine process and return 0."""
+    OpenAI-shaped error), stop the engine process and return 0. If the engine process dies, the
+    log says how, in-flight requests answer an error and the server stops: a BiEngineError (a
+    non-zero exit, for a supervisor to restart it)."""
     try:
         import uvicorn
 
@@ -64,11 +92,14 @@ def run_server(config: EngineConfig) -> int:
         raise BiEngineError(f"bi-engine serve needs the serve extra (pip install 'bi-engine[serve]'): {e}") from None
     from bi_core.models.tokenizer import tokenizer_for
     from bi_core.runtime.threads import size_http_threads
+    from bi_core.serve.auth import Guard
     from bi_core.serve.client import EngineClient
     from bi_core.serve.metrics import Metrics
 
     s = config.serve
     check_port(s.host, s.port)
+    log_to_stderr()
+    note_control_guard(Guard.of(s), "the server")
     size_http_threads()
     metrics = Metrics(model_name_for(config), config.model.max_model_len)
     core = EngineClient(config, metrics)  # returns once the engine is built and warmed up
@@ -96,6 +127,12 @@ def run_server(config: EngineConfig) -> int:
 
         uv = Uvicorn(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False,
                                     timeout_graceful_shutdown=int(s.shutdown_timeout_s) + SHUTDOWN_GRACE_S))
+
+        def on_lost(why: str) -> None:  # the engine process died: in-flight requests have their errors; stop
+            server.shutting_down = True
+            uv.should_exit = True
+
+        core.on_lost = on_lost
         try:
             uv.run()
         except SystemExit:  # uvicorn's exit when it cannot start (the port was taken since check_port)
@@ -105,4 +142,6 @@ def run_server(config: EngineConfig) -> int:
         core.stop(0.0)
     if not uv.started:
         raise BiEngineError(f"the HTTP server did not start on {s.host}:{s.port} (see the log above)")
+    if core.lost:
+        raise BiEngineError(f"{core.failure}; the server stopped")
     return 0

@@ -23,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from bi_core.config import ServeConfig
 from bi_core.errors import PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
+from bi_core.rl.coverage import WeightsMissing
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import completions, control, dev, info, native, worker
+from bi_core.serve.auth import OPEN_PATHS, Guard
 from bi_core.serve.client import ControlError, Delta, EngineClient, Overloaded, Unavailable
 from bi_core.serve.errors import ApiError, error_response, install_error_handlers, output_failure
 from bi_core.serve.metrics import Metrics
@@ -115,6 +117,8 @@ class Server:
             raise ApiError(503, str(e), "service_unavailable") from None
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param=prompt_param) from None
+        except WeightsMissing as e:  # a level-2 sleep, or a broken update: nothing to serve with yet
+            raise ApiError(409, str(e), code="weights_missing") from None
         except RequestError as e:  # all the HTTP side leaves to the engine: whether n samples fit at once
             raise ApiError(400, str(e), param="n" if jobs[0][1].n > 1 else prompt_param) from None
         n = jobs[0][1].n
@@ -181,9 +185,16 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's and SageMaker's name for it
     async def health():
+        """vLLM's liveness: 503 once the engine cannot serve again (failed, gone, shutting down).
+        Without whole weights (a level-2 sleep; a broken update) it stays 200, with ``status``
+        ``weights_missing`` and the reason (it is alive and waiting for a weight sync, which a
+        restart would lose; generation routes answer 409 and /health_generate 503 meanwhile)."""
         down = server.shutting_down or not core.accepting
-        body = {"status": "unavailable" if down else "ok", "batch_invariant": server.invariant,
-                "reason": core.failure or ("shutting down" if server.shutting_down else None)}
+        missing = core.status.get("weights_missing")
+        status = "unavailable" if down else "weights_missing" if missing else "ok"
+        reason = core.failure or ("shutting down" if server.shutting_down else None) or missing
+        body = {"status": status, "batch_invariant": server.invariant, "reason": reason,
+                "weight_groups": core.status.get("weight_groups", {})}
         return JSONResponse(body, status_code=503 if down else 200)
 
     @app.get("/metrics")
@@ -201,21 +212,17 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     return app
 
 
-OPEN_PATHS = ("/health", "/metrics")  # no API key needed (probes and scrapers), as SGLang's: /health_generate too
-
-
 def _install_middleware(app: FastAPI, server: Server) -> None:
+    guard = Guard.of(server.config)
+
     @app.middleware("http")
     async def mode_auth_and_shutdown(request: Request, call_next):
-        if not request.url.path.startswith(OPEN_PATHS):
-            key = server.config.api_key
-            if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-                response = error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                                   "authentication_error", code="invalid_api_key"))
-            elif server.shutting_down and request.method in ("POST", "PUT"):
-                response = error_response(ApiError(503, "the server is shutting down", "service_unavailable"))
-            else:
-                response = await call_next(request)
+        refused = guard.check(request.url.path, request.headers.get("authorization"))
+        if refused is not None:  # the keys and the control routes' rule (auth.py)
+            response = error_response(refused)
+        elif server.shutting_down and request.method in ("POST", "PUT") and not request.url.path.startswith(
+                OPEN_PATHS):
+            response = error_response(ApiError(503, "the server is shutting down", "service_unavailable"))
         else:
             response = await call_next(request)
         response.headers[INVARIANT_HEADER] = "true" if server.invariant else "false"

@@ -13,6 +13,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -20,6 +21,7 @@ from concurrent.futures import Future, InvalidStateError
 import attrs
 
 from bi_core.errors import BiEngineError, PromptTooLongError, RequestError
+from bi_core.rl.coverage import WeightsMissing
 from bi_core.runtime.sequence import RequestOutput
 from bi_core.serve.loop import engine_main
 from bi_core.serve.messages import (
@@ -94,6 +96,18 @@ class AddedRequest:
     weight_version: int
 
 
+def exit_reason(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if code is None:
+        return "ended (its exit code is not known yet)"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name} ({-code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def _settle(fut: Future, value: object = None, exception: BaseException | None = None) -> None:
     """Resolve ``fut`` unless its caller cancelled it (stopped waiting)."""
     try:
@@ -107,6 +121,9 @@ class EngineClient:
         self.metrics = metrics
         self.failure: str | None = None
         self.stopping = False
+        self.on_lost: Callable[[str], None] | None = None  # called (receiver thread) if the engine process dies
+        self.lost = False  # it did
+        self.status: dict = {}  # the engine's last reported status (messages.Out.status: what /health says)
         self._keys = itertools.count()
         self._futures: dict[int, Future] = {}
         self._streams: dict[int, _Stream] = {}
@@ -234,9 +251,11 @@ class EngineClient:
         """One message from the engine process (after Ready); True once it said it stopped. Any
         other type raises UnexpectedMessage."""
         match msg:
-            case Out(deltas, counts, failure):
+            case Out(deltas, counts, failure, status):
                 if failure is not None:
                     self.failure = failure
+                if status is not None:
+                    self.status = status
                 self._hand_over(deltas)
                 self.metrics.apply(counts)
             case Added(key, request_ids, weight_version):
@@ -247,8 +266,8 @@ class EngineClient:
                     self.abort(request_ids)
             case Refused(key, reason, message):
                 self._streams.pop(key, None)
-                error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError,
-                         "overloaded": Overloaded}.get(reason, Unavailable)
+                error = {"prompt_too_long": PromptTooLongError, "invalid": RequestError, "overloaded": Overloaded,
+                         "no_weights": WeightsMissing}.get(reason, Unavailable)
                 _settle(self._futures.pop(key), exception=error(message))
             case ControlDone(key, value):
                 _settle(self._futures.pop(key), value)
@@ -282,10 +301,14 @@ class EngineClient:
             _deliver(items) if post is None else post(_deliver, items)
 
     def _lost(self) -> None:
-        """The engine process ended without being asked: fail what is waiting on it."""
+        """The engine process ended without being asked: say how (its exit code or signal), fail
+        what is waiting on it, and tell ``on_lost`` (the server exits, non-zero)."""
         if self._stopped.is_set():
             return
-        self.failure = self.failure or f"the engine process exited unexpectedly (code {self.proc.exitcode})"
+        self.lost = True
+        self.proc.join(5)  # reaped, so that its exit code is known
+        self.failure = self.failure or f"the engine process {exit_reason(self.proc.exitcode)}"
+        log.error("%s; the server stops (a supervisor may restart it)", self.failure)
         for key, fut in list(self._futures.items()):
             self._futures.pop(key, None)
             _settle(fut, exception=Unavailable(self.failure))
@@ -296,3 +319,5 @@ class EngineClient:
             items = [(stream.emit, i, Delta([], [], [], "", out)) for i in sorted(stream.unfinished)]
             _deliver(items) if stream.post is None else stream.post(_deliver, items)
         self._stopped.set()
+        if self.on_lost is not None:
+            self.on_lost(self.failure)

@@ -22,12 +22,31 @@ SGLang: ``POST /pause_generation`` ``{"mode": "abort"|"in_place"}``, ``POST /con
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated
 
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, Field, field_validator
 
+from bi_core.serve.control_bodies import (  # noqa: F401 - REQUEST_MODELS, SUCCESS_STYLE: app.py reads them here
+    DEFAULT_GROUP,
+    REQUEST_MODELS,
+    SUCCESS_STYLE,
+    WAKE_TAGS,
+    AbortRequestBody,
+    AbortRequestsBody,
+    ContinueGenerationBody,
+    DestroyWeightsUpdateGroupBody,
+    InitWeightsUpdateGroupBody,
+    InitWeightTransferBody,
+    MemoryOccupationBody,
+    PauseGenerationBody,
+    ReleaseMemoryBody,
+    UpdateWeightsBody,
+    UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
+    UpdateWeightsFromTensorBody,
+)
 from bi_core.serve.errors import ApiError
 from bi_core.serve.messages import (
     AbortRequests,
@@ -46,186 +65,6 @@ from bi_core.serve.messages import (
     UpdateWeightsFromTensor,
     WakeUp,
 )
-from bi_core.serve.protocol import STRICT
-
-WAKE_TAGS = ("weights", "kv_cache")  # vLLM's wake_up tags; SGLang's memory-occupation tags, as far as they go
-DEFAULT_GROUP = "weight_update_group"
-
-
-# ---------------------------------------------------------------------------------- request bodies
-
-
-class AbortRequestsBody(BaseModel):
-    """vLLM's ``/abort_requests``."""
-
-    model_config = STRICT
-    request_ids: list[str] | None = None
-
-
-class AbortRequestBody(BaseModel):
-    """SGLang's ``AbortReq``."""
-
-    model_config = STRICT
-    rid: str = ""
-    abort_all: bool = False
-
-
-class PauseGenerationBody(BaseModel):
-    """SGLang's ``PauseGenerationReqInput``: in_place keeps the requests (vLLM's keep)."""
-
-    model_config = STRICT
-    mode: Literal["abort", "in_place", "retract"] = "abort"
-
-
-class ContinueGenerationBody(BaseModel):
-    model_config = STRICT
-
-
-class MemoryOccupationBody(BaseModel):
-    """SGLang's ``Release/ResumeMemoryOccupationReqInput``."""
-
-    model_config = STRICT
-    tags: list[str] | None = None
-
-
-class InitWeightsUpdateGroupBody(BaseModel):
-    """SGLang's ``InitWeightsUpdateGroupReqInput``. ``backend`` null lets the engine choose (NCCL on
-    GPUs, gloo on CPUs); SGLang's default is nccl."""
-
-    model_config = STRICT
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=0)
-    world_size: int = Field(ge=2)
-    group_name: str = DEFAULT_GROUP
-    backend: Literal["nccl", "gloo"] | None = None
-
-
-class UpdateWeightsFromDistributedBody(BaseModel):
-    """SGLang's ``UpdateWeightsFromDistributedReqInput`` (``weight_version`` an integer here: the
-    engine numbers its versions; a string of digits is read as one)."""
-
-    model_config = STRICT
-    names: list[str] = Field(min_length=1)
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = DEFAULT_GROUP
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: int | str | None = None
-    load_format: str | None = None
-
-    _no_load_format = field_validator("load_format")(lambda cls, v: _only_none(v, "load formats are not supported"))
-
-
-class UpdateWeightsFromTensorBody(BaseModel):
-    """SGLang's ``UpdateWeightsFromTensorReqInput``: one payload per tensor-parallel rank, or one
-    for all (``bi_core.rl.serialize_named_tensors``; base64 text, as over JSON). ``load_format``:
-    None or "direct" (the engine refuses others by name); the draft model is the MTP head, updated
-    with the rest, and the allocator's cache is left alone, so those two flags take no-op values only."""
-
-    model_config = STRICT
-    serialized_named_tensors: list[str] = Field(min_length=1)
-    load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: int | str | None = None
-    disable_draft_model: bool | None = None
-    torch_empty_cache: bool = False
-
-    _draft = field_validator("disable_draft_model")(
-        lambda cls, v: v if not v else _only_none(v, "the MTP head is updated with the model's weights"))
-    _empty = field_validator("torch_empty_cache")(
-        lambda cls, v: v if not v else _only_none(v, "the engine does not empty the allocator's cache on updates"))
-
-
-class DestroyWeightsUpdateGroupBody(BaseModel):
-    model_config = STRICT
-    group_name: str = DEFAULT_GROUP
-
-
-class UpdateWeightsFromDiskBody(BaseModel):
-    """SGLang's ``UpdateWeightFromDiskReqInput``: the engine numbers the new weights itself (its
-    version + 1), so ``weight_version`` is refused; the prefix cache is always dropped."""
-
-    model_config = STRICT
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: int | str | None = None
-    flush_cache: bool = True
-
-    _no_load_format = field_validator("load_format")(lambda cls, v: _only_none(v, "load formats are not supported"))
-    _no_version = field_validator("weight_version")(lambda cls, v: _only_none(
-        v, "the engine numbers the weights of a disk update itself (its version + 1)"))
-
-    @field_validator("flush_cache")
-    @classmethod
-    def _always_flush(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("a weight update always drops the prefix cache (its entries were computed with the old "
-                             "weights)")
-        return v
-
-
-class NcclInitInfo(BaseModel):
-    """vLLM's ``NCCLWeightTransferInitInfo``."""
-
-    model_config = STRICT
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=0)
-    world_size: int = Field(ge=2)
-
-
-class InitWeightTransferBody(BaseModel):
-    model_config = STRICT
-    init_info: NcclInitInfo
-
-
-class NcclUpdateInfo(BaseModel):
-    """vLLM's ``NCCLWeightTransferUpdateInfo``. The tensors come packed in buckets, as
-    ``bi_core.rl.WeightSender`` sends them; one broadcast per tensor (``packed: false``) is not read."""
-
-    model_config = STRICT
-    names: list[str] = Field(min_length=1)
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    packed: bool = True
-
-    @field_validator("packed")
-    @classmethod
-    def _packed(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("the trainer must send packed buckets (bi_core.rl.WeightSender); one broadcast per "
-                             "tensor is not read")
-        return v
-
-
-class UpdateWeightsBody(BaseModel):
-    model_config = STRICT
-    update_info: NcclUpdateInfo
-
-
-REQUEST_MODELS = {
-    "/abort_requests": AbortRequestsBody, "/abort_request": AbortRequestBody, "/pause_generation": PauseGenerationBody,
-    "/continue_generation": ContinueGenerationBody, "/release_memory_occupation": MemoryOccupationBody,
-    "/resume_memory_occupation": MemoryOccupationBody, "/init_weights_update_group": InitWeightsUpdateGroupBody,
-    "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
-    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
-    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
-    "/update_weights_from_disk": UpdateWeightsFromDiskBody, "/init_weight_transfer_engine": InitWeightTransferBody,
-    "/update_weights": UpdateWeightsBody,
-}
-# SGLang answers these {"success": bool, "message": str}, failures included
-SUCCESS_STYLE = frozenset({"/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
-                           "/destroy_weights_update_group", "/update_weights_from_disk"})
-
-
-def _only_none(v, why: str):
-    if v is not None:
-        raise ValueError(f"{why}; leave it out (null)")
-    return v
 
 
 def _weight_version(v: int | str | None) -> int | None:
@@ -253,6 +92,34 @@ def _tags(tags: list[str] | None) -> list[str] | None:
             raise ApiError(400, f"tags must be a non-empty list of {', '.join(WAKE_TAGS)} (or left out: all); got "
                                 f"{tags}", param="tags")
     return tags
+
+
+def weights_root(config, model_path: str | None) -> Path | None:
+    """Where ``/update_weights_from_disk`` may read: serve.weights_root, else the served checkpoint's
+    parent directory (its siblings: the checkpoints a trainer writes beside it); None for a random
+    model without serve.weights_root."""
+    if config.weights_root is not None:
+        return Path(config.weights_root).resolve()
+    return Path(model_path).resolve().parent if model_path else None
+
+
+def checkpoint_path(model_path: str, root: Path | None) -> Path:
+    """The checkpoint directory a disk update names, inside ``root`` (a relative path is taken
+    from there; links are followed first, so none leads out). ApiError otherwise: 403 outside the
+    root (or with none), 400 for no such directory."""
+    if root is None:
+        raise ApiError(403, "update_weights_from_disk reads checkpoints under serve.weights_root, which is not set "
+                            "(and this model was not loaded from a directory): set serve.weights_root",
+                       "permission_error", param="model_path", code="outside_weights_root")
+    path = (root / model_path).resolve()  # an absolute model_path replaces the root
+    if not path.is_relative_to(root):
+        raise ApiError(403, f"model_path {model_path!r} is outside the directory disk updates may read ({root}: "
+                            "serve.weights_root, default the served checkpoint's parent)", "permission_error",
+                       param="model_path", code="outside_weights_root")
+    if not path.is_dir():
+        raise ApiError(400, f"model_path {model_path!r} is not a checkpoint directory ({path} "
+                            f"{'is not a directory' if path.exists() else 'does not exist'})", param="model_path")
+    return path
 
 
 def install(app: FastAPI, server) -> None:
@@ -382,17 +249,18 @@ def install(app: FastAPI, server) -> None:
     @app.post("/abort_request")
     async def abort_request(body: AbortRequestBody):
         """SGLang's: abort the request with this ``rid`` (its ``meta_info.id``, or the rid it was sent
-        with; an OpenAI response's id), or all with ``abort_all``."""
+        with; an OpenAI response's id), or all with ``abort_all``; neither (verl's default call) aborts
+        nothing, as SGLang answers it."""
         if body.abort_all:
-            await call(AbortRequests, request_ids=None)
+            await call(AbortRequests, request_ids=None, message=body.message)
             return Response(status_code=200)
         if not body.rid:
-            raise ApiError(400, "give the rid of the request to abort, or abort_all: true", param="rid")
+            return Response(status_code=200)
         choices = server.requests.get(body.rid)
         if choices is None:
             raise ApiError(404, f"no unfinished request with id {body.rid!r} (finished already, or never sent)",
                            param="rid", code="request_not_found")
-        await call(AbortRequests, request_ids=[c.request_id for c in choices if c.output is None])
+        await call(AbortRequests, request_ids=[c.request_id for c in choices if c.output is None], message=body.message)
         return Response(status_code=200)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -437,13 +305,14 @@ def install(app: FastAPI, server) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskBody):
-        done = await call(UpdateWeightsFromDisk, path=body.model_path, abort_all=body.abort_all_requests)
+        path = checkpoint_path(body.model_path, weights_root(server.config, server.model_path))
+        done = await call(UpdateWeightsFromDisk, path=str(path), abort_all=body.abort_all_requests)
         return {"success": True, "message": f"Succeeded to update model weights: {done['num_tensors']} tensors, "
                                             f"weight version {done['weight_version']}.",
                 "num_paused_requests": 0, "weight_version": done["weight_version"]}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(body: MemoryOccupationBody | None = None):
+    async def release_memory_occupation(body: ReleaseMemoryBody | None = None):
         """SGLang's: release the KV cache and the weights (kept in host memory: vLLM's sleep level 1)."""
         tags = _tags(body.tags if body is not None else None)
         if tags is not None and set(tags) != set(WAKE_TAGS):

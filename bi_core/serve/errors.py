@@ -23,10 +23,11 @@ class ApiError(Exception):
     """An error answer: status, OpenAI's error object, and a ``Retry-After`` when retrying helps."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after_s: int | None = None) -> None:
+                 code: str | None = None, retry_after_s: int | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.body = status, formats.error_body(message, type_, param, code)
-        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+        extra = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else {}
+        self.headers = {**extra, **(headers or {})} or None
 
 
 def output_failure(o: RequestOutput, shutting_down: bool) -> ApiError | None:

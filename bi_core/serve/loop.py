@@ -24,13 +24,15 @@ changed go out first (requests it aborted end with ``finish_reason="abort"``; a 
 ``wait`` runs the started requests to their end inside the engine's call, so their last tokens come
 together when it returns), then ``ControlDone`` (or ``ControlFailed``). A call that blocks (a weight
 sync waits for the trainer's broadcast) blocks this loop: what comes meanwhile waits in the pipe.
+Joining a weight-update group does not: its rendezvous runs in a thread (``rl/joining.py``), the
+loop steps on, and the call is answered when the rendezvous ends (at most
+serve.weight_sync_timeout_s), or at shutdown.
 While generation is paused or the engine sleeps, new requests are held here, as vLLM's frontend holds
 them: their ``Added`` comes when they are added, at resume or wake-up (so a weight update meanwhile
 finds no request in the engine, and they run wholly on the new weights)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -38,17 +40,13 @@ from collections.abc import Callable
 
 import attrs
 
-from bi_core.errors import (
-    BiEngineError,
-    CheckpointError,
-    CollectiveRpcError,
-    ConfigError,
-    PromptTooLongError,
-    RequestError,
-)
+from bi_core.errors import BiEngineError, PromptTooLongError
+from bi_core.rl.coverage import WeightsMissing
+from bi_core.rl.joining import Join
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Sequence, Status
 from bi_core.runtime.threads import size_engine_threads
+from bi_core.serve.loop_control import ControlCalls
 from bi_core.serve.messages import (
     TO_ENGINE,
     Abort,
@@ -56,8 +54,6 @@ from bi_core.serve.messages import (
     Add,
     Added,
     CollectiveRpc,
-    ControlDone,
-    ControlFailed,
     DestroyWeightsUpdateGroup,
     EngineInfo,
     GetWeightVersion,
@@ -85,8 +81,6 @@ from bi_core.serve.metrics import StepCounter
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
-# a control call's error from a bad argument (answered 400); any other exception is the engine's failure (500)
-INVALID_ARGUMENT = (RequestError, ConfigError, CheckpointError, ValueError)
 
 
 @attrs.define(eq=False)
@@ -100,20 +94,16 @@ class _Tracked:
     last_token: float | None = None  # when its previous delta with tokens went out
 
 
-class _Failed(Exception):
-    """A control call refused by the loop itself (its reason: messages.ControlFailure)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class EngineLoop:
+class EngineLoop(ControlCalls):
     """Steps the engine; commands (``messages.py``) come from ``channel`` (``poll``/``recv``/``send``,
     a multiprocessing Connection), outputs go back on it."""
 
-    def __init__(self, engine: LLMEngine, channel, *, max_waiting: int) -> None:
+    def __init__(self, engine: LLMEngine, channel, *, max_waiting: int, weight_sync_timeout_s: float = 300.0) -> None:
         self.engine, self.channel, self.max_waiting = engine, channel, max_waiting
+        self.weight_sync_timeout_s = weight_sync_timeout_s
+        self.joins: dict[int, Join] = {}  # init calls whose rendezvous runs (by key): answered when it ends
+        self._status: dict | None = None  # the engine status last sent (what /health reports)
+        self.no_weights = False  # as of the last flush: a level-2 sleep or a broken update left none whole
         self.tracked: dict[int, _Tracked] = {}
         self.counter = StepCounter()
         self.stopping = False
@@ -141,6 +131,8 @@ class EngineLoop:
     def run(self) -> None:
         while True:
             self._drain(0.0 if self._can_step() else IDLE_WAIT_S)
+            if self.joins:
+                self._answer_joins()
             if self.stopping and (not self.tracked or time.monotonic() >= self.deadline):
                 self._abort_at_shutdown()
                 self._flush()
@@ -150,9 +142,10 @@ class EngineLoop:
             self._flush()
 
     def _can_step(self) -> bool:
-        """Step while there is work, unless the engine failed, sleeps, or is paused."""
+        """Step while there is work, unless the engine failed, sleeps, is paused or has no whole
+        weights (queued requests then wait for them)."""
         return (self.engine.scheduler.has_work() and self.failure is None and not self.sleeping
-                and not self.paused)
+                and not self.paused and self.engine.weight_sync.coverage.whole)
 
     @property
     def holding(self) -> bool:
@@ -184,12 +177,13 @@ class EngineLoop:
                     self._abort(rid)
             case Stop(timeout_s):
                 deadline = time.monotonic() + timeout_s
-                if self.paused or self.sleeping:  # nothing runs until a resume that will not come: end now
-                    deadline = time.monotonic()
+                if self.paused or self.sleeping or self.no_weights:
+                    deadline = time.monotonic()  # nothing runs until a call that will not come: end now
                 if not self.stopping or deadline < self.deadline:
                     self.deadline, self.shutdown_timeout_s = deadline, timeout_s
                 self.stopping = True
                 self._refuse_held("the server is shutting down")
+                self._give_up_joins()
             case _ if type(msg) in self._controls:
                 self._control(msg)
             case _:
@@ -209,7 +203,8 @@ class EngineLoop:
         except BiEngineError as e:
             for seq in seqs:  # not one step has run: the request leaves no trace
                 self.engine.abort(seq.request_id)
-            reason = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid"
+            reason = "prompt_too_long" if isinstance(e, PromptTooLongError) else \
+                "no_weights" if isinstance(e, WeightsMissing) else "invalid"
             where = f"prompt {len(seqs)}: " if len(jobs) > 1 else ""
             return self.channel.send(Refused(key, reason, f"{where}{e}"))
         ids, now = [], time.monotonic()
@@ -251,118 +246,6 @@ class EngineLoop:
             self._emit(request_id, t, time.monotonic())
             return True
         return False
-
-    # ------------------------------------------------------------------ control calls
-
-    def _control(self, msg) -> None:
-        """Run one control call; the deltas of what it changed go out before its answer."""
-        try:
-            answer = ControlDone(msg.key, self._controls[type(msg)](msg))
-        except _Failed as e:
-            answer = ControlFailed(msg.key, e.reason, str(e))
-        except INVALID_ARGUMENT as e:
-            answer = ControlFailed(msg.key, "invalid", str(e))
-        except Exception as e:  # noqa: BLE001 - the engine's failure: its traceback to the log, its message back
-            log.exception("control call %s failed", type(msg).__name__)
-            answer = ControlFailed(msg.key, "error", f"{type(msg).__name__} failed: {type(e).__name__}: {e}")
-        self._sweep()
-        self._flush()
-        self.channel.send(answer)
-        self._release_held()
-
-    def _refresh(self, sleep: bool = False) -> None:
-        """Read the engine's pause state (and with ``sleep`` its sleep state) after a call that may change it."""
-        self.paused = bool(self.engine.is_paused())
-        if sleep:
-            self.sleeping = bool(self.engine.is_sleeping())
-
-    def _sweep(self) -> None:
-        """The deltas of what a control call changed: tokens a pause in mode wait generated, the
-        last deltas of the requests it ended (aborted by a pause, an abort, an update)."""
-        now = time.monotonic()
-        for rid, t in list(self.tracked.items()):
-            self._emit(rid, t, now)
-
-    def _pause(self, m: PauseGeneration) -> str:
-        try:
-            self.engine.pause_generation(mode=m.mode, clear_cache=m.clear_cache)
-        finally:
-            self._refresh()
-        return "paused"
-
-    def _resume(self, m: ResumeGeneration) -> str:
-        self.engine.resume_generation()
-        self.resume_on_wake = False
-        self._refresh()
-        return "resumed"
-
-    def _abort_requests(self, m: AbortRequests) -> int:
-        if m.request_ids is None:
-            return int(self.engine.abort_all())
-        return sum(self._abort(rid) for rid in m.request_ids)
-
-    def _sleep(self, m: Sleep) -> None:
-        """vLLM's sleep: pause in ``m.mode`` unless paused (waking up fully resumes), then sleep."""
-        if m.level not in (1, 2):
-            raise _Failed("invalid", f"level must be 1 (weights to host memory) or 2 (weights dropped), got {m.level}")
-        paused_here = not self.paused
-        if paused_here:
-            self.engine.pause_generation(mode=m.mode, clear_cache=False)
-        try:
-            self.engine.sleep(level=m.level)
-        except BaseException:
-            if paused_here:  # as it was before the call
-                self.engine.resume_generation()
-            raise
-        finally:
-            self._refresh(sleep=True)
-        self.resume_on_wake = self.resume_on_wake or paused_here
-
-    def _wake_up(self, m: WakeUp) -> None:
-        self.engine.wake_up(tags=m.tags)
-        self._refresh(sleep=True)
-        if not self.sleeping and self.resume_on_wake:
-            self.engine.resume_generation()
-            self.resume_on_wake = False
-            self._refresh()
-
-    def _init_weights_update_group(self, m: InitWeightsUpdateGroup) -> None:
-        self.engine.init_weights_update_group(m.master_address, m.master_port, m.rank_offset, m.world_size,
-                                              group_name=m.group_name, backend=m.backend)
-
-    def _update_weights_from_distributed(self, m: UpdateWeightsFromDistributed) -> dict:
-        try:  # the engine aborts (abort_all) only once the update has passed its checks
-            n = self.engine.update_weights_from_distributed(
-                m.names, m.dtypes, m.shapes, group_name=m.group_name, flush_cache=m.flush_cache,
-                weight_version=m.weight_version, abort_all_requests=m.abort_all)
-        finally:
-            self._sweep()
-        return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
-
-    def _update_weights_from_tensor(self, m: UpdateWeightsFromTensor) -> dict:
-        try:  # as above: checked first, then aborted
-            n = self.engine.update_weights_from_tensor(m.payloads, load_format=m.load_format,
-                                                       flush_cache=m.flush_cache, weight_version=m.weight_version,
-                                                       abort_all_requests=m.abort_all)
-        finally:
-            self._sweep()
-        return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
-
-    def _update_weights_from_disk(self, m: UpdateWeightsFromDisk) -> dict:
-        try:
-            n = self.engine.update_weights(m.path, abort_unfinished=m.abort_all)
-        finally:
-            self._sweep()  # the requests it aborted (once the checkpoint passed its checks) end here
-        return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
-
-    def _collective_rpc(self, m: CollectiveRpc) -> list:
-        try:
-            results = self.engine.collective_rpc(m.method, tuple(m.args), dict(m.kwargs), timeout=m.timeout)
-        except CollectiveRpcError as e:  # the method's failure, or a timeout: the caller's to read, not a bug to log
-            raise _Failed("error", str(e)) from None
-        finally:
-            self._refresh(sleep=True)  # a method may pause the engine or put it to sleep
-        return [_rpc_result(r) for r in results]
 
     def _abort_at_shutdown(self) -> None:
         if not self.tracked:
@@ -423,22 +306,18 @@ class EngineLoop:
     def _flush(self) -> None:
         """This iteration's deltas and counts (and the engine's state, if it changed) in one message."""
         counts = self.counter.take(self.engine, held=len(self.held))
-        if self._out or counts:
-            out, self._out = self._out, []
-            self.channel.send(Out(out, counts, self.failure))
+        status = self._engine_status()
+        self.no_weights = status["weights_missing"] is not None
+        changed = status != self._status
+        if self._out or counts or changed:
+            out, self._out, self._status = self._out, [], status
+            self.channel.send(Out(out, counts, self.failure, status if changed else None))
 
-
-def _rpc_result(value: object) -> object:
-    """vLLM's ``/collective_rpc`` answer for one rank: None, a dict or a list as it is (as JSON has it:
-    tuples as lists, keys as strings), anything else (or a dict or list JSON cannot hold) its ``str()``."""
-    if value is None:
-        return None
-    if isinstance(value, (dict, list)):
-        try:
-            return json.loads(json.dumps(value, allow_nan=False))
-        except (TypeError, ValueError):
-            pass
-    return str(value)
+    def _engine_status(self) -> dict:
+        """What /health says of the engine: why it has no whole weights, its weight-update groups."""
+        sync = self.engine.weight_sync
+        return {"weights_missing": None if sync.coverage.whole else sync.coverage.reason,
+                "weight_groups": {name: state["state"] for name, state in sync.states().items()}}
 
 
 def engine_main(config, channel) -> None:
@@ -465,7 +344,8 @@ def engine_main(config, channel) -> None:
     try:
         channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
                                       config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size)))
-        EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests).run()
+        EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests,
+                   weight_sync_timeout_s=config.serve.weight_sync_timeout_s).run()
     finally:
         engine.close()
     try:

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 # to pickle and unpickle, on the engine's and the HTTP process's critical paths.
 WireDelta = tuple[int, int, list[int], list[float], list[dict[int, float]], str, "RequestOutput | None"]
 
-RefusalReason = Literal["unavailable", "overloaded", "prompt_too_long", "invalid"]
+# no_weights: a level-2 sleep (or a broken update) left the engine without whole weights (409)
+RefusalReason = Literal["unavailable", "overloaded", "prompt_too_long", "invalid", "no_weights"]
 PauseMode = Literal["abort", "wait", "keep"]  # vLLM's: abort the requests in flight, let them finish, or freeze them
 # why a control call failed: a bad argument (400), the engine takes no more calls (503), or the engine
 # raised anything else (500)
@@ -113,6 +114,7 @@ class AbortRequests:
 
     key: int
     request_ids: list[int] | None
+    message: str | None = None  # the aborted requests' finish reason message (SGLang's abort_message)
 
 
 @attrs.frozen
@@ -155,7 +157,7 @@ class GetWeightVersion:
 
 @attrs.frozen
 class InitWeightsUpdateGroup:
-    """HTTP -> engine: join the trainer's process group (blocks until every rank joined); answered after."""
+    """HTTP -> engine: join the trainer's process group (in a thread: the loop steps on); answered once joined, or not."""
 
     key: int
     master_address: str
@@ -262,6 +264,7 @@ class Out:
     deltas: list[WireDelta]
     counts: Counts
     failure: str | None  # set once a step raised: the engine may be unusable
+    status: dict | None = None  # what /health reports of the engine (weights, weight-update groups), when it changed
 
 
 @attrs.frozen

@@ -4,9 +4,6 @@ replayed against, and the Python API on the same config."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import yaml
@@ -14,22 +11,17 @@ import yaml
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-# the server process helper of tests/serve (loaded by path: a second module named conftest would
-# shadow that one on sys.path)
-_spec = importlib.util.spec_from_file_location("serve_conftest", Path(__file__).parents[1] / "serve" / "conftest.py")
-serve_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(serve_conftest)
-
+import serve_helpers  # noqa: E402 (after the skips)
 
 # prompts are prefilled in 32-token chunks, so a repeated prompt finds its prefix cached
-CONFIG = serve_conftest.CONFIG.replace("max_num_batched_tokens: 2048}", "max_num_batched_tokens: 2048, "
+CONFIG = serve_helpers.CONFIG.replace("max_num_batched_tokens: 2048}", "max_num_batched_tokens: 2048, "
                                        "prefill_chunk_size: 32}")
 
 
 @pytest.fixture(scope="session")
 def client_server(tmp_path_factory):
     assert "prefill_chunk_size" in CONFIG
-    s = serve_conftest.ServerProcess(tmp_path_factory.mktemp("clients"), config=CONFIG, env={"OMP_NUM_THREADS": "1"})
+    s = serve_helpers.ServerProcess(tmp_path_factory.mktemp("clients"), config=CONFIG, env={"OMP_NUM_THREADS": "1"})
     yield s
     s.stop()
 

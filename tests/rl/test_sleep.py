@@ -57,6 +57,34 @@ def test_level_2_drops_the_weights_until_an_update_refills_them():
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
 
 
+def test_after_level_2_nothing_is_served_until_every_weight_has_landed_again():
+    """A level-2 sleep then a wake without a weight sync left the weights' memory as it was
+    (garbage: token 0, NaN logprobs): every request is refused with one clear error until updates
+    have written every weight again (here in two halves), then the outputs are the old ones."""
+    from bi_core.rl.coverage import WeightsMissing
+
+    cfg = config()
+    eng = build_engine(cfg)
+    before = eng.generate(PROMPTS, PARAMS)
+    eng.sleep(2)
+    eng.wake_up()
+    for call in (lambda: eng.generate(PROMPTS, PARAMS), lambda: eng.score([[1, 2]], [[3]]),
+                 lambda: eng.add_request([1, 2], PARAMS)):
+        with pytest.raises(WeightsMissing, match="weights are missing: they were released by sleep level 2 and no "
+                                                 "weight update has filled them since; sync weights first"):
+            call()
+    state = list(build_engine(cfg).model.state_dict().items())
+    eng.update_weights(state[::2])
+    with pytest.raises(WeightsMissing, match=rf"fills the {len(state) // 2} parameter\(s\) left"):
+        eng.generate(PROMPTS, PARAMS)
+    eng.update_weights(state[1::2])
+    after = eng.generate(PROMPTS, PARAMS)
+    assert [(o.token_ids, o.token_logprobs) for o in after] == [(o.token_ids, o.token_logprobs) for o in before]
+    eng.sleep(1)  # level 1 keeps the weights: served at once after the wake
+    eng.wake_up()
+    assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == [o.token_ids for o in before]
+
+
 def test_level_1_host_buffer_is_pinned_once_and_reused():
     """The host copy lives in one buffer kept from the first level-1 sleep on (pinning is the slow
     part): a second sleep reuses it, and saves the weights of that moment (an update in between

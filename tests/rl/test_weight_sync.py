@@ -19,6 +19,7 @@ from helpers import tiny_config
 from bi_core import BiEngineError, EngineConfig, RequestError, SamplingParams, build_engine
 from bi_core.parallel import lockstep as ls
 from bi_core.rl import WeightSender
+from bi_core.rl.coverage import WeightsMissing
 from bi_core.rl.protocol import ALIGN, bucket_layout, fingerprint, no_go, parse_dtype
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 60))]
@@ -265,9 +266,11 @@ def test_a_failed_transfer_names_the_stage_and_requests_wait_for_a_complete_upda
         (err,) = out["errors"]
         assert "update_weights_from_distributed: receiving bucket 2 of 4 from the trainer: " in err
         assert ("timed out after 4 s" if how == "stall" else "went away") in err
-        with pytest.raises(RequestError, match="weights are incomplete.*after 1 of 4 bucket"):
+        with pytest.raises(WeightsMissing, match="weights are missing: a weight update from the trainer failed after "
+                                                 "1 of 4 bucket"):
             engine.add_request([1, 2, 3], SamplingParams())
-        assert engine.generate([[1, 2, 3]], SamplingParams())[0].finish_reason == "error"
+        with pytest.raises(WeightsMissing, match="generate: the engine's weights are missing"):
+            engine.generate([[1, 2, 3]], SamplingParams())
         assert engine.weight_version == 0
         out = _sync(engine, ["good"])  # a new trainer, a new group: a complete update lands
         assert out["reports"]["good"][:2] == ("ok", 41)
@@ -359,8 +362,8 @@ def test_tp_messages_replay_the_weight_sync_calls():
         def __init__(self):
             self.calls = []
 
-        def init_weights_update_group(self, *a):
-            self.calls.append(("init", *a))
+        def init_weights_update_group(self, *a, wait=True):
+            self.calls.append(("init", *a, wait))
 
         def update_weights_from_distributed(self, *a):
             self.calls.append(("update", *a))
@@ -373,7 +376,9 @@ def test_tp_messages_replay_the_weight_sync_calls():
     msgs = [ls.InitWeightsUpdateGroup("h", 1, 1, 3, "g", "gloo", 5.0),
             ls.UpdateWeightsFromTrainer(["a"], ["float32"], [[2]], "g", True, 3), ls.DestroyWeightsUpdateGroup("g")]
     assert all(ls.replay(eng, m, rank=1) for m in msgs)
-    assert eng.calls == [("init", "h", 1, 1, 3, "g", "gloo", 5.0), ("update", ["a"], ["float32"], [[2]], "g", True, 3),
+    # a worker rank joins in a thread (rank 0 steps on meanwhile): wait=False
+    assert eng.calls == [("init", "h", 1, 1, 3, "g", "gloo", 5.0, False),
+                         ("update", ["a"], ["float32"], [[2]], "g", True, 3),
                          ("destroy", "g")]
 
 

@@ -54,6 +54,9 @@ def test_two_replicas_in_a_placement_group_answer_alike(deployment):
     assert [r["state"] for r in replicas] == ["serving", "serving"]
     assert len({r["url"] for r in replicas}) == 2 and all(r["restarts"] == 0 for r in replicas)
     direct = [completion(r["url"], PROMPT)["choices"][0]["text"] for r in replicas]
+    # the replicas listen beyond loopback: their control routes take only the key the front holds
+    r = httpx.post(f"{replicas[0]['url']}/pause", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
     before = [finished(r["url"]) for r in replicas]
     c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="unused", max_retries=0)
     routed = [c.completions.create(**PROMPT).choices[0].text for _ in range(4)]

@@ -170,8 +170,7 @@ def test_an_api_key_guards_the_router_and_reaches_the_replicas(tmp_path):
 
 
 @pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens"),
-    ("/v1/completions", {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim"),
+    ("/v1/completions", {"prompt": "x", "return_hidden_states": True}, 400, "return_hidden_states"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
      "continue_final_message"),
     ("/generate", {"text": "x", "return_entropy": True}, 400, "return_entropy"),

@@ -37,6 +37,8 @@ def test_replicas_that_all_refuse_give_their_own_status():
 def test_no_replica_up_is_a_failure():
     status, body = merge("/resume", [], [{"replica": 0, "state": "failed"}])
     assert status == 502 and body["success"] is False and "no replica is up" in body["message"]
+    assert body["error"] == {"message": body["message"], "type": "server_error", "param": None,
+                             "code": "replicas_failed"}  # OpenAI's shape, as a lone server's refusals
 
 
 def config(device: str = "cpu", tp: int = 1) -> EngineConfig:

@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import API_KEY, CONFIG, ScriptedChannel, ServerProcess, httpx
+from serve_helpers import API_KEY, CONFIG, ScriptedChannel, ServerProcess, httpx
 
 from bi_core.config import ServeConfig
 from bi_core.errors import CollectiveRpcError
 from bi_core.serve.dev import dev_mode
-from bi_core.serve.loop import EngineLoop, _Failed, _rpc_result
+from bi_core.serve.loop import EngineLoop
+from bi_core.serve.loop_control import _Failed, _rpc_result
 from bi_core.serve.messages import CollectiveRpc
 
 HERE = Path(__file__).parent
@@ -42,7 +43,7 @@ class Remote:
 
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory):
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)  # the engine process imports Remote
+    path = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH")) if p)  # imports Remote
     s = ServerProcess(tmp_path_factory.mktemp("dev"), "--dev-mode", config=DEV_CONFIG, env={"PYTHONPATH": path})
     yield s
     s.stop()

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY, CONFIG, ServerProcess, eventually, families, httpx, labeled
+from serve_helpers import API_KEY, CONFIG, ServerProcess, eventually, families, httpx, labeled
 
 CTL_CONFIG = CONFIG.replace("max_num_batched_tokens: 2048}", "max_num_batched_tokens: 2048, prefill_chunk_size: 32}")
 SEEDED = {"max_new_tokens": 160, "temperature": 0.8, "sampling_seed": 7, "ignore_eos": True}

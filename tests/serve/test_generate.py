@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 import yaml
-from conftest import CONFIG, ServerProcess, httpx
+from serve_helpers import CONFIG, ServerProcess, httpx
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 
@@ -234,8 +234,8 @@ def test_abort_request_by_rid_ends_its_stream_with_its_tokens_so_far(gen_server)
     assert last["output_ids"][:8] == full["output_ids"][:len(last["output_ids"][:8])]
     missing = post(gen_server, {"rid": "job-1"}, "/abort_request")  # finished now
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "rid"
-    bad = post(gen_server, {}, "/abort_request")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+    nothing = post(gen_server, {}, "/abort_request")  # no rid, no abort_all: nothing to abort, as SGLang answers
+    assert nothing.status_code == 200, nothing.text
 
 
 def test_abort_all_and_vllms_abort_requests_by_a_completion_id(gen_server):

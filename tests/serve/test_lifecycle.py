@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 
-from conftest import CONFIG, ServerProcess, eventually, httpx, metric
+from serve_helpers import CONFIG, ServerProcess, eventually, httpx, metric
 
 LONG = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 

@@ -6,10 +6,11 @@ leaves generation as it was."""
 from __future__ import annotations
 
 import time
+import types
 from types import SimpleNamespace
 
 import pytest
-from conftest import ScriptedChannel
+from serve_helpers import ScriptedChannel
 
 from bi_core.errors import RequestError
 from bi_core.runtime.sequence import RequestOutput, SamplingParams, Sequence
@@ -57,6 +58,9 @@ class FakeEngine:
         self.next_id = 0
         self.calls: list[str] = []
         self.fail_sleep: Exception | None = None
+        # whole weights, no weight-update group (what /health reports)
+        self.weight_sync = types.SimpleNamespace(coverage=types.SimpleNamespace(whole=True, reason=""),
+                                                 states=dict)
 
     def add_request(self, prompt, params, text=False) -> Sequence:
         seq = Sequence(request_id=self.next_id, prompt_ids=list(prompt), params=params, seed=0, max_total_len=64)

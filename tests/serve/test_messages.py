@@ -10,7 +10,7 @@ import pickle
 
 import attrs
 import pytest
-from conftest import ScriptedChannel
+from serve_helpers import ScriptedChannel
 
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import messages
@@ -88,6 +88,8 @@ EXAMPLES = [
     Out([(0, 0, [5], [-0.5], [{5: -0.5}], "h", None), (0, 1, [6], [-1.0], [], "i", OUTPUT)],
         Counts(step_seconds=[0.01], generated=2, finished={"stop": 1}, state={"running": 1.0}), None),
     Out([], Counts(), "engine step failed: boom"),
+    Out([], Counts(), None, {"weights_missing": "they were released by sleep level 2", "weight_groups": {"g": "joining"}}),
+    Refused(2, "no_weights", "the engine's weights are missing: ..."),
     Stopped(),
 ]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import CONFIG, ServerProcess, free_port, httpx
+from serve_helpers import CONFIG, ServerProcess, free_port, httpx
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 
@@ -335,8 +335,15 @@ def test_update_weights_from_disk(checkpoints, tmp_path):
         cfg = {**yaml.safe_load(text)}
         cfg["model"]["path"] = str(path_b)
         assert same(generate(s), python_api(EngineConfig.from_dict(cfg)))
-        missing = httpx.post(f"{s.url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
+        # under the served checkpoint's parent (serve.weights_root's default) only, and only a directory
+        missing = httpx.post(f"{s.url}/update_weights_from_disk", json={"model_path": str(path_b.parent / "nope")})
         assert missing.status_code == 400 and missing.json()["success"] is False, missing.text
+        assert "does not exist" in missing.json()["message"]
+        for outside in (str(tmp_path), "../../..", str(path_b / ".." / "..")):
+            r = httpx.post(f"{s.url}/update_weights_from_disk", json={"model_path": outside})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "outside_weights_root", r.text
+        r = httpx.post(f"{s.url}/update_weights_from_disk", json={"model_path": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
         assert httpx.get(f"{s.url}/get_weight_version").json() == {"weight_version": 1}
     finally:
         assert s.stop() == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
-from conftest import API_KEY
+from serve_helpers import API_KEY
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY, CONFIG, ServerProcess, aborted, eventually, httpx, metric
+from serve_helpers import API_KEY, CONFIG, ServerProcess, aborted, eventually, httpx, metric
 
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -352,27 +352,31 @@ def gone(pid: int, within_s: float) -> bool:
     return False
 
 
-def test_engine_process_gone_is_reported_and_a_killed_server_leaves_no_engine(tmp_path):
-    """The engine runs in a process of its own: if it dies mid-stream the stream ends with an
-    error, /health says why (503) and new requests get 503; if the HTTP process is killed, the
-    engine process notices and exits (no orphan holding a GPU)."""
+def test_engine_process_gone_is_logged_fails_health_and_the_server_exits_non_zero(tmp_path):
+    """The engine runs in a process of its own: if it dies mid-stream the stream ends with an error
+    saying how (its signal), the log says so in one line, /health stops answering 200, and the
+    server exits non-zero (a supervisor restarts it) instead of answering 503 forever; if the HTTP
+    process is killed, the engine process notices and exits (no orphan holding a GPU)."""
     s = ServerProcess(tmp_path)
+    engine = engine_process(s)
+    with httpx.stream("POST", f"{s.url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": "tiny", "prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.kill(engine, signal.SIGKILL)
+        rest = "\n".join(lines)
+    assert "engine process was killed by signal SIGKILL (9)" in rest and rest.rstrip().endswith("[DONE]")
     try:
-        engine = engine_process(s)
-        with httpx.stream("POST", f"{s.url}/v1/completions", headers=AUTH, timeout=60, json={
-                "model": "tiny", "prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            next(lines)
-            os.kill(engine, signal.SIGKILL)
-            rest = "\n".join(lines)
-        assert "engine process exited unexpectedly" in rest and rest.rstrip().endswith("[DONE]")
-        health = httpx.get(f"{s.url}/health")
-        assert health.status_code == 503 and "engine process exited" in health.json()["reason"]
-        r = httpx.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    finally:
-        assert s.stop() == 0
+        health = httpx.get(f"{s.url}/health", timeout=5)
+        assert health.status_code == 503 and "killed by signal SIGKILL" in health.json()["reason"]
+    except httpx.TransportError:  # it has exited already
+        pass
+    assert s.proc.wait(60) not in (0, None)
+    log = s.log_path.read_text()
+    assert "ERROR:  the engine process was killed by signal SIGKILL (9); the server stops" in log, log
+    assert log.strip().splitlines()[-1].startswith("bi-engine: error: the engine process was killed"), log
+    s.stop()
     s = ServerProcess(tmp_path)
     engine = engine_process(s)
     s.proc.kill()

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import API_KEY, httpx
+from serve_helpers import API_KEY, httpx
 
 from bi_core.runtime.threads import available_cores, engine_threads, size_gpu_engine_threads
 from bi_core.serve.dev import CollectiveRpcBody
