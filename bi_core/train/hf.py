@@ -11,7 +11,11 @@ def to_transformers(policy, dtype: torch.dtype | None = None) -> torch.nn.Module
     """A ``Qwen3_5ForCausalLM`` (or ``Qwen3_5MoeForCausalLM``) holding ``policy``'s weights, on its
     device, in ``dtype`` (default: the policy's compute dtype), in eval mode."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-    from transformers.initialization import no_init_weights
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5.20 keeps it here
+        from transformers.modeling_utils import no_init_weights
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
