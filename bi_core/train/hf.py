@@ -34,8 +34,25 @@ def to_transformers(policy, dtype: torch.dtype | None = None) -> torch.nn.Module
     state = policy.state_dict()
     if args.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(_in_layout(state, set(model.state_dict())), strict=True)
     return model.eval()
+
+
+def _in_layout(state: dict[str, torch.Tensor], keys: set[str]) -> dict[str, torch.Tensor]:
+    """The policy's fused experts split per expert where the installed transformers keeps them so."""
+    out = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if name in keys or leaf not in ("gate_up_proj", "down_proj") or not prefix.endswith(".experts"):
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if leaf == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
 
 
 def transformers_logprobs(model, prompts, completions, temperature: float = 1.0) -> list[torch.Tensor]:
