@@ -21,7 +21,7 @@ from bi_core.backends.reference.moe import ReferenceMoEImpl
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError, RequestError
 from bi_core.models.loader import load_weights
-from bi_core.models.qwen3_5 import DecoderLayer, Qwen35Model, local_args
+from bi_core.models.qwen3_5 import DecoderLayer, Qwen35Model
 from bi_core.models.random_init import init_random_weights
 from bi_core.ops.attention import kv_cache_torch_dtype
 from bi_core.ops.context import ModelCaches
@@ -219,7 +219,7 @@ class PolicyModel(nn.Module):
 
     def _caches(self, ctx: TrainContext) -> ModelCaches:
         """Fresh, zeroed caches for the batch (pages and state slots, as the engine's cache holds them)."""
-        a, dev, n = local_args(self.args, 1), self.device, len(ctx.spans)
+        a, dev, n = self.args, self.device, len(ctx.spans)
         kv_dtype = kv_cache_torch_dtype(a.kv_cache_dtype, self.dtype)
         kv_shape = (ctx.num_blocks, self._shape.block_size, a.num_key_value_heads, a.head_dim)
         state_dtype = getattr(torch, self.config.cache.ssm_state_dtype)
