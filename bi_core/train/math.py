@@ -1,8 +1,9 @@
 """The ops' mathematics in differentiable PyTorch, over whole sequences: what the backward of a
 training forward differentiates. The forward runs the engine's kernels (``train/ops.py``); these
 recompute the same functions from the saved inputs under autograd, so gradients are correct (they
-are not the forward's bits, and need not be). On a GPU with fla installed, GDN's delta rule is
-fla's chunked kernel with its own backward; elsewhere the chunked form of the reference backend."""
+are not the forward's bits, and need not be). GDN's delta rule is the reference backend's chunked
+form: fla 0.6's chunked backward refuses to run on Hopper under Triton < 3.7.1 (wrong results
+there, fla #640), the Triton the engine ships with."""
 
 from __future__ import annotations
 
@@ -34,11 +35,6 @@ def topk_weights(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The router's renormalised weights of the experts ``ids`` it chose."""
     picked = torch.softmax(logits.float(), dim=-1).gather(1, ids)
     return picked / picked.sum(dim=-1, keepdim=True)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    x = logits.float() / temperature if temperature != 1.0 else logits.float()
-    return torch.log_softmax(x, dim=-1).gather(1, targets[:, None])[:, 0]
 
 
 def attention(spec: AttentionSpec, rope: Rope, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
@@ -83,11 +79,6 @@ def gdn(spec: GdnSpec, proj: torch.Tensor, weights: GdnWeights, spans: list[tupl
 
 def _delta_rule(q, k, v, g, beta, spec: GdnSpec, spans) -> torch.Tensor:
     """``o [T, Hv, Dv]`` (fp32) of the gated delta rule, q and k L2-normalised here."""
-    if q.is_cuda and _fla_chunk() is not None:
-        cu = torch.tensor([0] + [b for _, b in spans], dtype=torch.int32, device=q.device)
-        o, _ = _fla_chunk()(q[None], k[None], v[None], g[None], beta[None].to(q.dtype), scale=spec.head_k_dim**-0.5,
-                            cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-        return o[0].float()
     q, k = l2norm(q.float()) * spec.head_k_dim**-0.5, l2norm(k.float())
     out = []
     for lo, hi in spans:
@@ -96,11 +87,3 @@ def _delta_rule(q, k, v, g, beta, spec: GdnSpec, spans) -> torch.Tensor:
                                 g[lo:hi].t(), beta[lo:hi].t(), state)
         out.append(o.transpose(0, 1))
     return torch.cat(out)
-
-
-def _fla_chunk():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule

@@ -25,6 +25,7 @@ from bi_core.models.qwen3_5 import DecoderLayer, Qwen35Model
 from bi_core.models.random_init import init_random_weights
 from bi_core.ops.attention import kv_cache_torch_dtype
 from bi_core.ops.context import ModelCaches
+from bi_core.policies.apply import applied
 from bi_core.quant.params import SCALE_SUFFIX, is_fp8
 from bi_core.runtime.build import prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.scheduler import resolve_chunk_size
@@ -148,7 +149,7 @@ class PolicyModel(nn.Module):
         if index is not None and any(index.dtype(n) == torch.float8_e4m3fn for n in index.names()):
             raise ConfigError("model.path", "an FP8 checkpoint: the trainer holds bf16 weights and quantizes them as a "
                               "weight sync does; start it from the bf16 checkpoint with model.quantization: fp8")
-        self.config, self.args = config, args
+        self.config, self.args, self._policy = config, args, policy
         self.device, self.dtype = factory.base["device"], factory.base["dtype"]
         param_dtype = param_dtype or self.dtype
         engine = Qwen35Model(args, ops.TrainFactory(factory, lambda spec: ReferenceMoEImpl()), self.dtype,
@@ -193,7 +194,12 @@ class PolicyModel(nn.Module):
                           block_size=s.block_size, vocab_size=s.vocab_size, max_len=s.max_len, device=self.device)
 
     def forward(self, ctx: TrainContext, temperature: float = 1.0) -> torch.Tensor:
-        """The logprobs of every completion token of the planned batch, flat ``[sum C]``."""
+        """The logprobs of every completion token of the planned batch, flat ``[sum C]``, under the
+        mode's process settings, as the engine's steps run (``policies.apply``)."""
+        with applied(self._policy):
+            return self._forward(ctx, temperature)
+
+    def _forward(self, ctx: TrainContext, temperature: float) -> torch.Tensor:
         caches = self._caches(ctx)
         x, residual = self.model.embed_tokens.weight[ctx.input_ids].to(self.dtype), None
         for layer in self.model.layers:
