@@ -15,11 +15,11 @@ import attrs
 import torch
 
 from bi_core.ops.context import ForwardContext, GraphShape
-from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import device_sampled, mix_seed
 from bi_core.runtime import gc_heap
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.graphs import GraphRunnerSpec, graph_runner
 from bi_core.runtime.host_buffer import HostBuffer
 from bi_core.runtime.sampling_batch import sampling_batch
 from bi_core.runtime.sequence import Sequence
@@ -120,13 +120,13 @@ class HeadSteps:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager, build_graphs: Callable[[GraphRunnerSpec], object],
-                 spec: GraphRunnerSpec, *, with_mtp_graphs: bool = False) -> None:
-        """``build_graphs(spec)``: the selected graph-runner op (eager or CUDA graphs)."""
+    def __init__(self, model, cache: CacheManager, spec: GraphRunnerSpec, *, with_mtp_graphs: bool = False) -> None:
+        """``spec``: how the main model's steps are launched (eager, CUDA graphs or their rerun
+        mode: ``runtime/graphs``); the MTP head's runner follows it (``mtp_graph_spec``)."""
         self.model, self.cache, self.spec = model, cache, spec
         self.device = spec.device
-        self.main_graphs = build_graphs(spec)
-        self.mtp_graphs = build_graphs(mtp_graph_spec(spec)) if with_mtp_graphs else None
+        self.main_graphs = graph_runner(spec)
+        self.mtp_graphs = graph_runner(mtp_graph_spec(spec)) if with_mtp_graphs else None
         self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
         self.sleep_level = 0
         self._host: HostBuffer | None = None  # level 1's host copy of the weights, kept between sleeps
@@ -216,7 +216,7 @@ class ModelRunner:
     def head_program(self, name: str, steps: list[Forward], inputs: tuple[torch.Tensor, ...],
                      body: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """MTP head steps and the device work between them as one program, one CUDA graph where
-        the head's graphs are captured (``CudaGraphRunnerImpl.program``, under ``name``): each of
+        the head's graphs are captured (``CudaGraphRunner.program``, under ``name``): each of
         ``steps`` (uniform head steps; their token ids are placeholders) is packed into its
         graph's static buffers, then ``body(head, ctxs, *inputs)`` runs on the device: ``head``
         a ``HeadSteps``, ``ctxs`` the steps' static contexts. ``inputs``: the device tensors the
@@ -367,7 +367,7 @@ class ModelRunner:
     def _drop_graphs(self) -> None:
         """Forget every captured graph (they replay the addresses of the weights and caches they
         were captured with); the next uniform steps capture again. The graph runners themselves
-        stay: the op factory memoises them, so "building" one again would return the same."""
+        stay (their buckets and counters)."""
         for graphs in filter(None, (self.main_graphs, self.mtp_graphs)):
             graphs.release()
         gc_heap.collect(refreeze=True)

@@ -230,14 +230,14 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> tuple[int, float]:
     only when their outputs no longer matter (after timing)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bi_core.runtime.graphs import graph_runner
     from bi_core.runtime.runner import Forward, SeqRows
 
     # the last computed position again (its KV page exists in every mode; the KV write repeats it),
     # eagerly (graphs off for this call), sampling on the device like a graph
     rows = [SeqRows(s, [s.all_ids[s.num_computed - 1]], s.num_computed - 1, True, (0,), True) for s in seqs]
     runner = engine.runner
-    graphs, runner.main_graphs = runner.main_graphs, engine.factory.build(
-        "graph_runner", attrs.evolve(runner.spec, use_graphs=False))
+    graphs, runner.main_graphs = runner.main_graphs, graph_runner(attrs.evolve(runner.spec, use_graphs=False))
     torch.cuda.synchronize()
     try:
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:

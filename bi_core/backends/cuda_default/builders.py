@@ -10,7 +10,6 @@ from bi_core.backends.reference.collective import ReferenceAllGatherBuilder, Ref
 from bi_core.ops import (
     AttentionBuilder,
     GdnBuilder,
-    GraphRunnerBuilder,
     LinearBuilder,
     MoEBuilder,
     NormBuilder,
@@ -139,16 +138,6 @@ class DefaultSamplingBuilder(SamplingBuilder):
         from bi_core.backends.cuda_common.sampling import CudaSamplerImpl
 
         return CudaSamplerImpl()
-
-
-class DefaultGraphRunnerBuilder(GraphRunnerBuilder):
-    def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
-
-    def build(self, spec):
-        from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
-
-        return CudaGraphRunnerImpl(spec)
 
 
 class DefaultAllReduceBuilder(ReferenceAllReduceBuilder):

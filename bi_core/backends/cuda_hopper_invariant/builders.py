@@ -75,10 +75,6 @@ class InvariantSamplingBuilder(_OnHopper, d.DefaultSamplingBuilder):
     pass
 
 
-class InvariantGraphRunnerBuilder(_OnHopper, d.DefaultGraphRunnerBuilder):
-    pass
-
-
 class InvariantAllReduceBuilder(AllReduceBuilder):
     """Two ranks (NVLS off): NCCL's all-reduce, r0 + r1 whatever the algorithm (``PairAllReduce``).
     Otherwise the fixed rank-order sum (all-to-all, local float32 sum in rank order, all-gather)."""
