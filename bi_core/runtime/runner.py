@@ -2,14 +2,13 @@
 
 It owns the model, the cache tensors, the graph runners (one for the main model, one for the MTP
 head) and batch packing; strategies hand it a ``Forward`` (which tokens of which sequences, from
-which positions, which rows to sample) and get a ``StepOutput`` back. It never writes sequence
+which positions, which rows to sample) and get a ``StepOutput`` back (the values: ``step.py``). It never writes sequence
 state: what a step did to each sequence is the strategy's ``StepCommit``, applied by the
 scheduler (``Scheduler.update``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import attrs
 import torch
@@ -23,76 +22,9 @@ from bi_core.runtime.graphs import GraphRunnerSpec, graph_runner
 from bi_core.runtime.host_buffer import HostBuffer
 from bi_core.runtime.sampling_batch import sampling_batch
 from bi_core.runtime.sequence import Sequence
+from bi_core.runtime.step import Forward, Landing, Sampled, SeqRows, StepOutput
 
 SCORE_BLOCK = 256  # logits rows computed at once when scoring
-Sampled = tuple[int, float, "dict[int, float] | None"]  # (token, logprob, top-N dict) as Sequence.append takes
-
-
-@attrs.frozen
-class SeqRows:
-    """One sequence's part of a forward: ``tokens`` at positions ``start...`` (GDN in the
-    recurrent form when ``recurrent``); the logits of ``logits_rows`` (offsets into ``tokens``)
-    are computed, and sampled on the device when ``sample`` (row r keyed by the sequence's seed
-    and position ``start + r + 1``, the position of the token it samples)."""
-
-    seq: Sequence
-    tokens: list[int]
-    start: int
-    recurrent: bool
-    logits_rows: tuple[int, ...] = ()
-    sample: bool = False
-
-    @property
-    def sample_positions(self) -> list[int]:
-        return [self.start + r + 1 for r in self.logits_rows]
-
-
-@attrs.frozen
-class Forward:
-    """One model call: ``rows`` laid end to end. ``head="mtp"``: the MTP head, whose per-token
-    input ``hidden`` pairs with the tokens. ``ids_from``: a token staged as ``-1 - i`` is token i
-    of this device tensor (a previous step's samples, or drafts not yet on the host: a step
-    launched before those tokens reach the host; ``runtime.batch.gather_ids``)."""
-
-    rows: list[SeqRows]
-    head: Literal["model", "mtp"] = "model"
-    hidden: torch.Tensor | None = None
-    ids_from: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.rows)
-
-
-@attrs.frozen
-class StepOutput:
-    """What a forward returns: every token's hidden state, the logits of the rows it was asked
-    for, and (when rows were sampled on the device) their samples [R, 2] float64 (token,
-    logprob). ``offsets[i]``: the first flat row of ``rows[i]``. ``graph``: the shape of the CUDA
-    graph it replayed, or None (eager)."""
-
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    samples: torch.Tensor | None
-    offsets: list[int]
-    graph: GraphShape | None = None
-    routed: torch.Tensor | None = None  # [moe layers, tokens, k] expert ids, when a row asked for them
-    input_ids: torch.Tensor | None = None  # the step's token ids on the device (staged ones gathered)
-
-
-@attrs.define
-class Landing:
-    """A device tensor on its way to pinned host memory: a step's samples (overlapped decode),
-    MTP drafts."""
-
-    device: torch.Tensor  # the source (a step's samples [R, 2], a graph's static output; MTP draft ids)
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def wait(self) -> torch.Tensor:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host
 
 
 class HeadSteps:

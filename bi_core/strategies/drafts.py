@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Landing
+from bi_core.runtime.step import Landing
 
 
 @attrs.define

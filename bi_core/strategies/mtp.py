@@ -57,9 +57,18 @@ from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
 from bi_core.ops.context import GraphShape
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Forward, HeadSteps, SeqRows, StepOutput, rows_of
+from bi_core.runtime.runner import HeadSteps, rows_of
 from bi_core.runtime.sequence import Sequence, Status
-from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
+from bi_core.runtime.step import (
+    Fork,
+    Forward,
+    Scheduled,
+    SeqCommit,
+    SeqRows,
+    StepCommit,
+    StepOutput,
+    StepPlan,
+)
 from bi_core.strategies.base import Strategy
 from bi_core.strategies.drafts import DraftLimits, ForcedDrafts, Lease, OnDevice
 

@@ -231,7 +231,7 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> tuple[int, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from bi_core.runtime.graphs import graph_runner
-    from bi_core.runtime.runner import Forward, SeqRows
+    from bi_core.runtime.step import Forward, SeqRows
 
     # the last computed position again (its KV page exists in every mode; the KV write repeats it),
     # eagerly (graphs off for this call), sampling on the device like a graph
