@@ -317,7 +317,7 @@ class ParallelConfig:
                                      "behind sglang-router (the scale extra); 1 = one server, no Ray")
     worker_extension_cls: str | None = _field(_optional(_class_path), None, doc="vLLM's worker_extension_cls: "
                                               "'module.path:ClassName' whose methods are mixed into every rank's "
-                                              "worker, for LLMEngine.collective_rpc (bi_core.rl.worker)")
+                                              "worker, for LLMEngine.collective_rpc (bi_core.rl.collective_rpc)")
 
 
 @attrs.frozen(kw_only=True)

@@ -15,7 +15,7 @@ collectives without any per-step plan being shipped. What travels is typed (``Ad
 ``WakeUp``, the
 weight-sync calls ``InitWeightsUpdateGroup``/``UpdateWeightsFromTrainer``/
 ``DestroyWeightsUpdateGroup``, ``CollectiveRpc``, ``Shutdown``): the scheduler's intake plus the
-step, never engine method names (``CollectiveRpc`` names a method of the rank's worker, ``rl/worker.py``;
+step, never engine method names (``CollectiveRpc`` names a method of the rank's worker, ``rl/collective_rpc.py``;
 every rank answers it to rank 0 over the control group). This is SGLang's arrangement (a scheduler
 per TP rank, requests broadcast from rank 0); it keeps AR, MTP, n-sample forks, prefix caching
 and scoring working unchanged under TP. Each step also carries rank 0's step count and request

@@ -25,9 +25,9 @@ from bi_core.parallel.shard import TPInfo
 from bi_core.policies.apply import applied
 from bi_core.registry import Registry
 from bi_core.rl.api import RolloutAPI
-from bi_core.rl.control import RolloutControl
+from bi_core.rl.collective_rpc import worker_class
 from bi_core.rl.receiver import WeightSync
-from bi_core.rl.worker import worker_class
+from bi_core.rl.rollout_control import RolloutControl
 from bi_core.runtime import compile_ahead
 from bi_core.runtime.build import build_parts, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
@@ -86,7 +86,7 @@ class LLMEngine(RolloutAPI):
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
-        self.worker = worker_cls(self)  # what collective_rpc calls methods of (bi_core/rl/worker.py)
+        self.worker = worker_cls(self)  # what collective_rpc calls methods of (bi_core/rl/collective_rpc.py)
         self.num_steps = 0
         self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None

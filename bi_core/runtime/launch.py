@@ -33,7 +33,7 @@ from bi_core.parallel.lockstep import (
     WakeUp,
 )
 from bi_core.registry import Registry
-from bi_core.rl.worker import run_method, sendable
+from bi_core.rl.collective_rpc import run_method, sendable
 from bi_core.runtime.engine import LLMEngine
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """The HTTP front: a FastAPI app over the engine process (``client.py``; what its routes share:
 ``server.py``): OpenAI's endpoints (``completions.py``), SGLang's native ``/generate``
 (``native.py``), the routes clients probe (``info.py``: models, tokenize, version), what routers
-read (``worker.py``), the RL control routes of vLLM and SGLang (``control.py``: pause, sleep,
-weight sync, ...) and, in dev mode only, vLLM's ``/collective_rpc`` (``dev.py``).
+read (``router_routes.py``), the RL control routes of vLLM and SGLang (``control_routes.py``: pause,
+sleep, weight sync, ...) and, in dev mode only, vLLM's ``/collective_rpc`` (``dev.py``).
 
 Every response carries ``X-Batch-Invariant: true|false``: whether the engine behind it makes a
 request's tokens and logprobs independent of the other requests it shares steps with. Every
@@ -20,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bi_core.config import ServeConfig
 from bi_core.models.tokenizer import Tokenizer
-from bi_core.serve import completions, control, dev, info, native, worker
+from bi_core.serve import completions, control_routes, dev, info, native, router_routes
+from bi_core.serve.api_errors import ApiError, error_response, install_error_handlers
 from bi_core.serve.auth import OPEN_PATHS, Guard
 from bi_core.serve.client import EngineClient
-from bi_core.serve.errors import ApiError, error_response, install_error_handlers
 from bi_core.serve.metrics import Metrics
-from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from bi_core.serve.server import Server
 
 INVARIANT_HEADER = "X-Batch-Invariant"
@@ -47,12 +47,12 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     app.state.server = server
     _install_middleware(app, server)
     install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                 **native.REQUEST_MODELS, **info.REQUEST_MODELS, **control.REQUEST_MODELS,
-                                 **dev.REQUEST_MODELS}, success_style=control.SUCCESS_STYLE)
+                                 **native.REQUEST_MODELS, **info.REQUEST_MODELS, **control_routes.REQUEST_MODELS,
+                                 **dev.REQUEST_MODELS}, success_style=control_routes.SUCCESS_STYLE)
     native.install(app, server)
     info.install(app, server)
-    control.install(app, server)
-    worker.install(app, server)
+    control_routes.install(app, server)
+    router_routes.install(app, server)
     if dev.dev_mode(config):
         dev.install(app, server)
 

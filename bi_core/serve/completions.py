@@ -16,9 +16,9 @@ from fastapi.responses import StreamingResponse
 
 from bi_core.errors import CheckpointError
 from bi_core.serve import formats
+from bi_core.serve.api_errors import ApiError, output_failure
 from bi_core.serve.client import Delta
-from bi_core.serve.errors import ApiError, output_failure
-from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from bi_core.serve.server import Choice, Server

@@ -15,8 +15,8 @@ from bi_core.errors import PromptTooLongError, RequestError
 from bi_core.models.tokenizer import Tokenizer
 from bi_core.rl.coverage import WeightsMissing
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
+from bi_core.serve.api_errors import ApiError, output_failure
 from bi_core.serve.client import ControlError, Delta, EngineClient, Overloaded, Unavailable
-from bi_core.serve.errors import ApiError, output_failure
 from bi_core.serve.metrics import Metrics
 
 RETRY_AFTER_S = 1  # overloaded: the engine admits waiting requests at every step

@@ -20,7 +20,7 @@ from bi_core import BiEngineError, EngineConfig, RequestError, SamplingParams, b
 from bi_core.parallel import lockstep as ls
 from bi_core.rl import WeightSender
 from bi_core.rl.coverage import WeightsMissing
-from bi_core.rl.protocol import ALIGN, bucket_layout, fingerprint, no_go, parse_dtype
+from bi_core.rl.sync_protocol import ALIGN, bucket_layout, fingerprint, no_go, parse_dtype
 from bi_core.runtime.launch import replay
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 60))]
@@ -341,7 +341,7 @@ def test_an_engine_that_never_takes_part_ends_the_trainers_send_at_the_timeout()
     comes to the handshake: send ends after the group's timeout, naming the stage."""
     import threading
 
-    from bi_core.rl.protocol import WeightGroup
+    from bi_core.rl.sync_protocol import WeightGroup
 
     port, peer = _port(), []
     joining = threading.Thread(target=lambda: peer.append(WeightGroup("weight_update_group", "127.0.0.1", port, 1, 2,

@@ -6,11 +6,12 @@ type a module only names is still a dependency of its design. Importing ``a.b`` 
 ``a/__init__`` first, but that is no edge: a package importing its own submodules closes a
 circle only where one of them imports the package's names (``from a import x``), which is an
 edge. Names imported by string (``importlib.import_module``: plugins, worker extensions) are
-not seen."""
+not seen. And no two modules share a name unless the layout means it (``repeated_names``)."""
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,39 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_bi_core_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def repeated_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Module names used more than once where the layout does not mean it. Meant: an op family's
+    name (``ops/attention.py``) names its backends' files and its kernels' (``kernels/``); backend
+    folders mirror one another (``builders.py``); a package's contract is its ``base.py``; every
+    package has an ``__init__``."""
+    ops = {name.rpartition(".")[2] for name in modules if name.startswith(f"{PACKAGE}.ops.")}
+    by_stem: dict[str, list[str]] = defaultdict(list)
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            by_stem[path.stem].append(name)
+    repeated = {}
+    for stem, names in by_stem.items():
+        mirrors = stem in ops
+        outside = [n for n in names if not n.startswith(f"{PACKAGE}.backends.")
+                   and not (mirrors and n in (f"{PACKAGE}.ops.{stem}", f"{PACKAGE}.kernels.{stem}"))]
+        if len(names) > 1 and stem != "base" and outside:
+            repeated[stem] = sorted(names)
+    return repeated
+
+
+def test_module_names_say_what_they_do():
+    """Two modules share a name only where the layout means it (rl/ and serve/ each had a
+    ``worker.py``, a ``control.py`` and a ``protocol.py``, of different things)."""
+    modules = module_files()
+    assert repeated_names(modules) == {}
+    # negative controls: a second worker.py outside the backends; a kernel named like a backend's file
+    extra = {**modules, "bi_core.serve.worker": ROOT / "bi_core/serve/worker.py",
+             "bi_core.rl.worker": ROOT / "bi_core/rl/worker.py",
+             "bi_core.backends.reference.gemm": ROOT / "bi_core/backends/reference/gemm.py"}
+    assert repeated_names(extra) == {"gemm": ["bi_core.backends.reference.gemm", "bi_core.kernels.gemm"],
+                                     "worker": ["bi_core.rl.worker", "bi_core.serve.worker"]}
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
