@@ -361,7 +361,8 @@ def mtp_graph_spec(spec: GraphRunnerSpec) -> GraphRunnerSpec:
     """The MTP head's graph runner: uniform steps (catch-up after a verify, chain steps) and,
     where the main model replays a prompt piece alone (``mixed_decode_rows`` off: MTP's lone
     prompt graphs), the head's catch-up over that piece at the same sizes, so a prompt's step
-    launches no eager head (measured: dev/benchmarks-history.md sections 29 and 30)."""
+    launches no eager head (an eager head's launches outlasted the graphed piece:
+    dev/benchmarks-history.md)."""
     return attrs.evolve(spec, name="mtp", prompt_chunk=0 if spec.mixed_decode_rows else spec.prompt_chunk,
                         mixed_decode_rows=False)
 

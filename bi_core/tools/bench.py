@@ -271,8 +271,8 @@ def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, ba
 
 def host_bound_note(ms_per_step: float, kernel_ms: float | None) -> str:
     """A warning when a timed step (or prefill pass) takes well over its kernels' device time: the
-    device waited for the host (a graphed step whose planning is slow, section 37's prefix-cache
-    eviction; the eager prefill's launches, section 41)."""
+    device waited for the host (a graphed step whose planning is slow, as the prefix cache's
+    eviction once was; the eager prefill's launches: dev/benchmarks-history.md)."""
     if not kernel_ms or ms_per_step <= HOST_BOUND_RATIO * kernel_ms:
         return ""
     return (f"  HOST-BOUND? {ms_per_step / kernel_ms:.2f}x its kernels' {kernel_ms:.2f} ms "

@@ -27,8 +27,8 @@ def mixed_buckets(max_batch: int) -> list[int]:
 def mixed_sizes(chunk: int) -> list[int]:
     """The prompt-piece sizes mixed graphs are captured at: the chunk, and a quarter of it (a
     piece takes the smallest that holds it). A short prompt padded to a whole chunk took longer
-    than running it eagerly (dev/benchmarks-history.md section 21); a piece's real rows do not depend
-    on how far it is padded."""
+    than running it eagerly (dev/benchmarks-history.md); a piece's real rows do not depend on how
+    far it is padded."""
     return sorted({max(1, chunk // 4), chunk}) if chunk else []
 
 
@@ -39,7 +39,7 @@ def lone_sizes(chunk: int) -> list[int]:
     """The piece sizes of bucket 0's mixed graphs (a prompt piece with no decode rows: a lone
     prompt's prefill, its time to first token): sizes doubling from ``LONE_MIN`` (or a quarter
     chunk) up to the chunk, so a short prompt pads to less than twice its length, not to a quarter
-    chunk (measured: dev/benchmarks-history.md section 29)."""
+    chunk: a lone prompt's padding is its time to first token (dev/benchmarks-history.md)."""
     if not chunk:
         return []
     size, sizes = min(LONE_MIN, max(1, chunk // 4)), []
