@@ -15,8 +15,8 @@ from bi_core.runtime.graphs.spec import GraphRunnerSpec
 
 
 def capture_refusals(backends: Iterable[object]) -> dict[str, str]:
-    """Backend name -> why a CUDA graph cannot capture its impls, for each of ``backends`` (the
-    ``Backend``\\ s serving the model's ops) that declares one (``Backend.graph_capture_refusal``)."""
+    """Backend name -> why a CUDA graph cannot capture its impls, for each of ``backends`` (those
+    serving the model's ops) that declares a reason (``Backend.graph_capture_refusal``)."""
     return {b.name: b.graph_capture_refusal for b in backends if b.graph_capture_refusal is not None}
 
 
@@ -25,8 +25,9 @@ def resolve_capture(graph: GraphConfig, device: torch.device, refusals: dict[str
     raises for a ``graph.capture`` that cannot hold or would do nothing."""
     if not graph.enabled:
         if graph.capture != "auto":
-            raise ConfigError("graph.capture", f"{graph.capture}: says how graph steps run, and graph.enabled is "
-                              "false; set graph.enabled: true, or graph.capture: auto")
+            raise ConfigError("graph.capture", f"{str(graph.capture).lower()} would do nothing: it says how graph "
+                              "steps run, and graph.enabled is false; set graph.enabled: true, or leave "
+                              "graph.capture at auto")
         return False
     if graph.capture is False:
         return False
