@@ -51,7 +51,7 @@ def host_phases(engine, steps: int) -> None:
     path that decides an overlapped step's length: from the moment a verify's samples reach the
     host (``Landing.wait`` returns) to the return of the next model ``execute`` (the next verify
     launched). While it runs the device has only the head's chain to do."""
-    from bi_core.runtime import runner as runner_mod
+    from bi_core.runtime import step as step_mod
 
     sums, marks = defaultdict(float), {"landed": None, "paths": []}
     originals = []
@@ -71,13 +71,13 @@ def host_phases(engine, steps: int) -> None:
                     marks["landed"] = None
         originals.append((obj, name, fn))
         setattr(obj, name, timed)
-    wait = runner_mod.Landing.wait
+    wait = step_mod.Landing.wait
 
     def timed_wait(self):
         out = wait(self)
         marks["landed"] = time.perf_counter()
         return out
-    runner_mod.Landing.wait = timed_wait
+    step_mod.Landing.wait = timed_wait
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def host_phases(engine, steps: int) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     finally:
-        runner_mod.Landing.wait = wait
+        step_mod.Landing.wait = wait
         for obj, name, fn in originals:
             setattr(obj, name, fn)
     print(f"host phases without a profiler (phase wrappers' own cost included), {steps} steps: wall {wall / steps * 1e3:.3f} ms a step")

@@ -46,7 +46,7 @@ T_TORCH = time.perf_counter()
 
 import attrs  # noqa: E402
 
-from bi_core import EngineConfig, SamplingParams  # noqa: E402
+from bi_core import EngineConfig, SamplingParams, build_engine  # noqa: E402
 from bi_core.runtime.engine import LLMEngine  # noqa: E402
 from bi_core.runtime.warmup import warm_up  # noqa: E402
 
@@ -192,7 +192,7 @@ def main() -> None:
         recording = compile_manifest.recording()
     with recording as recorded:
         t_build = time.perf_counter()
-        engine = LLMEngine(config)
+        engine = build_engine(config)
         sync()
         t_warm = time.perf_counter()
         build_hooks = hooks.report()

@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import torch
 
+from bi_core import build_engine
 from bi_core.config import EngineConfig
 from bi_core.runtime.engine import LLMEngine
 from bi_core.runtime.sequence import SamplingParams, Status
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig.from_yaml(a.config))
+    engine = build_engine(EngineConfig.from_yaml(a.config))
     print(f"== {a.config}: {engine.config.backend}", flush=True)
     for b in (int(x) for x in a.batch_sizes.split(",")):
         r = anatomy(engine, b, a.context_len, a.steps)

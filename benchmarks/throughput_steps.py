@@ -29,8 +29,8 @@ if "TRITON_CACHE_DIR" not in os.environ:  # a fresh cache: every compile in this
 
 import torch  # noqa: E402
 
+from bi_core import build_engine  # noqa: E402
 from bi_core.config import EngineConfig  # noqa: E402
-from bi_core.runtime.engine import LLMEngine  # noqa: E402
 from bi_core.runtime.sequence import SamplingParams  # noqa: E402
 from bi_core.tools.bench import _prompts  # noqa: E402
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     a = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig.from_yaml(a.config))
+    engine = build_engine(EngineConfig.from_yaml(a.config))
     print(f"== {a.config}: {engine.policy.backend}, invariant={engine.policy.batch_invariant}", flush=True)
     print(f"{engine.warmup}; compiles so far {_compiled()}", flush=True)
     slow = sorted(getattr(engine.runner.main_graphs, "capture_s", {}).items(), key=lambda kv: -kv[1])[:4]

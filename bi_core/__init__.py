@@ -28,9 +28,9 @@ __version__ = "0.1.0"
 
 def build_engine(config: EngineConfig, registry: Registry | None = None) -> LLMEngine:
     """Build an engine from a config (``EngineConfig.from_yaml(path)`` or ``.from_dict({...})``)."""
-    from bi_core.runtime.engine import LLMEngine
+    from bi_core.runtime.launch import build_engine as build
 
-    return LLMEngine(config, registry)
+    return build(config, registry)
 
 
 __all__ = [

@@ -22,8 +22,10 @@ from bi_core.errors import ConfigError
 Parser = Callable[[Any, str], Any]
 
 DTYPES = ("float32", "bfloat16")
-OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "graph_runner", "all_reduce",
-            "all_gather")
+OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather")
+# names that were ops once: what took their place (a config or a plugin naming one gets this, not "unknown op")
+RETIRED_OPS = {"graph_runner": "no longer an op: the runtime launches steps itself (CUDA graphs are graph.enabled, "
+                               "their capture graph.capture)"}
 INVARIANT_ENV = "BI_ENABLE_BATCH_INVARIANT"
 # seeds are keys of 64 bits (bi_core.ops.sampling.mix_seed works modulo 2**64, torch's generators
 # take at most 2**64 - 1): a larger one would alias a smaller one
@@ -129,6 +131,8 @@ def _op_preferences(value: Any, path: str) -> dict[str, tuple[str, ...]]:
         raise ConfigError(path, f"expected a mapping of op name to backend list, got {_type_name(value)}")
     out = {}
     for op, names in value.items():
+        if op in RETIRED_OPS:
+            raise ConfigError(f"{path}.{op}", f"{RETIRED_OPS[op]}; remove this key")
         if op not in OP_NAMES:
             raise ConfigError(f"{path}.{op}", f"unknown op; expected one of {', '.join(OP_NAMES)}")
         out[op] = _str_list(names, f"{path}.{op}")
@@ -283,7 +287,12 @@ class CacheConfig:
 
 @attrs.frozen(kw_only=True)
 class GraphConfig:
-    enabled: bool = _field(_bool, False, doc="capture decode steps in CUDA graphs")
+    enabled: bool = _field(_bool, False, doc="run uniform steps (decode, MTP verify) through CUDA graphs, one per "
+                           "batch bucket (padding rows write only a scratch page and state slot, never a real row)")
+    capture: bool | str = _field(_auto_or(_bool), "auto", doc="with graph.enabled: capture the graphs (a CUDA "
+                                 "device), or false: rerun every graph step eagerly on the graphs' static buffers "
+                                 "(the same buckets, padding and static contexts, on any device: a check of the "
+                                 "graph path); auto = capture on a CUDA device, rerun elsewhere")
     max_batch_size: int | None = _field(_optional(_int(1)), None, doc="default: scheduler.max_num_seqs")
     warmup: bool = _field(_bool, True, doc="at start (CUDA, graphs enabled): capture every graph, largest batch "
                           "first, and run a few dummy prompts so no capture or kernel compile stalls a running batch")
@@ -308,7 +317,7 @@ class ParallelConfig:
                                      "behind sglang-router (the scale extra); 1 = one server, no Ray")
     worker_extension_cls: str | None = _field(_optional(_class_path), None, doc="vLLM's worker_extension_cls: "
                                               "'module.path:ClassName' whose methods are mixed into every rank's "
-                                              "worker, for LLMEngine.collective_rpc (bi_core.rl.worker)")
+                                              "worker, for LLMEngine.collective_rpc (bi_core.rl.collective_rpc)")
 
 
 @attrs.frozen(kw_only=True)

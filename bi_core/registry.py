@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from bi_core.config import OP_NAMES
+from bi_core.config import OP_NAMES, RETIRED_OPS
 from bi_core.errors import BatchInvarianceUnsupported, PluginError
 from bi_core.ops.base import OpBuilder
 
@@ -24,6 +24,9 @@ class Backend:
     for invariance then raises :class:`BatchInvarianceUnsupported` with this reason.
     ``compile_manifests``: the folder of Triton compiles recorded from this backend's starts,
     compiled ahead by the next start of the same shape (``bi_core/runtime/compile_ahead.py``).
+    ``graph_capture_refusal``: set when its impls cannot run inside a captured CUDA graph (they
+    read the step's host lists, which a replay would not update); graph steps over them then run
+    only in the rerun mode (``graph.capture: false``, ``bi_core/runtime/graphs/mode.py``).
     """
 
     name: str
@@ -31,10 +34,13 @@ class Backend:
     description: str = ""
     invariance_refusal: str | None = None
     compile_manifests: Path | None = None
+    graph_capture_refusal: str | None = None
 
     def __attrs_post_init__(self) -> None:
         ops = [b.op for b in self.builders]
         for op in ops:
+            if op in RETIRED_OPS:
+                raise PluginError(f"backend '{self.name}': builder for op '{op}', which is {RETIRED_OPS[op]}")
             if op not in OP_NAMES:
                 raise PluginError(f"backend '{self.name}': builder for unknown op '{op}'")
         if len(set(ops)) != len(ops):

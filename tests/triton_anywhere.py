@@ -1,17 +1,19 @@
 """A test backend: the invariant backend's Triton kernels without their SM90 check, so whole
 engines run them on the CPU (Triton's interpreter) or any GPU. GDN decode rows run the fused decode
 kernel, prefill rows the reference chunked form (fla's chunk kernel does not run in the
-interpreter); the graph runner runs in its rerun mode. Used by tests/kernels and tests/train."""
+interpreter). Its GDN prefill reads the step's host lists, so graph steps over it run in the rerun
+mode (``graph.capture: false``: its configs ask for it). Used by tests/kernels and tests/train."""
 
 from __future__ import annotations
 
 from bi_core import hookimpl
 from bi_core.backends.cuda_common.gdn import CudaGdnImpl
-from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
 from bi_core.backends.cuda_hopper_invariant import builders as inv
 from bi_core.backends.reference.gdn import ReferenceGdnImpl
-from bi_core.ops import GdnBuilder, GraphRunnerBuilder
+from bi_core.ops import GdnBuilder
 from bi_core.registry import Backend
+
+RERUN_GRAPHS = {"enabled": True, "capture": False}  # the graph section of a config over this backend
 
 
 def _anywhere(cls):
@@ -35,16 +37,6 @@ class DecodeKernelGdnBuilder(GdnBuilder):
         return DecodeKernelGdnImpl(spec, pin_autotune=False)
 
 
-class RerunGraphRunnerBuilder(GraphRunnerBuilder):
-    is_batch_invariant = True
-
-    def check(self, spec, policy):
-        return []
-
-    def build(self, spec):
-        return CudaGraphRunnerImpl(spec, capture=False)
-
-
 class TritonAnywhere:
     @hookimpl
     def bi_register_backends(self, register):
@@ -52,4 +44,5 @@ class TritonAnywhere:
             _anywhere(inv.InvariantAttentionBuilder), _anywhere(inv.InvariantLinearBuilder),
             _anywhere(inv.InvariantNormBuilder), _anywhere(inv.InvariantTopKBuilder),
             _anywhere(inv.InvariantMoEBuilder), _anywhere(inv.InvariantSamplingBuilder),
-            DecodeKernelGdnBuilder(), RerunGraphRunnerBuilder())))
+            DecodeKernelGdnBuilder()),
+            graph_capture_refusal="its GDN prefill runs the reference impl, which reads the step's host lists"))

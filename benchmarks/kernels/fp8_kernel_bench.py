@@ -55,7 +55,7 @@ import torch
 
 from bi_core.kernels.fp8 import fp8_config, fp8_linear, quantize_act
 from bi_core.kernels.gemm import linear
-from bi_core.quant.fp8 import quantize_blocks
+from bi_core.quant.fp8_numerics import quantize_blocks
 from bi_core.tools.bench import measure_bandwidth
 
 SHAPES = [(12352, 2048), (4096, 2048), (2048, 4096), (2048, 2048), (2048, 512)]  # (N, K)
@@ -243,7 +243,7 @@ def prefill_sweep(ms: list[int]) -> None:
     try:
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
-        from bi_core.backends.cuda_common.ops import fi_act_scales
+        from bi_core.backends.cuda_common.kernel_calls import fi_act_scales
     except ImportError:
         fp8_blockscale_gemm_sm90 = None
     print(f"{torch.cuda.get_device_name()}: GEMM alone (rows quantized once), us a call, TFLOP/s")

@@ -28,8 +28,8 @@ from safetensors import safe_open
 from bi_core.errors import CheckpointError
 from bi_core.models.args import ModelArgs
 from bi_core.models.weight_map import ALL, Placement, WeightMap, weight_map
-from bi_core.quant import placement as fp8
-from bi_core.quant.fp8 import FP8
+from bi_core.quant import fp8_loading as fp8
+from bi_core.quant.fp8_numerics import FP8
 from bi_core.quant.params import is_block_scale, is_fp8
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _plan(source, wmap, params: dict[str, torch.nn.Parameter], args: ModelArgs,
           engine_dtype: torch.dtype | None = None) -> tuple[list[_Step], list[str], list[str]]:
     """(steps, names the map does not know, shape/dtype problems) for every tensor of ``source``.
     ``engine_dtype``: in-memory weights, held to the dtype rule of ``check_update``. FP8 tensors'
-    scales (``*_scale_inv``) are checked with their tensor (``bi_core/quant/placement.py``)."""
+    scales (``*_scale_inv``) are checked with their tensor (``bi_core/quant/fp8_loading.py``)."""
     steps, unknown, problems = [], [], []
     scheme = args.quantization
     for name in source.names():

@@ -5,7 +5,6 @@ from bi_core.ops.base import OpBuilder, OpSpec
 from bi_core.ops.collective import AllGatherBuilder, AllReduceBuilder, CollectiveSpec
 from bi_core.ops.context import ForwardContext
 from bi_core.ops.gdn import GdnBuilder, GdnSpec
-from bi_core.ops.graph_runner import GraphRunnerBuilder, GraphRunnerSpec
 from bi_core.ops.linear import LinearBuilder, LinearSpec
 from bi_core.ops.moe import MoEBuilder, MoESpec
 from bi_core.ops.norm import NormBuilder, NormSpec
@@ -15,7 +14,7 @@ from bi_core.ops.topk import TopKBuilder, TopKSpec
 __all__ = [
     "AllGatherBuilder", "AllReduceBuilder", "CollectiveSpec",
     "AttentionBuilder", "AttentionSpec", "ForwardContext", "GdnBuilder", "GdnSpec",
-    "GraphRunnerBuilder", "GraphRunnerSpec", "LinearBuilder", "LinearSpec", "MoEBuilder", "MoESpec",
+    "LinearBuilder", "LinearSpec", "MoEBuilder", "MoESpec",
     "NormBuilder", "NormSpec", "OpBuilder", "OpSpec", "SamplingBatch", "SamplingBuilder",
     "SamplingSpec", "TopKBuilder", "TopKSpec",
 ]

@@ -69,8 +69,8 @@ class FixedOrderAllReduce:
 class PairAllReduce(LibraryAllReduce):
     """Two ranks: the library's all-reduce is batch-invariant. Each element gets one addition,
     r0 + r1, rounded once, and IEEE addition commutes, so every algorithm, chunking and protocol
-    gives the same bits (equal to the fixed-order sum at 1..256 rows: tests/gpu/test_tp_gpu.py,
-    benchmarks sections 9 and 9b). Only with NVLink SHARP (NVLS) off: a reduction inside the switch
+    gives the same bits (equal to the fixed-order sum whatever the rows: tests/gpu/test_tp_gpu.py,
+    dev/benchmarks-history.md). Only with NVLink SHARP (NVLS) off: a reduction inside the switch
     has no documented rounding; ``nvls_off()`` says whether it is."""
 
 

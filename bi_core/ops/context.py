@@ -50,7 +50,7 @@ class ForwardContext:
     query_lens_host: list[int]
     cu_seqlens_host: list[int]  # the same offsets as cu_seqlens_q, on the host
     # None where only the device knows them (an MTP draft chain moved by a device-side accept
-    # count: ``CudaGraphRunnerImpl.shift``; only impls that read lengths on the device run then)
+    # count: ``CudaGraphRunner.shift``; only impls that read lengths on the device run then)
     context_lens_host: list[int] | None
     state_slots_host: list[int]
     token_state_slots: torch.Tensor  # [T] int64, GDN state slot that receives the state after each token

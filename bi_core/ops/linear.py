@@ -1,6 +1,6 @@
 """Dense linear layer ``y = x @ W.T`` (every projection, lm_head, router, MTP fc), optionally
 with SwiGLU's SiLU-and-mul applied to a fused ``[gate; up]`` weight; the weight in the activation
-dtype (``dense``) or in block-wise FP8 (``fp8_block``, W8A8: ``bi_core/quant/fp8.py``)."""
+dtype (``dense``) or in block-wise FP8 (``fp8_block``, W8A8: ``bi_core/quant/fp8_numerics.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Lock-step tensor parallelism: one engine per GPU, all running the same deterministic schedule.
 
 Rank 0 is the user's process (Python API, CLI, server); it starts ranks 1..N-1 itself (spawned
-processes, ``worker_main``). Every rank builds the same engine with its own shard of the weights
+processes, ``launch``: what each runs is passed in by the composition root, ``runtime/launch.py``,
+which builds the rank's engine and replays the calls there). Every rank builds the same engine with its own shard of the weights
 and its own KV cache / GDN states (its heads only). Rank 0 records each request-changing call
 (``add_request``, ``add_score_request``, ``abort``) and, at each ``step``, sends the calls since
 the last step plus the step itself to the other ranks over a gloo group; they replay them in the
@@ -14,7 +15,7 @@ collectives without any per-step plan being shipped. What travels is typed (``Ad
 ``WakeUp``, the
 weight-sync calls ``InitWeightsUpdateGroup``/``UpdateWeightsFromTrainer``/
 ``DestroyWeightsUpdateGroup``, ``CollectiveRpc``, ``Shutdown``): the scheduler's intake plus the
-step, never engine method names (``CollectiveRpc`` names a method of the rank's worker, ``rl/worker.py``;
+step, never engine method names (``CollectiveRpc`` names a method of the rank's worker, ``rl/collective_rpc.py``;
 every rank answers it to rank 0 over the control group). This is SGLang's arrangement (a scheduler
 per TP rank, requests broadcast from rank 0); it keeps AR, MTP, n-sample forks, prefix caching
 and scoring working unchanged under TP. Each step also carries rank 0's step count and request
@@ -22,8 +23,8 @@ counters, so a rank that drifted stops with an error instead of deadlocking sile
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -32,8 +33,6 @@ import torch.distributed as dist
 from bi_core.errors import BiEngineError
 from bi_core.parallel import state
 from bi_core.ports import free_port
-
-log = logging.getLogger(__name__)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -228,8 +227,10 @@ class Driver:
             state.shutdown()
 
 
-def launch(config, device: torch.device) -> Driver:
-    """Start ranks 1..N-1 and join the process groups as rank 0."""
+def launch(config, device: torch.device, rank_main: Callable[[int, object, int, str], None]) -> Driver:
+    """Start ranks 1..N-1, each a spawned process running ``rank_main(rank, config, port, device)``
+    (a module-level function: ``bi_core.runtime.launch.rank_main`` builds that rank's engine and
+    replays rank 0's calls), and join the process groups as rank 0."""
     world = config.parallel.tensor_parallel_size
     if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
         from bi_core.errors import ConfigError
@@ -238,75 +239,12 @@ def launch(config, device: torch.device) -> Driver:
                           f"{(device.index or 0) + world} GPUs; this machine has {torch.cuda.device_count()}")
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(rank, config, port, str(device)), daemon=True,
+    procs = [ctx.Process(target=rank_main, args=(rank, config, port, str(device)), daemon=True,
                          name=f"bi-engine-tp{rank}") for rank in range(1, world)]
     for p in procs:
         p.start()
     group = state.init(0, world, rank_device(device, 0), port)
     return Driver(procs, group)
-
-
-def replay(engine, message: Message, rank: int) -> bool:
-    """Apply one of rank 0's messages to this rank's engine; False at shutdown."""
-    match message:
-        case AddRequest(prompt, params, text):
-            engine.add_request(prompt, params, text=text)
-        case AddScoreRequest(prompt, continuation, exact, logprobs):
-            engine.add_score_request(prompt, continuation, exact=exact, logprobs=logprobs)
-        case Abort(request_id):
-            engine.abort(request_id)
-        case Step(check):
-            mine = engine.lockstep_check()
-            if check != mine:
-                raise BiEngineError(f"tensor-parallel rank {rank} drifted from rank 0: "
-                                    f"(steps, next request id, requests) {mine} != {check}")
-            engine.step()
-        case UpdateWeightsFromPath(path):
-            engine.update_weights(path)
-        case ReceiveWeights(meta):  # one tensor at a time, each into this rank's shard
-            from bi_core.models.loader import TensorDict, update_weights
-
-            for name, shape, dtype in meta:
-                update_weights(engine.model, TensorDict([(name, receive_tensor(shape, dtype, engine.device))]))
-            engine.after_weight_update()
-        case ResetPrefixCache():
-            engine.reset_prefix_cache()
-        case HoldAdmissions():
-            engine.rollout.hold_admissions()
-        case ReleaseAdmissions():
-            engine.rollout.release_admissions()
-        case Sleep(level):
-            engine.sleep(level)
-        case WakeUp(tags):
-            engine.wake_up(None if tags is None else list(tags))
-        case InitWeightsUpdateGroup() | UpdateWeightsFromTrainer() | DestroyWeightsUpdateGroup():
-            weight_sync(engine, message, rank)
-        case CollectiveRpc(method, args, kwargs):  # a method that fails answers its error: rank 0 reports it
-            from bi_core.rl.worker import run_method, sendable
-
-            answer(sendable(run_method(engine.worker, method, args, kwargs)))
-        case Shutdown():
-            return False
-        case _:
-            raise BiEngineError(f"tensor-parallel rank {rank}: unexpected message from rank 0: {message!r}")
-    return True
-
-
-def weight_sync(engine, message: Message, rank: int) -> None:
-    """A weight-sync call on this rank. Its failure is logged and the lock-step goes on: rank 0
-    raises its own (a refusal is the same on every rank; a transfer that fails on one rank fails
-    the confirmation on all, and rank 0 then refuses requests until a complete update lands)."""
-    try:
-        match message:
-            case InitWeightsUpdateGroup(address, port, offset, world, name, backend, timeout_s):
-                # joined in a thread (rank 0 steps on meanwhile, so must this rank); an update waits for it
-                engine.init_weights_update_group(address, port, offset, world, name, backend, timeout_s, wait=False)
-            case UpdateWeightsFromTrainer(names, dtypes, shapes, name, flush_cache, version):
-                engine.update_weights_from_distributed(names, dtypes, shapes, name, flush_cache, version)
-            case DestroyWeightsUpdateGroup(name):
-                engine.destroy_weights_update_group(name)
-    except BiEngineError as e:  # a refusal (a RequestError, CheckpointError) is rank 0's to report
-        log.log(logging.WARNING if type(e) is BiEngineError else logging.INFO, "tensor-parallel rank %d: %s", rank, e)
 
 
 def answer(value: object) -> None:
@@ -321,20 +259,8 @@ def receive_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     return t
 
 
-def worker_main(rank: int, config, port: int, device: str) -> None:
-    """Rank ``rank``: build the same engine, then replay rank 0's calls until told to stop."""
-    logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
-    from bi_core.runtime.engine import LLMEngine
-
-    world = config.parallel.tensor_parallel_size
-    group = state.init(rank, world, rank_device(torch.device(device), rank), port)
-    engine = LLMEngine(config, tp_rank=rank)
-    try:
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=group.control)
-            for message in box[0]:
-                if not replay(engine, message, rank):
-                    return
-    finally:
-        state.shutdown()
+def receive_calls(group: state.TPGroup) -> list[Message]:
+    """The calls rank 0 sends next (``Driver.send_now``), on ranks 1..N-1: they wait here."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=group.control)
+    return box[0]

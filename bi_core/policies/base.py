@@ -18,7 +18,6 @@ INVARIANT_DEMANDS: Mapping[str, str] = {
     "moe": "a row's result does not depend on how many rows an expert gets; fp32 combine in slot order",
     "gdn": "per-sequence kernels with pinned configs; decode/verify use the recurrent form",
     "sampling": "randomness keyed by (request seed, position) only",
-    "graph_runner": "padding rows of a bucket never change a real row",
     "all_reduce": "every element summed in rank order, whatever the message size",
     "all_gather": "concatenation only (no arithmetic)",
 }

@@ -14,7 +14,7 @@ from torch import nn
 
 from bi_core.errors import ConfigError
 from bi_core.parallel.shard import Shard, TPInfo
-from bi_core.quant.fp8 import FP8, quantize_blocks, scale_shape
+from bi_core.quant.fp8_numerics import FP8, quantize_blocks, scale_shape
 from bi_core.quant.scheme import Fp8Weights
 
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv" (the checkpoints' name), "x.w13" -> "x.w13_scale_inv"

@@ -1,7 +1,7 @@
 """The engine's API for RL trainers and weights, mixed into ``LLMEngine`` (``runtime/engine.py``
 holds requests and the step loop): in-process weight updates, weight sync from a trainer process
-(``receiver.py``; the protocol in ``protocol.py``), generation control around a sync
-(``control.py``: pause, sleep) and vLLM's ``collective_rpc`` (``worker.py``). Each method is thin:
+(``receiver.py``; the protocol in ``sync_protocol.py``), generation control around a sync
+(``rollout_control.py``: pause, sleep) and vLLM's ``collective_rpc`` (``collective_rpc.py``). Each method is thin:
 the machinery lives in those modules, its state in ``engine.rollout`` (RolloutControl),
 ``engine.weight_sync`` (WeightSync) and ``engine.worker`` (RankWorker)."""
 
@@ -13,8 +13,8 @@ import torch
 
 from bi_core.errors import RequestError
 from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
+from bi_core.rl.collective_rpc import collective_rpc
 from bi_core.rl.tensors import LOAD_FORMATS, deserialize_named_tensors
-from bi_core.rl.worker import collective_rpc
 
 
 class RolloutAPI:
@@ -125,7 +125,7 @@ class RolloutAPI:
                                   group_name: str = "weight_update_group", backend: str | None = None,
                                   timeout_s: float = 300.0, wait: bool = True):
         """Join a trainer's weight-update group: trainer rank 0, engine rank r at ``rank_offset + r``;
-        backend None: nccl on CUDA, gloo on the CPU (``bi_core.rl.protocol``). The rendezvous runs in
+        backend None: nccl on CUDA, gloo on the CPU (``bi_core.rl.sync_protocol``). The rendezvous runs in
         a thread, at most ``timeout_s``; ``wait``: block until every member joined (its failure
         raised; returns None). Without, this returns the ``joining.Join`` at once and the engine
         steps on meanwhile (the group is usable once it is done; an update of it first waits)."""
@@ -151,7 +151,7 @@ class RolloutAPI:
 
     def collective_rpc(self, method: str, args=(), kwargs: dict | None = None, timeout: float | None = None) -> list:
         """vLLM's ``collective_rpc``: call ``method(*args, **kwargs)`` on every tensor-parallel rank's
-        worker (``bi_core.rl.worker.RankWorker``: ``report_device_id``, ``weight_version``,
+        worker (``bi_core.rl.collective_rpc.RankWorker``: ``report_device_id``, ``weight_version``,
         ``weight_checksum``, and the methods of ``parallel.worker_extension_cls``); returns one result
         per rank, in rank order. An unknown or private (``_``) method is a RequestError; a method that
         raises on any rank, or a call longer than ``timeout`` seconds, a CollectiveRpcError naming it."""

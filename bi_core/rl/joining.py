@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from bi_core.errors import BiEngineError
-from bi_core.rl.protocol import WeightGroup
+from bi_core.rl.sync_protocol import WeightGroup
 
 GRACE_S = 5.0  # past its timeout, a join still running (the store's connect, then the group's) is given up
 

@@ -1,4 +1,4 @@
-"""The engine's side of weight sync from a trainer (the protocol: ``bi_core.rl.protocol``).
+"""The engine's side of weight sync from a trainer (the protocol: ``bi_core.rl.sync_protocol``).
 
 Each engine rank (tensor parallel: every rank, told by rank 0 through the lock-step) joins the
 group, checks an update's metadata against its model, takes part in the handshake, receives the
@@ -27,7 +27,7 @@ from bi_core.models.loader import TensorDict, apply_update, check_update
 from bi_core.parallel import lockstep
 from bi_core.rl.coverage import Coverage
 from bi_core.rl.joining import Join
-from bi_core.rl.protocol import (
+from bi_core.rl.sync_protocol import (
     GO,
     REFUSED,
     WeightGroup,

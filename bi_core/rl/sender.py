@@ -1,4 +1,4 @@
-"""The trainer's side of weight sync (the protocol: ``bi_core.rl.protocol``).
+"""The trainer's side of weight sync (the protocol: ``bi_core.rl.sync_protocol``).
 
     sender = WeightSender("127.0.0.1", 29600, world_size=1 + tp)   # blocks until the engine joins
     # meanwhile, in the engine's process: engine.init_weights_update_group("127.0.0.1", 29600, 1, 1 + tp)
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bi_core.errors import BiEngineError
-from bi_core.rl.protocol import (
+from bi_core.rl.sync_protocol import (
     GO,
     WeightGroup,
     bucket_layout,

@@ -3,7 +3,7 @@
 ``plan_batch`` computes everything on the host (plain lists); ``upload`` packs the integer fields
 into one pinned host tensor and copies it to the device in one transfer, either into fresh
 tensors (eager steps) or into a CUDA graph's static buffers, padded to the graph's bucket (see
-``backends/cuda_common/graph_runner.py``)."""
+``runtime/graphs/static_batch.py``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ from bi_core.models.presets import preset_args
 from bi_core.models.qwen3_5 import Qwen35Model, check_tensor_parallel, local_args
 from bi_core.models.random_init import init_random_weights
 from bi_core.ops.attention import kv_cache_dtype_name
-from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.parallel.lockstep import rank_device
 from bi_core.parallel.shard import TPInfo
 from bi_core.plugins import load_registry
@@ -26,6 +25,8 @@ from bi_core.policies.apply import check_environment
 from bi_core.policies.base import Policy
 from bi_core.registry import Registry
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.graphs import GraphRunnerSpec
+from bi_core.runtime.graphs.mode import capture_refusals, explain_line, mixed_fields, resolve_capture
 from bi_core.runtime.prefix_cache import PrefixCache
 from bi_core.runtime.runner import ModelRunner
 from bi_core.runtime.scheduler import Scheduler, resolve_chunk_size
@@ -138,13 +139,12 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
                        checkpoint_has_mtp=has_mtp)
     query_lens = strategy_cls.graph_query_lens(config)
     spec = GraphRunnerSpec(
-        **factory.base, use_graphs=config.graph.enabled,
+        **factory.base, use_graphs=config.graph.enabled, capture=_capture(config, registry, factory),
         max_batch_size=config.graph.max_batch_size or config.scheduler.max_num_seqs,
         max_blocks_per_seq=cache.blocks_for(max_model_len + lookahead), scratch_page=cache.scratch_page,
         scratch_slot=cache.scratch_slot, state_ring=cache.state_ring, query_lens=query_lens,
-        **_mixed_spec(config, model, query_lens, chunk_size))
-    runner = ModelRunner(model, cache, lambda s: factory.build("graph_runner", s), spec,
-                         with_mtp_graphs=strategy_cls.uses_mtp_head)
+        **mixed_fields(config, model, query_lens, chunk_size))
+    runner = ModelRunner(model, cache, spec, with_mtp_graphs=strategy_cls.uses_mtp_head)
     if config.model.enable_return_routed_experts:
         if not args.is_moe:
             raise ConfigError("model.enable_return_routed_experts", "this model has no MoE layers (a dense Qwen3.5)")
@@ -156,40 +156,11 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     return Parts(model, runner, scheduler, strategy_cls(config, runner), max_model_len, has_mtp)
 
 
-def _mixed_graphs(config: EngineConfig, model: Qwen35Model, query_lens: tuple[int, ...]) -> bool:
-    """``graph.mixed`` resolved: graphs of one-token decode rows plus a prompt piece, where
-    every attention impl can replay prompt rows (``graph_prompt_rows``: nothing planned on the
-    host from the step's positions or pages) and the strategy decodes one token a step (AR)."""
-    want = config.graph.mixed
-    if want is True and not config.graph.enabled:
-        raise ConfigError("graph.mixed", "mixed steps replay CUDA graphs; set graph.enabled: true, or graph.mixed: "
-                          "auto or false")
-    if not config.graph.enabled or want is False:
-        return False
-    refusing = sorted({type(m.attn).__name__ for m in model.modules()
-                       if getattr(m, "attn", None) is not None and not getattr(m.attn, "graph_prompt_rows", False)})
-    if want is True and refusing:
-        raise ConfigError("graph.mixed", f"{', '.join(refusing)} plans prompt rows on the host every step and "
-                          "cannot replay them from a CUDA graph (the invariant backend's attention can); "
-                          "use graph.mixed: auto or false")
-    if want is True and query_lens != (1,):
-        raise ConfigError("graph.mixed", f"strategy {config.strategy.name!r} decodes in steps of {max(query_lens)} "
-                          "tokens; mixed graphs hold one-token decode rows beside a prompt chunk; use graph.mixed: "
-                          "auto or false")
-    return not refusing and query_lens == (1,)
-
-
-def _mixed_spec(config: EngineConfig, model: Qwen35Model, query_lens: tuple[int, ...], chunk: int) -> dict:
-    """The graph runner's mixed-step fields: a one-token decode strategy's steps of decode rows
-    plus a prompt piece (``_mixed_graphs``); for another strategy (MTP) with ``graph.mixed``
-    auto, a prompt piece alone (bucket 0: no decode rows, so no decode length to match), where
-    every attention impl can replay prompt rows."""
-    if _mixed_graphs(config, model, query_lens):
-        return {"prompt_chunk": chunk}
-    lone = (config.graph.enabled and config.graph.mixed == "auto" and query_lens != (1,)
-            and all(getattr(m.attn, "graph_prompt_rows", False) for m in model.modules()
-                    if getattr(m, "attn", None) is not None))
-    return {"prompt_chunk": chunk, "mixed_decode_rows": False} if lone else {"prompt_chunk": 0}
+def _capture(config: EngineConfig, registry: Registry, factory: OpFactory) -> bool:
+    """``graph.capture`` resolved for the device and the backends that serve the model's ops."""
+    backends = {c.backend for c in factory.choices.values() if c.backend in registry.backends}
+    refusals = capture_refusals(registry.backends[name] for name in sorted(backends))
+    return resolve_capture(config.graph, factory.base["device"], refusals)
 
 
 def _prune_draft_vocab(config: EngineConfig, model: Qwen35Model, factory: OpFactory, args: ModelArgs,
@@ -256,10 +227,15 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     world = config.parallel.tensor_parallel_size
     check_tensor_parallel(args, world)
     Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp, tp=TPInfo(0, world))
-    factory.build("graph_runner", GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled,
-                                                  max_batch_size=config.scheduler.max_num_seqs))
-    failure = "\n".join(dict.fromkeys(factory.failures()))
+    failures = factory.failures()
     text = factory.explain()
+    try:  # how steps are launched: the runtime's choice from graph.* and the device, not an op's
+        capture = _capture(config, registry, factory)
+        text += "\n" + explain_line(GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled, capture=capture,
+                                                   max_batch_size=config.scheduler.max_num_seqs))
+    except ConfigError as e:
+        failures.append(str(e))
+    failure = "\n".join(dict.fromkeys(failures))
     if args.quantization is not None:
         from bi_core.quant.scheme import describe
 

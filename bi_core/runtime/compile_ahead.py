@@ -4,10 +4,9 @@ recorded (``runtime/compile_manifest.py``).
 
 Triton compiles a kernel at its first launch, in the launching thread, one after another; Triton
 3.6 then builds the kernel's C launcher with gcc. On a fresh machine that was most of the
-default backend's start (27 compiles and 22 launchers, 17-23 s; issue 22). ptxas and gcc run as
-subprocesses and LLVM releases the GIL, so threads run those parts in parallel (Triton's Python
-code generator and MLIR passes hold it: on 2 CPU cores, 36 norm-kernel compiles for sm90 took
-8.1 s in one thread and 5.9 s in eight, with the same cubins).
+default backend's start (issue 22; dev/benchmarks-history.md). ptxas and gcc run as subprocesses
+and LLVM releases the GIL, so threads run those parts in parallel (Triton's Python code generator
+and MLIR passes hold it, so eight threads gain far less than eight times, with the same cubins).
 
 ``start`` (the engine, before its weights) starts a thread that enters Triton's
 ``AsyncCompileMode`` with a pool and preloads every entry; each pool task compiles, then builds

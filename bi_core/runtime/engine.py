@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import attrs
@@ -24,9 +25,9 @@ from bi_core.parallel.shard import TPInfo
 from bi_core.policies.apply import applied
 from bi_core.registry import Registry
 from bi_core.rl.api import RolloutAPI
-from bi_core.rl.control import RolloutControl
+from bi_core.rl.collective_rpc import worker_class
 from bi_core.rl.receiver import WeightSync
-from bi_core.rl.worker import worker_class
+from bi_core.rl.rollout_control import RolloutControl
 from bi_core.runtime import compile_ahead
 from bi_core.runtime.build import build_parts, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
@@ -50,9 +51,11 @@ class LLMEngine(RolloutAPI):
     """Requests and the step loop here; weight updates, weight sync from a trainer and pause/resume in
     ``bi_core.rl.api.RolloutAPI``."""
 
-    def __init__(self, config: EngineConfig, registry: Registry | None = None, *, tp_rank: int = 0) -> None:
-        """``tp_rank``: set only by a tensor-parallel worker process (``bi_core.parallel.lockstep``);
-        users build rank 0, which starts the other ranks itself."""
+    def __init__(self, config: EngineConfig, registry: Registry | None = None, *, tp_rank: int = 0,
+                 start_ranks: Callable[[EngineConfig, torch.device], lockstep.Driver] | None = None) -> None:
+        """``tp_rank``: set only in a tensor-parallel rank's process (``bi_core.runtime.launch``).
+        ``start_ranks(config, device)``: how rank 0 of a tensor-parallel engine starts the other
+        ranks (the composition root passes it: build engines with ``bi_core.build_engine``)."""
         self.config = config
         self.registry, self.policy, self.factory = prepare(config, registry, rank=tp_rank)
         self.device, self.dtype = self.factory.base["device"], self.factory.base["dtype"]
@@ -62,7 +65,12 @@ class LLMEngine(RolloutAPI):
         resolve_max_model_len(config, self.args)
         worker_cls = worker_class(config.parallel.worker_extension_cls)  # a bad path fails before ranks start
         self._driver = None  # rank 0 of a tensor-parallel engine, once every rank is built: the other ranks
-        driver = lockstep.launch(config, self.device) if self.tp.world > 1 and tp_rank == 0 else None
+        driver = None
+        if self.tp.world > 1 and tp_rank == 0:
+            if start_ranks is None:
+                raise BiEngineError(f"parallel.tensor_parallel_size is {self.tp.world}: the other ranks are started by "
+                                    "bi_core.build_engine (LLMEngine(config) builds one rank); build it with that")
+            driver = start_ranks(config, self.device)
         if driver is not None:
             atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
         # Triton compiles from a recorded manifest, in a thread pool while the weights are built
@@ -78,7 +86,7 @@ class LLMEngine(RolloutAPI):
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
-        self.worker = worker_cls(self)  # what collective_rpc calls methods of (bi_core/rl/worker.py)
+        self.worker = worker_cls(self)  # what collective_rpc calls methods of (bi_core/rl/collective_rpc.py)
         self.num_steps = 0
         self.overlap = Overlap(self.scheduler, self.strategy, self.runner, enabled=config.graph.overlap)
         self.warmup = None

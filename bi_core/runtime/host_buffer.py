@@ -2,9 +2,9 @@
 
 Level 1 sleep (RL: a colocated trainer takes the GPU between rollouts) copies every weight to host
 memory and back at wake. Pinning the host side is what costs: a pinned tensor per weight was slow
-(``cudaHostAlloc`` zeroes and locks every page; dev/benchmarks-history.md section 17), and torch's pinned
-allocator rounds each block up to a power of two, so a 35B-A3B model (67 GB) could ask for much
-more than its size of a 128 GiB host. Here one plain allocation of exactly the weights' bytes is
+(``cudaHostAlloc`` zeroes and locks every page; dev/benchmarks-history.md), and torch's pinned
+allocator rounds each block up to a power of two, so a model near half the host's memory could
+ask for more than the host has. Here one plain allocation of exactly the weights' bytes is
 registered with CUDA (``cudaHostRegister``) at the first sleep and kept for the next ones: only the
 first sleep pays the pinning, later ones just copy. A level-2 sleep (weights dropped) lets go of
 the buffer, as does the engine's end (the registration is undone when the buffer is collected)."""

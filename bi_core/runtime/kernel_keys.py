@@ -6,8 +6,9 @@ it computes the callee's key. The first kernel to reach a helper that reads cons
 therefore leaves them out of its key, and every later kernel includes them. ``e4m3.quant_group``
 (it reads ``_FP8_MAX`` and ``_FP8_EPS``) is called by ``fp8._quant_kernel`` and
 ``norm._rms_norm_kernel``: a recording start launched the norm first, a replaying start keyed the
-quantizer first, so each keyed the other's kernel differently, and 17 of the FP8 35B manifest's 84
-entries were refused as stale (benchmarks section 45). Triton 3.9 computes the callee's key first.
+quantizer first, so each keyed the other's kernel differently, and a fifth of the FP8 35B
+manifest's entries were refused as stale (dev/benchmarks-history.md). Triton 3.9 computes the
+callee's key first.
 
 ``settle`` computes the key of every ``@triton.jit`` function in ``bi_core.kernels`` callees
 first, so that each kernel's key holds all its globals, as Triton 3.9's would. Keys are cached on

@@ -29,10 +29,10 @@ from __future__ import annotations
 import attrs
 
 from bi_core.ops.sampling import device_sampled
-from bi_core.runtime.runner import Landing, ModelRunner, StepOutput
+from bi_core.runtime.runner import ModelRunner
 from bi_core.runtime.scheduler import Scheduler
 from bi_core.runtime.sequence import Status
-from bi_core.runtime.step import StepPlan
+from bi_core.runtime.step import Landing, StepOutput, StepPlan
 
 
 @attrs.define

@@ -55,8 +55,8 @@ class PrefixCache:
         self.nodes: dict[tuple, Node] = {}
         # eviction candidates: (tick, node) for every leaf, least recently used first; entries go
         # stale (the node used again, given a child, or removed) and are skipped when popped, so an
-        # eviction costs O(pages freed + leaves in use), not a scan of every cached page (which took
-        # 4 ms a call at 64k cached pages on the 35B's 32k bench: benchmarks section 37)
+        # eviction costs O(pages freed + leaves in use), not a scan of every cached page (a scan
+        # grew with the cache until it held up graphed steps on the host: dev/benchmarks-history.md)
         self._clock = count(1)
         self._pushes = count()  # ties between two entries of one node never compare the nodes
         self._leaves: list[tuple[int, int, Node]] = []

@@ -2,97 +2,29 @@
 
 It owns the model, the cache tensors, the graph runners (one for the main model, one for the MTP
 head) and batch packing; strategies hand it a ``Forward`` (which tokens of which sequences, from
-which positions, which rows to sample) and get a ``StepOutput`` back. It never writes sequence
+which positions, which rows to sample) and get a ``StepOutput`` back (the values: ``step.py``). It never writes sequence
 state: what a step did to each sequence is the strategy's ``StepCommit``, applied by the
 scheduler (``Scheduler.update``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import attrs
 import torch
 
 from bi_core.ops.context import ForwardContext, GraphShape
-from bi_core.ops.graph_runner import GraphRunnerSpec
 from bi_core.ops.sampling import device_sampled, mix_seed
 from bi_core.runtime import gc_heap
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.graphs import GraphRunnerSpec, graph_runner
 from bi_core.runtime.host_buffer import HostBuffer
 from bi_core.runtime.sampling_batch import sampling_batch
 from bi_core.runtime.sequence import Sequence
+from bi_core.runtime.step import Forward, Landing, Sampled, SeqRows, StepOutput
 
 SCORE_BLOCK = 256  # logits rows computed at once when scoring
-Sampled = tuple[int, float, "dict[int, float] | None"]  # (token, logprob, top-N dict) as Sequence.append takes
-
-
-@attrs.frozen
-class SeqRows:
-    """One sequence's part of a forward: ``tokens`` at positions ``start...`` (GDN in the
-    recurrent form when ``recurrent``); the logits of ``logits_rows`` (offsets into ``tokens``)
-    are computed, and sampled on the device when ``sample`` (row r keyed by the sequence's seed
-    and position ``start + r + 1``, the position of the token it samples)."""
-
-    seq: Sequence
-    tokens: list[int]
-    start: int
-    recurrent: bool
-    logits_rows: tuple[int, ...] = ()
-    sample: bool = False
-
-    @property
-    def sample_positions(self) -> list[int]:
-        return [self.start + r + 1 for r in self.logits_rows]
-
-
-@attrs.frozen
-class Forward:
-    """One model call: ``rows`` laid end to end. ``head="mtp"``: the MTP head, whose per-token
-    input ``hidden`` pairs with the tokens. ``ids_from``: a token staged as ``-1 - i`` is token i
-    of this device tensor (a previous step's samples, or drafts not yet on the host: a step
-    launched before those tokens reach the host; ``runtime.batch.gather_ids``)."""
-
-    rows: list[SeqRows]
-    head: Literal["model", "mtp"] = "model"
-    hidden: torch.Tensor | None = None
-    ids_from: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.rows)
-
-
-@attrs.frozen
-class StepOutput:
-    """What a forward returns: every token's hidden state, the logits of the rows it was asked
-    for, and (when rows were sampled on the device) their samples [R, 2] float64 (token,
-    logprob). ``offsets[i]``: the first flat row of ``rows[i]``. ``graph``: the shape of the CUDA
-    graph it replayed, or None (eager)."""
-
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    samples: torch.Tensor | None
-    offsets: list[int]
-    graph: GraphShape | None = None
-    routed: torch.Tensor | None = None  # [moe layers, tokens, k] expert ids, when a row asked for them
-    input_ids: torch.Tensor | None = None  # the step's token ids on the device (staged ones gathered)
-
-
-@attrs.define
-class Landing:
-    """A device tensor on its way to pinned host memory: a step's samples (overlapped decode),
-    MTP drafts."""
-
-    device: torch.Tensor  # the source (a step's samples [R, 2], a graph's static output; MTP draft ids)
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def wait(self) -> torch.Tensor:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host
 
 
 class HeadSteps:
@@ -120,13 +52,13 @@ class HeadSteps:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager, build_graphs: Callable[[GraphRunnerSpec], object],
-                 spec: GraphRunnerSpec, *, with_mtp_graphs: bool = False) -> None:
-        """``build_graphs(spec)``: the selected graph-runner op (eager or CUDA graphs)."""
+    def __init__(self, model, cache: CacheManager, spec: GraphRunnerSpec, *, with_mtp_graphs: bool = False) -> None:
+        """``spec``: how the main model's steps are launched (eager, CUDA graphs or their rerun
+        mode: ``runtime/graphs``); the MTP head's runner follows it (``mtp_graph_spec``)."""
         self.model, self.cache, self.spec = model, cache, spec
         self.device = spec.device
-        self.main_graphs = build_graphs(spec)
-        self.mtp_graphs = build_graphs(mtp_graph_spec(spec)) if with_mtp_graphs else None
+        self.main_graphs = graph_runner(spec)
+        self.mtp_graphs = graph_runner(mtp_graph_spec(spec)) if with_mtp_graphs else None
         self.sleeping: set[str] = set()  # what sleep released and wake_up has not restored: weights, kv_cache
         self.sleep_level = 0
         self._host: HostBuffer | None = None  # level 1's host copy of the weights, kept between sleeps
@@ -216,7 +148,7 @@ class ModelRunner:
     def head_program(self, name: str, steps: list[Forward], inputs: tuple[torch.Tensor, ...],
                      body: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """MTP head steps and the device work between them as one program, one CUDA graph where
-        the head's graphs are captured (``CudaGraphRunnerImpl.program``, under ``name``): each of
+        the head's graphs are captured (``CudaGraphRunner.program``, under ``name``): each of
         ``steps`` (uniform head steps; their token ids are placeholders) is packed into its
         graph's static buffers, then ``body(head, ctxs, *inputs)`` runs on the device: ``head``
         a ``HeadSteps``, ``ctxs`` the steps' static contexts. ``inputs``: the device tensors the
@@ -367,7 +299,7 @@ class ModelRunner:
     def _drop_graphs(self) -> None:
         """Forget every captured graph (they replay the addresses of the weights and caches they
         were captured with); the next uniform steps capture again. The graph runners themselves
-        stay: the op factory memoises them, so "building" one again would return the same."""
+        stay (their buckets and counters)."""
         for graphs in filter(None, (self.main_graphs, self.mtp_graphs)):
             graphs.release()
         gc_heap.collect(refreeze=True)
@@ -429,7 +361,8 @@ def mtp_graph_spec(spec: GraphRunnerSpec) -> GraphRunnerSpec:
     """The MTP head's graph runner: uniform steps (catch-up after a verify, chain steps) and,
     where the main model replays a prompt piece alone (``mixed_decode_rows`` off: MTP's lone
     prompt graphs), the head's catch-up over that piece at the same sizes, so a prompt's step
-    launches no eager head (measured: dev/benchmarks-history.md sections 29 and 30)."""
+    launches no eager head (an eager head's launches outlasted the graphed piece:
+    dev/benchmarks-history.md)."""
     return attrs.evolve(spec, name="mtp", prompt_chunk=0 if spec.mixed_decode_rows else spec.prompt_chunk,
                         mixed_decode_rows=False)
 

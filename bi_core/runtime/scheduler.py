@@ -146,8 +146,8 @@ class Scheduler:
         partial = sorted((s for s in self.running if s.status is Status.RUNNING and not s.fork_pending
                           and not s.is_decoding), key=lambda s: s.request_id)
         # the queue is in request-id order: merge it with the partial prompts, and stop reading it
-        # once admissions stop or the budget is spent (a scan of the whole queue each step cost
-        # 18 ms at 20,000 queued requests)
+        # once admissions stop or the budget is spent (a scan of the whole queue each step grew
+        # with the queue until a deep one held up every step on the host)
         admitting, p, i, passed = True, 0, 0, 0
         while True:
             admitting = admitting and self.num_preemptions == preempted
@@ -169,7 +169,7 @@ class Scheduler:
                     budget -= n
                 else:  # its chunk does not fit what is left: the ones behind it go on, up to
                     # max_num_seqs of them a step (each is a prefix lookup: a step that tried every
-                    # long prompt of a 5,000-deep queue spent 31 ms on the host)
+                    # long prompt of a deep queue held up the device on the host)
                     i, passed = i + 1, passed + 1
                     admitting = passed < self.config.max_num_seqs
 

@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 
 from bi_core.runtime.detokenize import TextStream
-from bi_core.runtime.params import SamplingParams
+from bi_core.runtime.sampling_params import SamplingParams
 
 __all__ = ["RequestOutput", "SamplingParams", "ScoreOutput", "Sequence", "Status", "request_output"]
 

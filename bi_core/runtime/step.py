@@ -1,17 +1,28 @@
-"""The values a step passes between its parts: a strategy's plan, the runner's output, and the
-commit that says what the step did to each sequence (applied by ``Scheduler.update`` alone)."""
+"""The values a step passes between its parts, in the order a step makes them: the scheduler's
+rows (``Scheduled``), a strategy's plan and the model call in it (``StepPlan``, ``Forward`` of
+``SeqRows``), the runner's output (``StepOutput``, samples on their way to the host: ``Landing``),
+and the commit that says what the step did to each sequence (``StepCommit`` of ``SeqCommit``,
+applied by ``Scheduler.update`` alone). Behaviour lives with the parts (``scheduler.py``,
+``runner.py``, ``strategies/``); these are data."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 import numpy as np
+import torch
 
-from bi_core.runtime.runner import Forward, Sampled
+from bi_core.ops.context import GraphShape
 from bi_core.runtime.sequence import Sequence
+
+Sampled = tuple[int, float, "dict[int, float] | None"]  # (token, logprob, top-N dict) as Sequence.append takes
 
 
 @attrs.frozen
 class Scheduled:
+    """One sequence's part of a step as the scheduler placed it."""
+
     seq: Sequence
     num_tokens: int  # tokens of this sequence processed in this step
 
@@ -32,6 +43,73 @@ class Scheduled:
 def runs_recurrent(num_computed: int, num_tokens: int, exact_continuation: bool = False) -> bool:
     """``Scheduled.recurrent`` from its facts (the trainer's layout of a batch follows it too)."""
     return num_computed > 0 and (num_tokens == 1 or exact_continuation)
+
+
+@attrs.frozen
+class SeqRows:
+    """One sequence's part of a forward: ``tokens`` at positions ``start...`` (GDN in the
+    recurrent form when ``recurrent``); the logits of ``logits_rows`` (offsets into ``tokens``)
+    are computed, and sampled on the device when ``sample`` (row r keyed by the sequence's seed
+    and position ``start + r + 1``, the position of the token it samples)."""
+
+    seq: Sequence
+    tokens: list[int]
+    start: int
+    recurrent: bool
+    logits_rows: tuple[int, ...] = ()
+    sample: bool = False
+
+    @property
+    def sample_positions(self) -> list[int]:
+        return [self.start + r + 1 for r in self.logits_rows]
+
+
+@attrs.frozen
+class Forward:
+    """One model call: ``rows`` laid end to end. ``head="mtp"``: the MTP head, whose per-token
+    input ``hidden`` pairs with the tokens. ``ids_from``: a token staged as ``-1 - i`` is token i
+    of this device tensor (a previous step's samples, or drafts not yet on the host: a step
+    launched before those tokens reach the host; ``runtime.batch.gather_ids``)."""
+
+    rows: list[SeqRows]
+    head: Literal["model", "mtp"] = "model"
+    hidden: torch.Tensor | None = None
+    ids_from: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+
+@attrs.frozen
+class StepOutput:
+    """What a forward returns: every token's hidden state, the logits of the rows it was asked
+    for, and (when rows were sampled on the device) their samples [R, 2] float64 (token,
+    logprob). ``offsets[i]``: the first flat row of ``rows[i]``. ``graph``: the shape of the CUDA
+    graph it replayed, or None (eager)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    samples: torch.Tensor | None
+    offsets: list[int]
+    graph: GraphShape | None = None
+    routed: torch.Tensor | None = None  # [moe layers, tokens, k] expert ids, when a row asked for them
+    input_ids: torch.Tensor | None = None  # the step's token ids on the device (staged ones gathered)
+
+
+@attrs.define
+class Landing:
+    """A device tensor on its way to pinned host memory: a step's samples (overlapped decode),
+    MTP drafts."""
+
+    device: torch.Tensor  # the source (a step's samples [R, 2], a graph's static output; MTP draft ids)
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
 
 
 @attrs.define
@@ -75,6 +153,8 @@ class Fork:
 
 @attrs.frozen
 class StepCommit:
+    """What one step did: each sequence's commit, the known tokens it scored, the forks it made."""
+
     seqs: list[SeqCommit]
     scores: list[tuple[Sequence, float, dict[int, float]]] = attrs.field(factory=list)  # scored known tokens
     forks: list[Fork] = attrs.field(factory=list)

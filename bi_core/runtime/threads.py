@@ -6,9 +6,9 @@
   commit 55704a2, which added this module). So the engine process takes the cores it may run on
   but one (split between its ranks with tensor parallelism), the HTTP process one thread.
 - A GPU engine, once built (its weights loaded: a load's CPU work keeps the default): one thread,
-  as vLLM's processes run. Its OpenMP threads spun beside the launching thread: 187-267 ms of CPU
-  over a 250-ms eager prefill pass of the 35B-A3B shape, and none with one thread, at the same wall
-  time on that machine (section 42)."""
+  as vLLM's processes run. Its OpenMP threads spun beside the launching thread, burning CPU for
+  most of an eager prefill pass, where one thread burned none at the same wall time
+  (dev/benchmarks-history.md)."""
 
 from __future__ import annotations
 

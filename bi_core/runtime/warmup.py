@@ -2,7 +2,7 @@
 the first request, so none of that lands inside a running batch.
 
 Without it, graph captures and Triton compiles inside prompt and mixed steps took most of a
-throughput run's time on an H200 (dev/benchmarks-history.md section 8). Triton specializes integer
+throughput run's time (dev/benchmarks-history.md). Triton specializes integer
 arguments by value (== 1, divisible by 16), so the dummy prompts below give first steps of each
 kind: one sequence over a whole chunk, sixteen sequences filling a chunk (the default backend's
 fla kernels compiled new variants for 16 x 512 after the other waves), sixteen short ones, a few

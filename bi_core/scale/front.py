@@ -1,5 +1,5 @@
 """The control front of a deployment (``--control-port``): the RL control routes of a lone server
-(``bi_core.serve.control``: vLLM's and SGLang's names), each fanned out to every replica that is
+(``bi_core.serve.control_routes``: vLLM's and SGLang's names), each fanned out to every replica that is
 up (``fanout.py``), plus what only the deployment knows: ``GET /replicas`` (the supervisor's view:
 each replica's URL, state, restarts, failures), ``GET /health`` and ``GET /get_world_size``.
 Generation goes to the router's port, never here.
@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bi_core.scale import fanout
 from bi_core.scale.supervisor import Supervisor
+from bi_core.serve.api_errors import ApiError, error_response
 from bi_core.serve.auth import Guard
-from bi_core.serve.errors import ApiError, error_response
 
 # (methods, path) fanned out as they come
 FANNED = (

@@ -1,8 +1,9 @@
 """``bi-engine serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
 
-Two processes: this one runs the HTTP front (``app.py``: routes, OpenAI formats, errors;
-``protocol.py``: request models; ``native.py``: SGLang's ``/generate``; ``control.py`` and
-``control_bodies.py``: the RL control routes of vLLM and SGLang; ``auth.py``: who may call which
+Two processes: this one runs the HTTP front (``app.py``: routes; ``server.py``: what they share;
+``formats.py``, ``api_errors.py``: OpenAI formats and errors; ``openai_protocol.py``: request models;
+``native.py``: SGLang's ``/generate``; ``control_routes.py`` and ``control_bodies.py``: the RL
+control routes of vLLM and SGLang; ``router_routes.py``: what routers read; ``auth.py``: who may call which
 route (docs/security.md); ``dev.py``: vLLM's dev-mode ``/collective_rpc``; ``metrics.py``:
 Prometheus; ``client.py``: the engine process's handle), and the engine process runs the engine
 loop (``loop.py``, its control calls in ``loop_control.py``), so HTTP work never holds the engine's

@@ -23,7 +23,7 @@ import secrets
 
 import attrs
 
-from bi_core.serve.errors import ApiError
+from bi_core.serve.api_errors import ApiError
 
 OPEN_PATHS = ("/health", "/metrics")  # prefixes, as SGLang's (/health_generate too)
 CONTROL_PATHS = frozenset({

@@ -16,15 +16,15 @@ from fastapi.responses import StreamingResponse
 
 from bi_core.errors import CheckpointError
 from bi_core.serve import formats
+from bi_core.serve.api_errors import ApiError, output_failure
 from bi_core.serve.client import Delta
-from bi_core.serve.errors import ApiError, output_failure
-from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from bi_core.serve.app import Server, _Choice
+    from bi_core.serve.server import Choice, Server
 
 
-def weight_metadata(choices: list[_Choice]) -> dict:
+def weight_metadata(choices: list[Choice]) -> dict:
     """SGLang's top-level ``metadata`` of an OpenAI response: the weight version of its first choice
     (the version that finished it; before it finished, the one it started with). A string, as
     SGLang's is and as the openai SDK types metadata values; ``/generate`` keeps the integer."""
@@ -61,7 +61,7 @@ def encode(server: Server, prompt: str | list[int], param: str = "prompt") -> li
     return ids
 
 
-def _usage(choices: list[_Choice], n: int) -> dict:
+def _usage(choices: list[Choice], n: int) -> dict:
     firsts = choices[::n]  # a prompt counts once, whatever n
     cached = sum(c.output.num_cached_tokens for c in firsts) if all(c.output for c in firsts) else None
     return formats.usage(sum(c.prompt_tokens for c in firsts),
@@ -86,7 +86,7 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
     jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens", "prompt"),
                                       req.logprobs, num_computed)) for ids in prompts]
 
-    def choice(c: _Choice) -> dict:
+    def choice(c: Choice) -> dict:
         o, j = c.output, c.index // req.n
         text = o.text or ""
         if req.echo:  # the prompt as sent, or the text of its ids
@@ -129,7 +129,7 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     ends = () if params.ignore_eos else turn_end
     jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends))]
 
-    def choice(c: _Choice) -> dict:
+    def choice(c: Choice) -> dict:
         o = c.output
         lp = (formats.chat_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
                                     req.top_logprobs or 0, req.return_tokens_as_token_ids) if req.logprobs else None)
@@ -160,15 +160,15 @@ async def _respond(server: Server, req, request: Request, jobs: list, choice, *,
                             metadata=weight_metadata(choices))
 
 
-def _stream(server: Server, queue: asyncio.Queue, choices: list[_Choice], req, rid: str, chat: bool):
+def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, rid: str, chat: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
     tok, as_ids = server.tokenizer, req.return_tokens_as_token_ids
 
-    def running_usage(c: _Choice) -> dict:
+    def running_usage(c: Choice) -> dict:
         """vLLM's continuous usage: the choice's prompt and its tokens so far."""
         return formats.usage(c.prompt_tokens, c.tokens_sent)
 
-    def chunk(c: _Choice, delta: Delta | None, text: str, finish: str | None) -> dict:
+    def chunk(c: Choice, delta: Delta | None, text: str, finish: str | None) -> dict:
         if chat:
             lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0,
                                         as_ids) if req.logprobs and delta is not None and delta.token_ids else None)

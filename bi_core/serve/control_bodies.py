@@ -1,4 +1,4 @@
-"""The request bodies of the RL control routes (``control.py``): vLLM's and SGLang's fields, each
+"""The request bodies of the RL control routes (``control_routes.py``): vLLM's and SGLang's fields, each
 refused with a reason when it asks for what this engine does not do (a no-op value is taken)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from bi_core.serve.protocol import STRICT
+from bi_core.serve.openai_protocol import STRICT
 
 WAKE_TAGS = ("weights", "kv_cache")  # vLLM's wake_up tags; SGLang's memory-occupation tags, as far as they go
 DEFAULT_GROUP = "weight_update_group"

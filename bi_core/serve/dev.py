@@ -4,7 +4,7 @@ they run code the client chooses; without it they answer 404, as any unknown pat
 
 ``POST /collective_rpc`` ``{"method": str, "args": [str, ...], "kwargs": {str: str}, "timeout":
 float | null}`` calls ``method`` of every tensor-parallel rank's worker (``LLMEngine.collective_rpc``;
-``bi_core/rl/worker.py``) and answers ``{"results": [...]}``, one per rank in rank order: None, an
+``bi_core/rl/collective_rpc.py``) and answers ``{"results": [...]}``, one per rank in rank order: None, an
 object or a list as the method returned it, anything else its ``str()``. Arguments are strings only
 (vLLM's rule: the method parses them). A body without ``method`` is a 400 ``Missing 'method' in
 request body``; an unknown or private method a 400 naming it; a method that raised (naming the
@@ -18,9 +18,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
 from bi_core.config import ServeConfig
-from bi_core.serve.errors import ApiError
+from bi_core.serve.api_errors import ApiError
 from bi_core.serve.messages import CollectiveRpc
-from bi_core.serve.protocol import STRICT
+from bi_core.serve.openai_protocol import STRICT
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 

@@ -17,9 +17,9 @@ from pydantic import Field, field_validator
 
 from bi_core import __version__
 from bi_core.errors import CheckpointError
+from bi_core.serve.api_errors import ApiError
 from bi_core.serve.completions import encode
-from bi_core.serve.errors import ApiError
-from bi_core.serve.protocol import STRICT, ChatMessage, TextBody, only
+from bi_core.serve.openai_protocol import STRICT, ChatMessage, TextBody, only
 
 
 class TokenizeRequest(TextBody):

@@ -4,7 +4,7 @@ process (``client.py``) talks to it over a pipe.
 Why a process of its own: an HTTP front formatting hundreds of streams (JSON, SSE, logprob dicts)
 holds the GIL, and an engine thread sharing that GIL waits for it at every torch call that
 releases and re-takes it; with one process, HTTP cost a growing share of the Python API's time as
-streams were added (dev/benchmarks-history.md section 7; section 7b measures this design). Here the
+streams were added (dev/benchmarks-history.md measures both designs). Here the
 engine's process runs nothing but the loop, on the main thread that built the engine (torch's CPU
 thread pool belongs to it). The pipe carries token ids, logprobs and the engine's incremental
 text: one message per step with every stream's delta, polled between steps (no thread in this

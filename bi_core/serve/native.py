@@ -41,8 +41,8 @@ from pydantic import ValidationError
 
 from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import formats
+from bi_core.serve.api_errors import ApiError, output_failure, validation_error
 from bi_core.serve.client import Delta
-from bi_core.serve.errors import ApiError, output_failure, validation_error
 from bi_core.serve.native_protocol import REQUEST_MODELS, GenerateRequest, GenerateSamplingParams
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default

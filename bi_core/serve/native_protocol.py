@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from bi_core.serve.protocol import MAX_N, STRICT, TextBody, only
+from bi_core.serve.openai_protocol import MAX_N, STRICT, TextBody, only
 
 NOT_IMPLEMENTED = "not implemented by this engine"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from bi_core.hookspecs import hookimpl
-from bi_core.runtime.runner import Forward, SeqRows, StepOutput, rows_of
+from bi_core.runtime.runner import rows_of
 from bi_core.runtime.sequence import Status
-from bi_core.runtime.step import Scheduled, SeqCommit, StepCommit, StepPlan
+from bi_core.runtime.step import Forward, Scheduled, SeqCommit, SeqRows, StepCommit, StepOutput, StepPlan
 from bi_core.strategies.base import Strategy
 
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from bi_core.runtime.step import Fork, Scheduled, StepCommit, StepPlan
+from bi_core.runtime.step import Fork, Scheduled, StepCommit, StepOutput, StepPlan
 
 if TYPE_CHECKING:
     from bi_core.config import EngineConfig
-    from bi_core.runtime.runner import ModelRunner, StepOutput
+    from bi_core.runtime.runner import ModelRunner
 
 
 class Strategy(abc.ABC):

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Landing
+from bi_core.runtime.step import Landing
 
 
 @attrs.define
@@ -63,8 +63,8 @@ class ForcedDrafts:
     """Forced drafts (a ``draft_override``'s: benchmarks, audits) written over the head's on the
     device. Every row forced: one copy from a page-locked staging buffer straight into the ids
     (the buffer is reused once its last copy is done), so the bench measures the engine, not its
-    own hook (two uploads and an index copy cost the host more: dev/benchmarks-history.md sections 29
-    and 30). Some rows forced: the rows with a flag column, one upload and a select."""
+    own hook (two uploads and an index copy cost the host more: dev/benchmarks-history.md). Some
+    rows forced: the rows with a flag column, one upload and a select."""
 
     def __init__(self, num_spec: int, max_rows: int) -> None:
         self.num_spec, self.max_rows = num_spec, max_rows

@@ -57,9 +57,18 @@ from bi_core.errors import ConfigError
 from bi_core.hookspecs import hookimpl
 from bi_core.ops.context import GraphShape
 from bi_core.runtime.batch import to_device
-from bi_core.runtime.runner import Forward, HeadSteps, SeqRows, StepOutput, rows_of
+from bi_core.runtime.runner import HeadSteps, rows_of
 from bi_core.runtime.sequence import Sequence, Status
-from bi_core.runtime.step import Fork, Scheduled, SeqCommit, StepCommit, StepPlan
+from bi_core.runtime.step import (
+    Fork,
+    Forward,
+    Scheduled,
+    SeqCommit,
+    SeqRows,
+    StepCommit,
+    StepOutput,
+    StepPlan,
+)
 from bi_core.strategies.base import Strategy
 from bi_core.strategies.drafts import DraftLimits, ForcedDrafts, Lease, OnDevice
 
@@ -406,7 +415,7 @@ class MTPStrategy(Strategy):
         for j in range(1, self.num_spec):  # each step's token: the previous step's draft, on the device
             positions = [q + 1 for q in positions]
             # steps after the first advance the last one's graph inputs on the device: packing a
-            # step on the host took longer than the step (benchmarks sections 19 and 21)
+            # step on the host took longer than the step (dev/benchmarks-history.md)
             out = self.runner.advance_mtp(ids[:, j - 1], last) if j > 1 else None
             if out is None:
                 out = self._mtp([SeqRows(seq, [-1 - i], q, True, (0,)) for i, (seq, q) in enumerate(zip(seqs, positions))],

@@ -230,14 +230,14 @@ def kernels_per_decode_step(engine: LLMEngine, seqs) -> tuple[int, float]:
     only when their outputs no longer matter (after timing)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bi_core.runtime.runner import Forward, SeqRows
+    from bi_core.runtime.graphs import graph_runner
+    from bi_core.runtime.step import Forward, SeqRows
 
     # the last computed position again (its KV page exists in every mode; the KV write repeats it),
     # eagerly (graphs off for this call), sampling on the device like a graph
     rows = [SeqRows(s, [s.all_ids[s.num_computed - 1]], s.num_computed - 1, True, (0,), True) for s in seqs]
     runner = engine.runner
-    graphs, runner.main_graphs = runner.main_graphs, engine.factory.build(
-        "graph_runner", attrs.evolve(runner.spec, use_graphs=False))
+    graphs, runner.main_graphs = runner.main_graphs, graph_runner(attrs.evolve(runner.spec, use_graphs=False))
     torch.cuda.synchronize()
     try:
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -271,8 +271,8 @@ def bench_decode(engine: LLMEngine, batch: int, context_len: int, steps: int, ba
 
 def host_bound_note(ms_per_step: float, kernel_ms: float | None) -> str:
     """A warning when a timed step (or prefill pass) takes well over its kernels' device time: the
-    device waited for the host (a graphed step whose planning is slow, section 37's prefix-cache
-    eviction; the eager prefill's launches, section 41)."""
+    device waited for the host (a graphed step whose planning is slow, as the prefix cache's
+    eviction once was; the eager prefill's launches: dev/benchmarks-history.md)."""
     if not kernel_ms or ms_per_step <= HOST_BOUND_RATIO * kernel_ms:
         return ""
     return (f"  HOST-BOUND? {ms_per_step / kernel_ms:.2f}x its kernels' {kernel_ms:.2f} ms "

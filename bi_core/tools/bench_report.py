@@ -178,7 +178,7 @@ def bench_transformers(cfg: EngineConfig, batch_sizes=(1, 16), prompt_len: int =
 def print_comparisons(results: list[dict]) -> None:
     """Every config's figures against the first's: decode step time, throughput, and the prefill's
     median pass time beside its device time (a pass's wall time also moves with the host's pace:
-    benchmarks section 40)."""
+    dev/benchmarks-history.md)."""
     base = results[0]
     for other in results[1:]:
         print(f"== {other['label']} vs {base['label']}")

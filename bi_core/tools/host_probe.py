@@ -1,5 +1,6 @@
 """Where a timed pass's host time went, beside its wall time (the eager prefill is host-bound, and
-its wall time moved 255-423 ms between processes over the same 239 ms of kernels, section 42):
+its wall time moved by more than half between processes over the same kernels:
+dev/benchmarks-history.md):
 
 - the launching thread's CPU time (a CUDA wait spins, so it counts there too);
 - the other threads' CPU time by name: a busy thread competes for the GIL or a core;
@@ -21,7 +22,7 @@ import torch
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """Each thread of this process: its name and CPU seconds (user + system) so far, from
-    /proc/self/task (clock ticks, 10 ms); {} where there is no /proc."""
+    /proc/self/task (in clock ticks); {} where there is no /proc."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     try:
         tids = os.listdir("/proc/self/task")

@@ -82,8 +82,8 @@ def fuse_fp8(param: torch.nn.Parameter, pieces: tuple[Piece, ...], tensors: dict
     """An FP8 engine parameter (float8 values, float32 block scales) from its HF tensors, as the
     engine's loader makes it at a weight sync: each tensor rounded to the model dtype and quantized
     per 128x128 block on its own, values and scales placed (``models/loader.py`` ``_copy``)."""
-    from bi_core.quant.fp8 import FP8, quantize_blocks, scale_shape
-    from bi_core.quant.placement import block_index
+    from bi_core.quant.fp8_loading import block_index
+    from bi_core.quant.fp8_numerics import FP8, quantize_blocks, scale_shape
 
     block, device = param.fp8.block, tensors[pieces[0].hf_name].device
     shape = tuple(param.shape)

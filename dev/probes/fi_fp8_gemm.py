@@ -42,7 +42,7 @@ def invariance(fi_gemm, n: int, k: int, wq, ws, dev) -> None:
     or the comparison has no teeth), and cuBLAS's bf16 GEMM on the dequantized weight (whose rows
     were invariant at 4 of 5 shapes on an H200: it proves little alone)."""
     from bi_core.kernels.fp8 import fp8_config, fp8_gemm, quantize_act
-    from bi_core.quant.fp8 import dequantize_blocks
+    from bi_core.quant.fp8_numerics import dequantize_blocks
 
     pool = torch.randn(1024, k, device=dev, dtype=torch.bfloat16)
     xq, xs = quantize_act(pool)
@@ -68,9 +68,9 @@ def main() -> None:
         return
     from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
-    from bi_core.backends.cuda_common.ops import fi_act_scales
+    from bi_core.backends.cuda_common.kernel_calls import fi_act_scales
     from bi_core.kernels.fp8 import fp8_gemm, fp8_linear, quantize_act
-    from bi_core.quant.fp8 import dequantize_blocks, quantize_blocks
+    from bi_core.quant.fp8_numerics import dequantize_blocks, quantize_blocks
 
     sys.path.insert(0, "benchmarks")
     from fp8_kernel_bench import timed_us

@@ -317,7 +317,7 @@ def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
 
     import attrs
 
-    from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+    from bi_core.runtime.graphs import CudaGraphRunner
 
     needle = torch.randint(0, 248320, (600,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -328,7 +328,7 @@ def test_mtp_head_prompt_graphs_bitwise_equal_the_eager_head():
         graphs = eng.runner.mtp_graphs
         assert graphs.spec.prompt_chunk == 256 and graphs.lone_sizes == [64, 128, 256]
         if head == "eager":
-            graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(attrs.evolve(graphs.spec, prompt_chunk=0))
+            graphs = eng.runner.mtp_graphs = CudaGraphRunner(attrs.evolve(graphs.spec, prompt_chunk=0))
             eng.overlap.behind = False
         elif head == "reversed rows":
             reverse_prompt_piece_rows(graphs)

@@ -1,5 +1,5 @@
 """FlashInfer's block-FP8 GEMM for Hopper (``fp8_blockscale_gemm_sm90``) as the default backend's
-FP8 linear from ops.FI_FP8_MIN_ROWS rows: its numbers against the Triton GEMM's on the same
+FP8 linear from kernel_calls.FI_FP8_MIN_ROWS rows: its numbers against the Triton GEMM's on the same
 quantized rows, its rows' bits at M = 1..1024 and under a permutation (the record for a later use
 in the invariant backend; the negative control, a GEMM whose split count follows M, must fail the
 same check), and a default-mode FP8 engine with graphs that runs it."""
@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_config
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.backends.cuda_common import ops
+from bi_core.backends.cuda_common import kernel_calls
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,14 +24,14 @@ SHAPES = [(2048, 2048), (4096, 2048), (2048, 512), (12352, 2048)]  # the 35B-A3B
 
 
 def weights(n, k):
-    from bi_core.quant.fp8 import quantize_blocks
+    from bi_core.quant.fp8_numerics import quantize_blocks
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
     return quantize_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))
 
 
 def fi_gemm(xq, xs, wq, ws):
-    return fi.fp8_blockscale_gemm_sm90(xq, wq, ops.fi_act_scales(xs), ws, out_dtype=torch.bfloat16)
+    return fi.fp8_blockscale_gemm_sm90(xq, wq, kernel_calls.fi_act_scales(xs), ws, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -39,18 +39,18 @@ def test_flashinfer_linear_is_the_triton_linear_up_to_a_rounding(n, k):
     from bi_core.kernels.fp8 import quantize_act
 
     wq, ws = weights(n, k)
-    for m in (ops.FI_FP8_MIN_ROWS, 64, 257, 1024):
+    for m in (kernel_calls.FI_FP8_MIN_ROWS, 64, 257, 1024):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        want = ops.Fp8LinearImpl().forward(x, wq, ws)
-        got = ops.FlashInferFp8LinearImpl().forward(x, wq, ws)
+        want = kernel_calls.Fp8LinearImpl().forward(x, wq, ws)
+        got = kernel_calls.FlashInferFp8LinearImpl().forward(x, wq, ws)
         assert got.shape == want.shape and got.dtype == want.dtype
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         differing = float((got != want).float().mean())
         assert err < 1e-2 and differing < 0.02, (m, err, differing)
         q = quantize_act(x)  # a norm's copy: the same rows, given
-        assert torch.equal(ops.FlashInferFp8LinearImpl().forward(x, wq, ws, x_fp8=q), got)
+        assert torch.equal(kernel_calls.FlashInferFp8LinearImpl().forward(x, wq, ws, x_fp8=q), got)
         out = torch.empty_like(got)
-        assert ops.FlashInferFp8LinearImpl().forward(x, wq, ws, out=out) is out and torch.equal(out, got)
+        assert kernel_calls.FlashInferFp8LinearImpl().forward(x, wq, ws, out=out) is out and torch.equal(out, got)
 
 
 def rows_mismatch(gemm, xq, xs, sizes):
@@ -95,9 +95,9 @@ def test_default_fp8_engine_runs_flashinfer_with_graphs(monkeypatch):
     ps = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(8, 120, (72,), generator=g)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     outs = build_engine(cfg).generate(ps, params)
-    assert max(m for m, _ in calls) >= ops.FI_FP8_MIN_ROWS  # prefill
+    assert max(m for m, _ in calls) >= kernel_calls.FI_FP8_MIN_ROWS  # prefill
     assert any(captured for _, captured in calls), "no decode graph captured FlashInfer's GEMM"
-    monkeypatch.setattr(ops, "FI_FP8_MIN_ROWS", 1 << 30)  # the Triton GEMM everywhere
+    monkeypatch.setattr(kernel_calls, "FI_FP8_MIN_ROWS", 1 << 30)  # the Triton GEMM everywhere
     triton = build_engine(cfg).generate(ps, params)
     first = [float(o.token_logprobs[0]) for o in outs]
     want = [float(o.token_logprobs[0]) for o in triton]

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_grouped_mm_moe_matches_triton_moe():
-    from bi_core.backends.cuda_common.ops import GroupedMMMoEImpl, TritonMoEImpl
+    from bi_core.backends.cuda_common.kernel_calls import GroupedMMMoEImpl, TritonMoEImpl
     from bi_core.kernels.topk import softmax_topk
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The invariant backend's Triton kernels inside a whole engine, on the CPU (Triton's interpreter)
 or the GPU: a test plugin registers them without their SM90 check (GDN decode rows run the fused
 decode kernel, prefill rows the reference chunked form: fla's chunk kernel does not run in the
-interpreter) and the graph runner in its rerun mode. Decode steps, MTP verify steps and MTP head steps go through padded graph buckets; the
+interpreter) and graph steps in the rerun mode (``graph.capture: false``). Decode steps, MTP verify steps and MTP head steps go through padded graph buckets; the
 output must match the reference backend's, and MTP must emit AR's tokens. A needle prompt gives
 the same tokens and logprobs alone and inside a batch (G1, bitwise)."""
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from helpers import tiny_config
-from triton_anywhere import TritonAnywhere
+from triton_anywhere import RERUN_GRAPHS, TritonAnywhere
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.plugins import load_registry
@@ -22,7 +22,7 @@ def config(device, backend, strategy="ar", preset="tiny-moe", kv="auto"):
     strat = {"name": "mtp", "num_speculative_tokens": 2} if strategy == "mtp" else {"name": "ar"}
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": preset, "seed": 3}, "device": device.type, "max_model_len": 128},
-        backend=backend, graph={"enabled": backend != "reference"}, strategy=strat,
+        backend=backend, graph=RERUN_GRAPHS if backend != "reference" else {}, strategy=strat,
         scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32},
         cache={"kv_cache_dtype": kv}))
 
@@ -59,7 +59,7 @@ def needle_config(device, chunk: int, kv: str = "auto"):
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": "tiny-moe", "seed": 5, "num_hidden_layers": 2}, "device": device.type,
                "max_model_len": 128},
-        backend="triton_anywhere", graph={"enabled": True}, strategy={"name": "ar"},
+        backend="triton_anywhere", graph=RERUN_GRAPHS, strategy={"name": "ar"},
         scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": chunk},
         cache={"kv_cache_dtype": kv}))
 

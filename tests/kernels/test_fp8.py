@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from bi_core.quant.fp8 import over_fp8_max
+from bi_core.quant.fp8_numerics import over_fp8_max
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it without a GPU
 BLK = 128
@@ -231,7 +231,7 @@ def test_linears_write_into_columns_of_a_wider_buffer(device, m):
     no other column (the NaNs around them stay)."""
     from bi_core.kernels.fp8 import fp8_gemm, fp8_linear, quantize_act
     from bi_core.kernels.gemm import linear
-    from bi_core.quant.fp8 import quantize_blocks
+    from bi_core.quant.fp8_numerics import quantize_blocks
 
     g = torch.Generator(device="cpu").manual_seed(m)
     x = torch.randn(m, 256, generator=g).to(device=device, dtype=torch.bfloat16)

@@ -17,7 +17,12 @@ from hf_fixtures import TINY, save_checkpoint
 from safetensors.torch import load_file, save_file
 
 from bi_core.models.weight_map import weight_map
-from bi_core.quant.fp8 import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks
+from bi_core.quant.fp8_numerics import (
+    dequantize_activations,
+    dequantize_blocks,
+    quantize_activations,
+    quantize_blocks,
+)
 
 BLOCK = (128, 128)
 # the shapes of the presets tiny-*-b128, as a transformers config (vocab 300, five layers)

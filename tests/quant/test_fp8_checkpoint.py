@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 import bi_core.backends.reference.linear as reference_linear
 from bi_core import CheckpointError, ConfigError, EngineConfig, SamplingParams, build_engine
 from bi_core.models.presets import PRESETS
-from bi_core.quant.fp8 import FP8, weight_only_linear
+from bi_core.quant.fp8_numerics import FP8, weight_only_linear
 
 PROMPTS = [[(7 * i + j) % 300 for i in range(n)] for j, n in enumerate((20, 70, 1))]  # 70: two GDN chunks
 STEPS = 8
@@ -268,7 +268,7 @@ def test_compressed_tensors_per_channel_is_requantized_block_wise_when_asked(tmp
     computes block-wise FP8 only, so it refuses them unless model.quantization: fp8, which
     re-quantizes each weight block-wise on load: then the weights are bit for bit those of a
     float32 checkpoint holding the dequantized values under model.quantization: fp8."""
-    from bi_core.quant.fp8 import FP8_MAX
+    from bi_core.quant.fp8_numerics import FP8_MAX
 
     hf = make_hf_b128("moe")
     save_checkpoint(hf, tmp_path / "ct", experts="per_expert", with_mtp=True)

@@ -14,20 +14,20 @@ import types
 import pytest
 import torch
 
-from bi_core.backends.cuda_common import ops
+from bi_core.backends.cuda_common import kernel_calls
 from bi_core.backends.cuda_default.builders import DefaultLinearBuilder, flashinfer_fp8_reasons
 from bi_core.ops import LinearSpec
-from bi_core.quant.fp8 import dequantize_blocks, quantize_activations, quantize_blocks
+from bi_core.quant.fp8_numerics import dequantize_blocks, quantize_activations, quantize_blocks
 
 CUDA = torch.device("cuda")
 
 
 def test_activation_scales_in_flashinfers_layout():
     xs = torch.rand(5, 3)
-    got = ops.fi_act_scales(xs)
+    got = kernel_calls.fi_act_scales(xs)
     assert got.shape == (3, 8) and got.is_contiguous()
     assert torch.equal(got[:, :5], xs.t()) and not got[:, 5:].any()
-    assert ops.fi_act_scales(torch.rand(4, 2)).shape == (2, 4)
+    assert kernel_calls.fi_act_scales(torch.rand(4, 2)).shape == (2, 4)
 
 
 def spec(**kw) -> LinearSpec:
@@ -44,11 +44,11 @@ def test_the_builder_names_why_flashinfer_cannot_serve_a_spec(monkeypatch):
         "it writes bf16 (or fp16), the model runs torch.float32"]
     assert flashinfer_fp8_reasons(spec(out_features=320, in_features=200)) == [
         "it needs out_features % 64 == 0 and in_features % 128 == 0, not 320 x 200"]
-    assert type(DefaultLinearBuilder().build(spec())) is ops.FlashInferFp8LinearImpl
+    assert type(DefaultLinearBuilder().build(spec())) is kernel_calls.FlashInferFp8LinearImpl
     monkeypatch.setattr("bi_core.backends.cuda_default.builders.require_module",
                         lambda m: [f"package '{m}' is not installed"])
     assert flashinfer_fp8_reasons(spec()) == ["package 'flashinfer' is not installed"]
-    assert type(DefaultLinearBuilder().build(spec())) is ops.Fp8LinearImpl  # the Triton GEMM
+    assert type(DefaultLinearBuilder().build(spec())) is kernel_calls.Fp8LinearImpl  # the Triton GEMM
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def stand_in(monkeypatch):
         triton_rows.append(x.shape[0])
         return torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype) if out is None else out.zero_()
 
-    monkeypatch.setattr(ops.Fp8LinearImpl, "_gemm", triton)
+    monkeypatch.setattr(kernel_calls.Fp8LinearImpl, "_gemm", triton)
     return calls, triton_rows
 
 
@@ -88,8 +88,8 @@ def test_flashinfer_gets_our_rows_and_scales_from_min_rows_on(stand_in, silu_mul
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 384, generator=g) * 0.05
     wq, ws = quantize_blocks(w, (128, 128))
-    impl = ops.FlashInferFp8LinearImpl(silu_mul)
-    m = ops.FI_FP8_MIN_ROWS + 3
+    impl = kernel_calls.FlashInferFp8LinearImpl(silu_mul)
+    m = kernel_calls.FI_FP8_MIN_ROWS + 3
     x = torch.randn(m, 384, generator=g).to(torch.bfloat16)
     xq, xs = quantize_activations(x.float(), 128)
     want = ((xq.float() * xs.repeat_interleave(128, dim=1)) @ dequantize_blocks(wq, ws, (128, 128)).t()).to(x.dtype)
@@ -103,5 +103,5 @@ def test_flashinfer_gets_our_rows_and_scales_from_min_rows_on(stand_in, silu_mul
         wide = torch.empty(m, 512, dtype=x.dtype)  # columns of a wider buffer: the Triton GEMM writes them
         impl.forward(x, wq, ws, x_fp8=(xq, xs), out=wide[:, :256])
         assert triton_rows == [m] and calls == [m, m]
-    impl.forward(x[:ops.FI_FP8_MIN_ROWS - 1], wq, ws)
-    assert triton_rows[-1] == ops.FI_FP8_MIN_ROWS - 1 and calls[-1] == m
+    impl.forward(x[:kernel_calls.FI_FP8_MIN_ROWS - 1], wq, ws)
+    assert triton_rows[-1] == kernel_calls.FI_FP8_MIN_ROWS - 1 and calls[-1] == m

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bi_core.backends.reference.moe import ReferenceMoEImpl
-from bi_core.quant.fp8 import FP8, quantize_activations, quantize_blocks, w8a8_linear
+from bi_core.quant.fp8_numerics import FP8, quantize_activations, quantize_blocks, w8a8_linear
 
 pytest.importorskip("triton")
 BLOCK = (128, 128)

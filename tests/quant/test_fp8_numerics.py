@@ -1,12 +1,12 @@
-"""Block-wise FP8 numerics (bi_core/quant/fp8.py): weight blocks and activation groups scaled by
+"""Block-wise FP8 numerics (bi_core/quant/fp8_numerics.py): weight blocks and activation groups scaled by
 amax / 448, rows independent of each other, and the W8A8 product the reference backend runs."""
 
 from __future__ import annotations
 
 import torch
 
-from bi_core.quant import fp8
-from bi_core.quant.fp8 import (
+from bi_core.quant import fp8_numerics
+from bi_core.quant.fp8_numerics import (
     FP8,
     dequantize_blocks,
     quantize_activations,
@@ -41,7 +41,7 @@ def test_weight_blocks_match_a_loop_over_blocks():
 def test_expert_stacks_are_quantized_matrix_by_matrix(monkeypatch):
     w = torch.randn(5, 256, 130, generator=torch.Generator().manual_seed(1))
     q, s = quantize_blocks(w, BLOCK)
-    monkeypatch.setattr(fp8, "CHUNK", 256 * 130 * 2)  # the chunked path: two experts at a time
+    monkeypatch.setattr(fp8_numerics, "CHUNK", 256 * 130 * 2)  # the chunked path: two experts at a time
     qc, sc = quantize_blocks(w, BLOCK)
     assert torch.equal(_bits(q), _bits(qc)) and torch.equal(s, sc)
     for e in range(5):

@@ -17,7 +17,7 @@ from bi_core.models.presets import preset_args
 from bi_core.models.qwen3_5 import Qwen35Model
 from bi_core.models.random_init import init_random_weights
 from bi_core.parallel.shard import TPInfo
-from bi_core.quant.fp8 import FP8
+from bi_core.quant.fp8_numerics import FP8
 from bi_core.quant.params import BlockShard
 
 

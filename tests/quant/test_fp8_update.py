@@ -10,7 +10,7 @@ from fp8_fixtures import BLOCK, make_hf_b128, save_fp8_checkpoint
 
 from bi_core import CheckpointError, EngineConfig, build_engine
 from bi_core.models.loader import CheckpointIndex, TensorDict, update_weights
-from bi_core.quant.fp8 import FP8, quantize_blocks
+from bi_core.quant.fp8_numerics import FP8, quantize_blocks
 
 
 def engine(path):

@@ -14,6 +14,7 @@ from helpers import tiny_config
 
 from bi_core import EngineConfig, RequestError, SamplingParams, build_engine
 from bi_core.parallel import lockstep as ls
+from bi_core.runtime.launch import replay
 from bi_core.runtime.sequence import Status
 
 LONG = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
@@ -221,5 +222,5 @@ def test_tp_messages_replay_pause_calls():
     eng = Fake()
     msgs = [ls.HoldAdmissions(), ls.ReleaseAdmissions(), ls.ResetPrefixCache(), ls.Sleep(2), ls.WakeUp(("weights",)),
             ls.WakeUp(None)]
-    assert all(ls.replay(eng, m, rank=1) for m in msgs)
+    assert all(replay(eng, m, rank=1) for m in msgs)
     assert eng.calls == ["hold", "release", "reset", "sleep:2", "wake:['weights']", "wake:None"]

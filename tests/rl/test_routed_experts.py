@@ -100,7 +100,7 @@ def test_routing_through_graph_replays_and_overlapped_steps():
     launched ahead (overlap) keep each step's routing apart."""
     import attrs
 
-    from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+    from bi_core.runtime.graphs import CudaGraphRunner
 
     ps = prompts()
     want = build_engine(config(graph={"overlap": False})).generate(ps, PARAMS)
@@ -109,7 +109,7 @@ def test_routing_through_graph_replays_and_overlapped_steps():
     for params, ref in ((PARAMS, want), (greedy, want_greedy)):
         eng = build_engine(config(graph={"overlap": True}))
         runner = eng.runner
-        runner.main_graphs = CudaGraphRunnerImpl(attrs.evolve(runner.spec, use_graphs=True), capture=False)
+        runner.main_graphs = CudaGraphRunner(attrs.evolve(runner.spec, use_graphs=True, capture=False))
         out = eng.generate(ps, params)
         assert runner.main_graphs.num_replays[1] > 0
         for o, w in zip(out, ref):

@@ -112,11 +112,11 @@ def test_sleep_forgets_captured_graphs_and_captures_again():
     sleep moves both: the graph runner must forget its graphs (not be "rebuilt": the op factory
     memoises impls, so that returned the same runner, and its old graphs replayed freed memory,
     an illegal address on the GPU). The CUDA graph runner in its rerun mode stands in on the CPU."""
-    from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+    from bi_core.runtime.graphs import CudaGraphRunner
 
     eng = build_engine(config())
     runner = eng.runner
-    graphs = runner.main_graphs = CudaGraphRunnerImpl(attrs.evolve(runner.spec, use_graphs=True), capture=False)
+    graphs = runner.main_graphs = CudaGraphRunner(attrs.evolve(runner.spec, use_graphs=True, capture=False))
     before = eng.generate(PROMPTS, PARAMS)
     assert graphs.graphs and graphs.num_replays[1] > 0
     runner.sleep(1)

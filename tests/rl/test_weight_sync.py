@@ -20,7 +20,8 @@ from bi_core import BiEngineError, EngineConfig, RequestError, SamplingParams, b
 from bi_core.parallel import lockstep as ls
 from bi_core.rl import WeightSender
 from bi_core.rl.coverage import WeightsMissing
-from bi_core.rl.protocol import ALIGN, bucket_layout, fingerprint, no_go, parse_dtype
+from bi_core.rl.sync_protocol import ALIGN, bucket_layout, fingerprint, no_go, parse_dtype
+from bi_core.runtime.launch import replay
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 60))]
 PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, n=2)
@@ -340,7 +341,7 @@ def test_an_engine_that_never_takes_part_ends_the_trainers_send_at_the_timeout()
     comes to the handshake: send ends after the group's timeout, naming the stage."""
     import threading
 
-    from bi_core.rl.protocol import WeightGroup
+    from bi_core.rl.sync_protocol import WeightGroup
 
     port, peer = _port(), []
     joining = threading.Thread(target=lambda: peer.append(WeightGroup("weight_update_group", "127.0.0.1", port, 1, 2,
@@ -375,7 +376,7 @@ def test_tp_messages_replay_the_weight_sync_calls():
     eng = Fake()
     msgs = [ls.InitWeightsUpdateGroup("h", 1, 1, 3, "g", "gloo", 5.0),
             ls.UpdateWeightsFromTrainer(["a"], ["float32"], [[2]], "g", True, 3), ls.DestroyWeightsUpdateGroup("g")]
-    assert all(ls.replay(eng, m, rank=1) for m in msgs)
+    assert all(replay(eng, m, rank=1) for m in msgs)
     # a worker rank joins in a thread (rank 0 steps on meanwhile): wait=False
     assert eng.calls == [("init", "h", 1, 1, 3, "g", "gloo", 5.0, False),
                          ("update", ["a"], ["float32"], [[2]], "g", True, 3),

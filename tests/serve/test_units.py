@@ -12,9 +12,9 @@ import pytest
 from serve_helpers import API_KEY, httpx
 
 from bi_core.runtime.threads import available_cores, engine_threads, size_gpu_engine_threads
+from bi_core.serve.api_errors import param_of
 from bi_core.serve.dev import CollectiveRpcBody
-from bi_core.serve.errors import param_of
-from bi_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,12 +16,12 @@ from helpers import tiny_config
 from test_mtp import N_SPEC, PARAMS, config, hook_for, prompts
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
+from bi_core.runtime.graphs import CudaGraphRunner
 from bi_core.runtime.runner import mtp_graph_spec
 
 
-def rerun_runner(spec) -> CudaGraphRunnerImpl:
-    return CudaGraphRunnerImpl(attrs.evolve(spec, use_graphs=True), capture=False)
+def rerun_runner(spec) -> CudaGraphRunner:
+    return CudaGraphRunner(attrs.evolve(spec, use_graphs=True, capture=False))
 
 
 def with_graph_runners(eng):
@@ -185,11 +185,11 @@ def _ignoring_accepts(strategy):
 
 def test_mirror_check_reads_device_lengths_where_the_host_has_none():
     """A draft chain moved on a GPU by a device-side accept count has no host mirror of its
-    context lengths (``CudaGraphRunnerImpl.shift``); the rerun stand-in's mirror check then
+    context lengths (``CudaGraphRunner.shift``); the rerun stand-in's mirror check then
     checks the block table against the device lengths instead of failing on None (the kernels'
     engine test on a GPU hit that). Negative control: a block table that disagrees still fails."""
-    from bi_core.backends.cuda_common.graph_runner import check_mirrors
     from bi_core.runtime.batch import build_context
+    from bi_core.runtime.graphs.cuda import check_mirrors
 
     _, ctx = build_context([[5], [6]], [20, 3], [[4, 9], [7]], [0, 1], [True, True], block_size=16,
                            device=torch.device("cpu"))
@@ -256,8 +256,8 @@ def test_only_uniform_recurrent_steps_replay():
     """Graph keys: (L, smallest bucket >= B) for uniform recurrent steps with a captured L; any
     other step (prefill rows, mixed lengths, another L, more sequences than the largest bucket,
     a different state ring) runs eagerly."""
-    from bi_core.backends.cuda_common.graph_runner import buckets
     from bi_core.runtime.batch import plan_batch
+    from bi_core.runtime.graphs.static_batch import buckets
 
     eng = build_engine(config("tiny-dense", "mtp"))
     runner = rerun_runner(eng.runner.spec)  # query_lens (1, 4), max bucket 8, ring 4
@@ -279,7 +279,7 @@ def test_warm_up_captures_every_bucket_and_changes_no_output(strategy):
     runners before any request, runs its dummy prompts, and leaves nothing behind: outputs equal
     an engine that never warmed up, and no graph is captured while requests run; its end freezes
     the start's objects out of the cyclic GC."""
-    from bi_core.backends.cuda_common.graph_runner import buckets
+    from bi_core.runtime.graphs.static_batch import buckets
     from bi_core.runtime.warmup import warm_up
 
     ps, params = prompts()[:3], PARAMS["sampled"]

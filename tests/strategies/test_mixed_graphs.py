@@ -13,9 +13,10 @@ from helpers import reverse_prompt_piece_rows, tiny_config
 from test_graph_steps import clear_scratch, scratch_written
 
 from bi_core import EngineConfig, SamplingParams, build_engine
-from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl, lone_sizes, mixed_buckets
 from bi_core.errors import ConfigError
 from bi_core.runtime.batch import plan_batch
+from bi_core.runtime.graphs import CudaGraphRunner
+from bi_core.runtime.graphs.static_batch import lone_sizes, mixed_buckets
 from bi_core.runtime.runner import mtp_graph_spec
 
 CHUNK = 32
@@ -44,7 +45,7 @@ def lone_prompt(n: int = 5) -> list[int]:
 def with_mixed_runner(eng):
     clear_scratch(eng)
     spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size)
-    eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
+    eng.runner.main_graphs = CudaGraphRunner(attrs.evolve(spec, capture=False))
     return eng
 
 
@@ -115,7 +116,7 @@ def test_mixed_graph_keys():
     at most the chunk size (a prompt's last piece is padded at its end); two pieces, a piece not
     last or multi-token decode rows run eagerly."""
     eng = build_engine(config("tiny-dense"))
-    runner = CudaGraphRunnerImpl(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
+    runner = CudaGraphRunner(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK, capture=False))
     assert runner.mixed_buckets == mixed_buckets(8) == [0, 1, 2, 4, 8]
     assert mixed_buckets(72) == [0, 1, 2, 4, 8, 16, 32, 64, 72]
 
@@ -150,7 +151,7 @@ def test_mixed_outputs_layout():
     """Padding sits between the decode rows and the chunk; ``spans`` and ``graph_rows`` map the
     request's rows there and back."""
     eng = build_engine(config("tiny-dense"))
-    runner = CudaGraphRunnerImpl(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
+    runner = CudaGraphRunner(attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=CHUNK, capture=False))
     hb = plan_batch([[7], [8], [9] * CHUNK], [10, 11, 0], [[0], [1], [2, 3]], [0, 1, 2], [True, True, False],
                     block_size=16, logits_rows=[[0], [0], [CHUNK - 1]])
     ids, ctx = runner.make_context(hb, torch.device("cpu"))
@@ -175,12 +176,12 @@ def test_mixed_graphs_config(monkeypatch):
     token a step; true where an impl cannot (the reference backend's reads host lists), with
     MTP or with graphs off: one ConfigError naming why."""
     from bi_core.backends.reference.attention import ReferenceAttentionImpl
-    from bi_core.runtime.build import _mixed_graphs
+    from bi_core.runtime.graphs.mode import mixed_graphs
 
     model = build_engine(config("tiny-dense")).model
 
     def resolve(query_lens=(1,), **graph):
-        return _mixed_graphs(config("tiny-dense", graph=graph), model, query_lens)
+        return mixed_graphs(config("tiny-dense", graph=graph), model, query_lens)
 
     assert not resolve(enabled=True) and not resolve(enabled=False)
     with pytest.raises(ConfigError, match="graph.mixed.*set graph.enabled: true"):  # a setting that would do nothing
@@ -204,16 +205,16 @@ def test_mtp_gets_graphs_for_a_prompt_piece_alone(monkeypatch):
     from test_mtp import hook_for
 
     from bi_core.backends.reference.attention import ReferenceAttentionImpl
-    from bi_core.runtime.build import _mixed_spec
+    from bi_core.runtime.graphs.mode import mixed_fields
 
     model = build_engine(config("tiny-dense")).model
     cfg = config("tiny-dense", graph={"enabled": True})
-    assert _mixed_spec(cfg, model, (1, 4), CHUNK) == {"prompt_chunk": 0}  # the reference attention cannot
+    assert mixed_fields(cfg, model, (1, 4), CHUNK) == {"prompt_chunk": 0}  # the reference attention cannot
     monkeypatch.setattr(ReferenceAttentionImpl, "graph_prompt_rows", True, raising=False)
-    assert _mixed_spec(cfg, model, (1, 4), CHUNK) == {"prompt_chunk": CHUNK, "mixed_decode_rows": False}
-    assert _mixed_spec(cfg, model, (1,), CHUNK) == {"prompt_chunk": CHUNK}
+    assert mixed_fields(cfg, model, (1, 4), CHUNK) == {"prompt_chunk": CHUNK, "mixed_decode_rows": False}
+    assert mixed_fields(cfg, model, (1,), CHUNK) == {"prompt_chunk": CHUNK}
     off = config("tiny-dense", graph={"enabled": True, "mixed": False})
-    assert _mixed_spec(off, model, (1, 4), CHUNK) == {"prompt_chunk": 0}
+    assert mixed_fields(off, model, (1, 4), CHUNK) == {"prompt_chunk": 0}
 
     ps = [lone_prompt(), prompts()[3]]  # 5 tokens, then 96 arriving beside the first one's verify rows
     params = PARAMS["greedy"]
@@ -222,8 +223,8 @@ def test_mtp_gets_graphs_for_a_prompt_piece_alone(monkeypatch):
     clear_scratch(eng)
     spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size,
                         mixed_decode_rows=False)
-    eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
-    eng.runner.mtp_graphs = CudaGraphRunnerImpl(mtp_graph_spec(spec), capture=False)
+    eng.runner.main_graphs = CudaGraphRunner(attrs.evolve(spec, capture=False))
+    eng.runner.mtp_graphs = CudaGraphRunner(attrs.evolve(mtp_graph_spec(spec), capture=False))
     eng.strategy.draft_hook = hook_for("partial", {i: o.token_ids for i, o in enumerate(ar)}, random.Random(3))
     first = eng.add_request(ps[0], params)
     eng.step()  # the lone prompt: a bucket-0 mixed graph
@@ -268,9 +269,9 @@ def test_the_heads_catch_up_over_a_lone_prompt_replays_prompt_graphs(monkeypatch
         eng.strategy._behind_prompt = lambda plan, out: launched.append(behind_prompt(plan, out)) or launched[-1]
         spec = attrs.evolve(eng.runner.spec, use_graphs=True, prompt_chunk=eng.scheduler.chunk_size,
                             mixed_decode_rows=False)
-        eng.runner.main_graphs = CudaGraphRunnerImpl(spec, capture=False)
+        eng.runner.main_graphs = CudaGraphRunner(attrs.evolve(spec, capture=False))
         mtp_spec = mtp_graph_spec(spec) if head != "eager" else attrs.evolve(spec, name="mtp", prompt_chunk=0)
-        graphs = eng.runner.mtp_graphs = CudaGraphRunnerImpl(mtp_spec, capture=False)
+        graphs = eng.runner.mtp_graphs = CudaGraphRunner(attrs.evolve(mtp_spec, capture=False))
         if head == "reversed rows":
             reverse_prompt_piece_rows(graphs)
         forced, seen = hook_for("partial", truth, random.Random(5)), []
@@ -313,7 +314,7 @@ def test_a_last_piece_is_padded_at_its_end():
     r; its logits row is the last real one, an index filled per step."""
     eng = build_engine(config("tiny-dense"))
     spec = eng.runner.spec
-    runner = CudaGraphRunnerImpl(attrs.evolve(spec, use_graphs=True, prompt_chunk=CHUNK), capture=False)
+    runner = CudaGraphRunner(attrs.evolve(spec, use_graphs=True, prompt_chunk=CHUNK, capture=False))
     r, past = 11, 64
     hb = plan_batch([[7], [8], [9] * r], [10, 11, past], [[0], [1], [2, 3, 4, 5, 6]], [0, 1, 2], [True, True, False],
                     block_size=16)
@@ -345,8 +346,8 @@ def test_static_buffers_start_16_byte_aligned(q, bucket, chunk):
     """Triton compiles a kernel variant per pointer alignment: a static field at an odd int64
     offset (a graph of 1 token, a mixed graph's logits rows) compiled every index-reading kernel a
     second time in a fresh start (benchmarks section 25)."""
-    from bi_core.backends.cuda_common.graph_runner import StaticBatch
-    from bi_core.ops.graph_runner import GraphRunnerSpec
+    from bi_core.runtime.graphs import GraphRunnerSpec
+    from bi_core.runtime.graphs.static_batch import StaticBatch
 
     spec = GraphRunnerSpec(dtype=torch.float32, device=torch.device("cpu"), use_graphs=True, max_batch_size=8,
                            max_blocks_per_seq=4, prompt_chunk=chunk)

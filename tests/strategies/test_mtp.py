@@ -247,8 +247,7 @@ def test_drafts_a_head_program_wrote_over_come_from_their_host_copy():
     next replay writes over (``Lease``). A sequence that did not verify in between would stage
     another sequence's drafts: its plan takes their host copy instead (landed long since). While
     the lease holds, the verify stages them as indices into the device ids (the normal path)."""
-    from bi_core.runtime.runner import Landing
-    from bi_core.runtime.step import Scheduled
+    from bi_core.runtime.step import Landing, Scheduled
     from bi_core.strategies.drafts import Lease, OnDevice
 
     eng = build_engine(config("tiny-dense", "mtp"))

@@ -65,7 +65,7 @@ def test_overlap_equals_no_overlap(preset):
 def test_gather_is_what_feeds_the_next_step():
     """Negative control: with the device gather of the sampled tokens switched off, the steps
     launched ahead read their source row numbers as tokens, and the outputs must change."""
-    import bi_core.backends.cuda_common.graph_runner as gr
+    import bi_core.runtime.graphs.cuda as gr
 
     ps, params = prompts(), SamplingParams(max_new_tokens=12, ignore_eos=True)
     ref = engine(False).generate(ps, params)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_config
-from triton_anywhere import TritonAnywhere
+from triton_anywhere import RERUN_GRAPHS, TritonAnywhere
 
 from bi_core import EngineConfig
 from bi_core.plugins import load_registry
@@ -29,7 +29,7 @@ def _example():
 def test_grpo_rounds_are_on_policy_on_the_invariant_kernels(device):
     config = EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": "tiny-moe", "seed": 0}, "device": device.type, "max_model_len": 128},
-        backend="triton_anywhere", graph={"enabled": True},
+        backend="triton_anywhere", graph=RERUN_GRAPHS,
         scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 16}))
     rows = _example().grpo(config, rounds=2, num_prompts=2, n=2, max_new_tokens=5, lr=1e-2, strict=True,
                            registry=load_registry(extra_plugins=(TritonAnywhere(),)))

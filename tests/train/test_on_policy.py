@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 from helpers import tiny_config
-from triton_anywhere import TritonAnywhere
+from triton_anywhere import RERUN_GRAPHS, TritonAnywhere
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.plugins import load_registry
@@ -27,7 +27,7 @@ PROMPT_LENS = (9, 33, 20, 4)
 def _config(device, backend="triton_anywhere", preset="tiny-moe", strategy=None, **extra) -> EngineConfig:
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": preset, "seed": 3}, "device": device.type, "max_model_len": 128},
-        backend=backend, graph={"enabled": backend != "reference"}, strategy=strategy or {"name": "ar"},
+        backend=backend, graph=RERUN_GRAPHS if backend != "reference" else {}, strategy=strategy or {"name": "ar"},
         scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": CHUNK}, **extra))
 
 

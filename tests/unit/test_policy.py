@@ -108,8 +108,15 @@ def test_cuda_backends_refuse_the_cpu_with_reasons(backend):
 
 
 def test_graphs_on_reference_are_refused_with_reason():
-    with pytest.raises(BackendSelectionError, match="reference: runs eagerly and cannot capture CUDA graphs"):
-        build(graph={"enabled": True})
+    """CUDA graphs cannot capture the reference backend's impls: refused, naming the key (an
+    explain of a CUDA config, on any machine); off a CUDA device, capturing is refused too."""
+    from bi_core.runtime.build import explain
+
+    text = explain(EngineConfig.from_dict(tiny_config(model={"device": "cuda"}, graph={"enabled": True})))
+    assert ("SELECTION FAILED:\ngraph.enabled: CUDA graphs cannot capture this model's impls (backend 'reference': "
+            "its impls read the step's host lists") in text
+    with pytest.raises(ConfigError, match="graph.capture: CUDA graphs need a CUDA device; model.device resolves to cpu"):
+        build(graph={"enabled": True, "capture": True})
 
 
 def test_unknown_strategy_and_misplaced_option():

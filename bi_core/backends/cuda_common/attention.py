@@ -58,7 +58,7 @@ def exact_decode_tokens(group: int, tile_tokens: int) -> int:
 CHUNKS_PER_PROGRAM = 4  # KV chunks a decode program folds in series at most
 # decode programs that keep an H100/H200 (132 SMs) streaming KV: four per SM, as many as the split
 # kernel's registers let an SM hold (2 warps). Two per SM left loads unissued: at batch 1 and long
-# contexts the split kernel was a fifth slower (benchmarks section 27)
+# contexts the split kernel was slower (dev/benchmarks-history.md)
 PROGRAMS_WANTED = 528
 
 
@@ -77,9 +77,9 @@ class TritonPagedAttentionImpl:
         self.prefill_tokens = prefill_tile_tokens(spec.num_heads, spec.num_kv_heads)  # query tokens per prompt tile
         # Recurrent queries up to a tile run in decode form, and up to EXACT_DECODE_ROWS MMA rows
         # (tokens x query heads per KV head) they get the bits of one-token decode rows. With the
-        # split kernel on 4 warps (a warpgroup MMA) 64-row steps differed from decode (benchmarks
-        # section 6), so the limit was 32; on 2 warps 64 rows hold (section 24): 8 tokens on
-        # 35B-A3B, 4 on 122B-A10B / 397B-A17B (MTP verifies 3 drafts there).
+        # split kernel on 4 warps (a warpgroup MMA) 64-row steps differed from decode, so the limit
+        # was 32; on 2 warps 64 rows hold (dev/benchmarks-history.md): 8 tokens on 35B-A3B, 4 on
+        # 122B-A10B / 397B-A17B (MTP verifies 3 drafts there).
         self.decode_query_len = exact_decode_tokens(spec.num_heads // spec.num_kv_heads, self.tile_tokens)
         self.inv_freq = _inv_freq(spec)
 
@@ -96,12 +96,12 @@ class TritonPagedAttentionImpl:
             dec_seqs = ctx.recurrent_ids if len(dec) == len(lens) else torch.tensor(dec, dtype=torch.int64, device=dev)
             # programs per (sequence, KV head): enough to fill the GPU, and enough that none folds
             # more than CHUNKS_PER_PROGRAM chunks in series at the longest context the plan serves
-            # (a graph's: its block table's width; benchmarks section 13, change 4). The split count
+            # (a graph's: its block table's width; dev/benchmarks-history.md). The split count
             # changes no bit (chunks merge in order)
             longest = (ctx.block_tables.shape[1] * ctx.block_size if ctx.graph is not None
                        else max((ctx.context_lens_host[i] for i in dec), default=1))
             # No cap but the chunk count: at 131k tokens a cap of 64 left B=1 with 128 programs
-            # folding 8 chunks each, far behind the default backend's step (benchmarks section 14)
+            # folding 8 chunks each, far behind the default backend's step (dev/benchmarks-history.md)
             splits = max(-(-PROGRAMS_WANTED // max(1, len(dec) * self.spec.num_kv_heads)),
                          -(-longest // (KV_SPLIT * CHUNKS_PER_PROGRAM)))
             splits = max(1, min(-(-longest // KV_SPLIT), splits))

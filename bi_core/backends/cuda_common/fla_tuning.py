@@ -4,9 +4,10 @@
   which could differ between processes and with it the bits (``pin_first``).
 - Default mode runs what fla's autotuners chose on this GPU family, recorded once and shipped as
   ``fla_configs/sm<major><minor>.json`` (``pin_recorded``): a fresh machine compiles one config
-  per kernel instead of compiling and timing every candidate (issue 22: on an H200 with an empty
-  Triton cache that was ~50 s of timing and 53 more compiles; benchmarks section 24). Whatever the table does not cover autotunes as fla does,
-  with the choice kept on disk in the Triton cache directory (``cache_on_disk``).
+  per kernel instead of compiling and timing every candidate (issue 22: with an empty Triton cache
+  the timing and the candidates' compiles were most of a start; dev/benchmarks-history.md).
+  Whatever the table does not cover autotunes as fla does, with the choice kept on disk in the
+  Triton cache directory (``cache_on_disk``).
 
 Record a table with ``python3 benchmarks/start_time.py CONFIG --record-fla PATH`` on an empty
 Triton cache (``TRITON_CACHE_DIR``); ``record`` lists what the autotuners chose by timing."""

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from bi_core.backends.cuda_common import ops
-from bi_core.backends.cuda_common.checks import cuda_reasons
+from bi_core.backends.cuda_common import kernel_calls
+from bi_core.backends.cuda_common.reasons import cuda_reasons
 from bi_core.backends.reference.collective import ReferenceAllGatherBuilder, ReferenceAllReduceBuilder
 from bi_core.ops import (
     AttentionBuilder,
     GdnBuilder,
-    GraphRunnerBuilder,
     LinearBuilder,
     MoEBuilder,
     NormBuilder,
@@ -47,7 +46,7 @@ class DefaultAttentionBuilder(AttentionBuilder):
 
 class DefaultLinearBuilder(LinearBuilder):
     # block-FP8: FlashInfer's SM90 GEMM where it serves the spec (flashinfer_fp8_reasons), from
-    # ops.FI_FP8_MIN_ROWS rows; the Triton kernel of kernels/fp8.py below that and elsewhere
+    # kernel_calls.FI_FP8_MIN_ROWS rows; the Triton kernel of kernels/fp8.py below that and elsewhere
     weight_formats = ("dense", "fp8_block")
 
     def check(self, spec, policy):
@@ -56,9 +55,9 @@ class DefaultLinearBuilder(LinearBuilder):
     def build(self, spec):
         if spec.weight_format == "fp8_block":
             if not flashinfer_fp8_reasons(spec):
-                return ops.FlashInferFp8LinearImpl(spec.silu_mul)
-            return ops.Fp8LinearImpl(spec.silu_mul)
-        return ops.CublasLinearImpl(spec.silu_mul)
+                return kernel_calls.FlashInferFp8LinearImpl(spec.silu_mul)
+            return kernel_calls.Fp8LinearImpl(spec.silu_mul)
+        return kernel_calls.CublasLinearImpl(spec.silu_mul)
 
 
 def flashinfer_fp8_reasons(spec) -> list[str]:
@@ -89,7 +88,7 @@ class DefaultNormBuilder(NormBuilder):
         return reasons
 
     def build(self, spec):
-        return ops.TritonRMSNormImpl(spec.eps, spec.fp8_group)
+        return kernel_calls.TritonRMSNormImpl(spec.eps, spec.fp8_group)
 
 
 class DefaultTopKBuilder(TopKBuilder):
@@ -97,7 +96,7 @@ class DefaultTopKBuilder(TopKBuilder):
         return cuda_reasons(spec, dtypes=BF16_FP32)
 
     def build(self, spec):
-        return ops.TritonTopKImpl(spec.top_k)
+        return kernel_calls.TritonTopKImpl(spec.top_k)
 
 
 class DefaultMoEBuilder(MoEBuilder):
@@ -107,7 +106,7 @@ class DefaultMoEBuilder(MoEBuilder):
         return cuda_reasons(spec, dtypes=BF16_FP32) + fp8_reasons(spec)
 
     def build(self, spec):
-        return ops.TritonMoEImpl()
+        return kernel_calls.TritonMoEImpl()
 
 
 class DefaultGdnBuilder(GdnBuilder):
@@ -139,16 +138,6 @@ class DefaultSamplingBuilder(SamplingBuilder):
         from bi_core.backends.cuda_common.sampling import CudaSamplerImpl
 
         return CudaSamplerImpl()
-
-
-class DefaultGraphRunnerBuilder(GraphRunnerBuilder):
-    def check(self, spec, policy):
-        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
-
-    def build(self, spec):
-        from bi_core.backends.cuda_common.graph_runner import CudaGraphRunnerImpl
-
-        return CudaGraphRunnerImpl(spec)
 
 
 class DefaultAllReduceBuilder(ReferenceAllReduceBuilder):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from bi_core.backends.cuda_common.checks import cuda_reasons
+from bi_core.backends.cuda_common.reasons import cuda_reasons
 from bi_core.hookspecs import hookimpl
 from bi_core.ops import MoEBuilder
 from bi_core.registry import Backend
@@ -22,7 +22,7 @@ class GroupedMMMoEBuilder(MoEBuilder):
         return reasons
 
     def build(self, spec):
-        from bi_core.backends.cuda_common.ops import GroupedMMMoEImpl
+        from bi_core.backends.cuda_common.kernel_calls import GroupedMMMoEImpl
 
         return GroupedMMMoEImpl()
 

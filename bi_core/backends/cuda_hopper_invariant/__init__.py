@@ -18,6 +18,6 @@ def bi_register_backends(register) -> None:
     register(Backend(name=NAME, description="batch-invariant kernels for Hopper (SM90)",
                      builders=(b.InvariantAttentionBuilder(), b.InvariantLinearBuilder(), b.InvariantNormBuilder(),
                                b.InvariantTopKBuilder(), b.InvariantMoEBuilder(), b.InvariantGdnBuilder(),
-                               b.InvariantSamplingBuilder(), b.InvariantGraphRunnerBuilder(),
-                               b.InvariantAllReduceBuilder(), b.InvariantAllGatherBuilder()),
+                               b.InvariantSamplingBuilder(), b.InvariantAllReduceBuilder(),
+                               b.InvariantAllGatherBuilder()),
                      compile_manifests=COMPILE_MANIFESTS))

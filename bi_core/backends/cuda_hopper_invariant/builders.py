@@ -3,8 +3,8 @@ requires an SM90 GPU; the impls are the shared Triton ones (fixed configs, row-w
 
 from __future__ import annotations
 
-from bi_core.backends.cuda_common import ops
-from bi_core.backends.cuda_common.checks import cuda_reasons
+from bi_core.backends.cuda_common import kernel_calls
+from bi_core.backends.cuda_common.reasons import cuda_reasons
 from bi_core.backends.cuda_default import builders as d
 from bi_core.ops import AllReduceBuilder, AttentionBuilder, LinearBuilder
 from bi_core.ops.collective import FixedOrderAllReduce, PairAllReduce, distributed_reasons, nvls_off
@@ -41,8 +41,8 @@ class InvariantLinearBuilder(LinearBuilder):
 
     def build(self, spec):
         if spec.weight_format == "fp8_block":
-            return ops.Fp8LinearImpl(spec.silu_mul)
-        return ops.TritonLinearImpl(spec.device, spec.silu_mul)
+            return kernel_calls.Fp8LinearImpl(spec.silu_mul)
+        return kernel_calls.TritonLinearImpl(spec.device, spec.silu_mul)
 
 
 class _OnHopper:
@@ -72,10 +72,6 @@ class InvariantGdnBuilder(d.DefaultGdnBuilder):
 
 
 class InvariantSamplingBuilder(_OnHopper, d.DefaultSamplingBuilder):
-    pass
-
-
-class InvariantGraphRunnerBuilder(_OnHopper, d.DefaultGraphRunnerBuilder):
     pass
 
 

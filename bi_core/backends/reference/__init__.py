@@ -17,7 +17,6 @@ def bi_register_backends(register) -> None:
     from bi_core.backends.reference.attention import ReferenceAttentionBuilder
     from bi_core.backends.reference.collective import ReferenceAllGatherBuilder, ReferenceAllReduceBuilder
     from bi_core.backends.reference.gdn import ReferenceGdnBuilder
-    from bi_core.backends.reference.graph_runner import ReferenceGraphRunnerBuilder
     from bi_core.backends.reference.linear import ReferenceLinearBuilder
     from bi_core.backends.reference.moe import ReferenceMoEBuilder
     from bi_core.backends.reference.norm import ReferenceNormBuilder
@@ -31,10 +30,11 @@ def bi_register_backends(register) -> None:
             builders=(
                 ReferenceAttentionBuilder(), ReferenceLinearBuilder(), ReferenceNormBuilder(),
                 ReferenceTopKBuilder(), ReferenceMoEBuilder(), ReferenceGdnBuilder(),
-                ReferenceSamplingBuilder(), ReferenceGraphRunnerBuilder(), ReferenceAllReduceBuilder(),
-                ReferenceAllGatherBuilder(),
+                ReferenceSamplingBuilder(), ReferenceAllReduceBuilder(), ReferenceAllGatherBuilder(),
             ),
             invariance_refusal="its PyTorch ops (matmul, softmax, conv) pick kernels by shape, so a row's "
             "bits can change with the batch; use cuda_hopper_invariant on an SM90 GPU",
+            graph_capture_refusal="its impls read the step's host lists (block tables, lengths, slots), which a "
+            "captured graph's replays would not update",
         )
     )

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.dtypes import check_dtype
 from bi_core.backends.reference.norm import rms_norm_1p
 from bi_core.ops.attention import KV_FP8_MAX, AttentionBuilder, AttentionSpec, inv_scale
 from bi_core.ops.context import ForwardContext

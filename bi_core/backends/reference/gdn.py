@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.dtypes import check_dtype
 from bi_core.backends.reference.norm import gated_rms_norm
 from bi_core.ops.context import ForwardContext
 from bi_core.ops.gdn import GdnBuilder, GdnSpec, GdnWeights

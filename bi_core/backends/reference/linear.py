@@ -1,5 +1,5 @@
 """Reference linear: ``F.linear`` on dense weights; on block-FP8 weights the W8A8 emulation in
-float32 (``bi_core.quant.fp8.w8a8_linear``: activations quantized per token in groups of 128 and
+float32 (``bi_core.quant.fp8_numerics.w8a8_linear``: activations quantized per token in groups of 128 and
 dequantized, weights dequantized, one float32 GEMM), rounded to the activation dtype. That is the
 yardstick for FP8 kernels: what they compute up to the summation order. (``weight_only_linear``
 is the other product there, a dequantized model with unquantized activations; tests use it.)"""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.dtypes import check_dtype
 from bi_core.ops.linear import LinearBuilder, LinearSpec
-from bi_core.quant.fp8 import w8a8_linear
+from bi_core.quant.fp8_numerics import w8a8_linear
 
 
 def silu_and_mul(y: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.dtypes import check_dtype
 from bi_core.ops.activation import Fp8Activation
 from bi_core.ops.norm import NormBuilder, NormSpec
-from bi_core.quant.fp8 import quantize_activations
+from bi_core.quant.fp8_numerics import quantize_activations
 
 
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,7 +26,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 class ReferenceRMSNormImpl:
-    """With ``fp8_group`` the output comes with its block-FP8 copy (``quant/fp8.py``'s quantizer)."""
+    """With ``fp8_group`` the output comes with its block-FP8 copy (``quant/fp8_numerics.py``'s quantizer)."""
 
     def __init__(self, eps: float, fp8_group: int | None = None) -> None:
         self.eps, self.fp8_group = eps, fp8_group

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from bi_core.backends.reference.common import check_dtype
+from bi_core.backends.reference.dtypes import check_dtype
 from bi_core.ops.sampling import (
     LogitsAdjust,
     SamplerOutput,

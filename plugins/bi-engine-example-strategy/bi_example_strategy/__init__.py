@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from bi_core import hookimpl
-from bi_core.runtime.runner import Forward, SeqRows, StepOutput
-from bi_core.runtime.step import Scheduled, SeqCommit, StepCommit, StepPlan
+from bi_core.runtime.step import Forward, Scheduled, SeqCommit, SeqRows, StepCommit, StepOutput, StepPlan
 from bi_core.strategies.base import Strategy
 
 

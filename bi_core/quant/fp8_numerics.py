@@ -33,8 +33,8 @@ def _cdiv(a: int, b: int) -> int:
 def over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
     """``amax / 448``, correctly rounded on every device (the kernels' ``div_rn``). torch on CUDA
     divides by a Python number as a multiplication by its rounded reciprocal, one ulp off for some
-    inputs (``div_true_kernel_cuda``'s CPU-scalar branch; measured on an H200: scales 1 ulp below
-    the kernels'); a 0-d tensor on the same device takes the true division."""
+    inputs (``div_true_kernel_cuda``'s CPU-scalar branch: on a GPU, scales one ulp below the
+    kernels'); a 0-d tensor on the same device takes the true division."""
     return amax / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bi_core.runtime.sequence import SamplingParams
-from bi_core.serve.errors import ApiError
+from bi_core.serve.api_errors import ApiError
 
 MAX_N = 128
 MAX_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs, prompt_logprobs)

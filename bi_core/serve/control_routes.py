@@ -28,6 +28,7 @@ from typing import Annotated
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from bi_core.serve.api_errors import ApiError
 from bi_core.serve.control_bodies import (  # noqa: F401 - REQUEST_MODELS, SUCCESS_STYLE: app.py reads them here
     DEFAULT_GROUP,
     REQUEST_MODELS,
@@ -47,7 +48,6 @@ from bi_core.serve.control_bodies import (  # noqa: F401 - REQUEST_MODELS, SUCCE
     UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorBody,
 )
-from bi_core.serve.errors import ApiError
 from bi_core.serve.messages import (
     AbortRequests,
     DestroyWeightsUpdateGroup,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from bi_core.errors import CheckpointError
-from bi_core.quant.fp8 import FP8, quantize_blocks, scale_shape
+from bi_core.quant.fp8_numerics import FP8, quantize_blocks, scale_shape
 from bi_core.quant.params import SCALE_SUFFIX
 from bi_core.quant.scheme import Fp8Scheme
 

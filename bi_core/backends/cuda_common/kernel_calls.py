@@ -72,10 +72,10 @@ class Fp8LinearImpl:
         return fp8_gemm(*x_fp8, weight, weight_scale, x.dtype, out=out)
 
 
-# cuda_default's block-FP8 linear runs FlashInfer's GEMM from this many rows on (H200, benchmarks
-# sections 37-38): prefill 8 x 2048 +15.7% tok/s; graphed decode at B=64 a wash (13.40 against 13.37 ms:
-# our Triton GEMM overlaps its predecessor under PDL, FlashInfer's waits and needs the scales' layout
-# launch); alone, its GEMM plus that launch loses to ours at 32 rows on 3 of 5 shapes and wins at 48
+# cuda_default's block-FP8 linear runs FlashInfer's GEMM from this many rows on: it wins at prefill
+# sizes; at graphed decode sizes the two are even (our Triton GEMM overlaps its predecessor under PDL,
+# FlashInfer's waits and needs the scales' layout launch); below this, its GEMM plus that launch loses
+# to ours on most shapes (dev/benchmarks-history.md)
 FI_FP8_MIN_ROWS = 64
 
 

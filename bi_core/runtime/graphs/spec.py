@@ -1,4 +1,6 @@
-"""Graph runner: how a model step is launched (eagerly, or as captured CUDA graphs per batch bucket)."""
+"""How a model step is launched: the spec of a graph runner and the protocol every runner keeps
+(``eager.py``: eager launches; ``cuda.py``: CUDA graphs per batch bucket, or the same static
+buffers rerun without capture)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,24 @@ from typing import Protocol
 import attrs
 import torch
 
-from bi_core.ops.base import OpBuilder, OpSpec
 from bi_core.ops.context import ForwardContext, HostBatch
 
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 @attrs.frozen(kw_only=True)
-class GraphRunnerSpec(OpSpec):
+class GraphRunnerSpec:
+    """One forward's graph runner: whether its steps replay graphs, and the shapes they are
+    captured at (``runtime/graphs/mode.py`` resolves it from ``graph.*``)."""
+
+    dtype: torch.dtype
+    device: torch.device
     name: str = "model"  # which forward it runs ("model", "mtp"): each gets its own runner and graphs
     use_graphs: bool
+    # with use_graphs: capture CUDA graphs (a CUDA device), or rerun each graph step on the same
+    # static buffers without capturing (``graph.capture: false``; any device): the bucketing,
+    # padding and static contexts of graph steps, with host lists the reference backend reads
+    capture: bool = True
     max_batch_size: int
     max_blocks_per_seq: int = 0
     scratch_page: int = 0  # KV page that padding rows write to (never given to a sequence)
@@ -34,7 +44,9 @@ class GraphRunnerSpec(OpSpec):
     mixed_decode_rows: bool = True
 
 
-class GraphRunnerImpl(Protocol):
+class GraphRunner(Protocol):
+    """What the model runner calls to launch a step (``EagerRunner``, ``CudaGraphRunner``)."""
+
     def make_context(self, batch: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
         """The step's input ids and context on the device (a graph runner packs a step it will
         replay straight into that graph's static buffers)."""
@@ -46,7 +58,7 @@ class GraphRunnerImpl(Protocol):
 
     def run(self, step: StepFn, input_ids: torch.Tensor, ctx: ForwardContext,
             prepare: Callable[[ForwardContext], None] | None = None,
-            extra: torch.Tensor | None = None, ids_from: torch.Tensor | None = None) -> torch.Tensor:
+            extra: torch.Tensor | None = None, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Run ``step(input_ids, ctx)`` (or ``step(input_ids, ctx, extra)`` with a per-token input
         such as the MTP head's hidden states). The step returns a tuple: a per-token output, then
         outputs with one row per ``ctx.logits_indices`` row; so does ``run``. ``prepare(ctx)`` does
@@ -55,7 +67,7 @@ class GraphRunnerImpl(Protocol):
         (``runtime.batch.gather_ids``)."""
 
     # Optional: ``advance(ctx) -> ForwardContext | None``, the next one-token step of the same
-    # sequences on the device, without host packing (backends/cuda_common/graph_runner.py)
+    # sequences on the device, without host packing; ``shift``, ``program`` (``cuda.py``)
 
     def wait_inputs(self) -> None:
         """Block until the inputs of the last step launched have left the host (its staging
@@ -65,7 +77,3 @@ class GraphRunnerImpl(Protocol):
         """Forget every captured graph and its static buffers (their device memory goes); the
         next uniform step captures again. Before the weights or caches move (sleep): a graph
         replays the addresses it was captured with."""
-
-
-class GraphRunnerBuilder(OpBuilder[GraphRunnerSpec]):
-    op = "graph_runner"

@@ -1,6 +1,6 @@
 """What a router reads from a worker: the routes sglang-router (the SGLang Model Gateway) calls on
 every worker it routes to, beside ``/health`` (its liveness probe, app.py) and ``/model_info``
-(control.py), so that N ``bi-engine serve`` processes work behind it unchanged.
+(control_routes.py), so that N ``bi-engine serve`` processes work behind it unchanged.
 
 As sglang-router 0.3 calls them (``sgl-model-gateway/src/core/steps/worker/local/
 discover_metadata.rs`` and ``core/worker_manager.rs``, checked against the released binary):
@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from fastapi import FastAPI
 
 from bi_core import __version__
-from bi_core.serve.errors import ApiError
+from bi_core.serve.api_errors import ApiError
 
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")  # SGLang's GetLoadsReqInput
 
