@@ -44,10 +44,10 @@ def checked(spec: StructuredSpec | None, param: str) -> StructuredSpec | None:
     return spec
 
 
-def response_format_spec(fmt: dict | None, param: str = "response_format") -> StructuredSpec | None:
+def response_format_spec(fmt: dict | None, param: str = "response_format") -> tuple[StructuredSpec, str] | None:
     """OpenAI's ``response_format``: text (nothing enforced), json_object, or json_schema with its
     ``json_schema: {name, schema, strict, description}``; the schema is enforced whatever
-    ``strict`` says (as vLLM does)."""
+    ``strict`` says (as vLLM does). (The spec, the field its grammar comes from), or None."""
     if fmt is None:
         return None
     kind = fmt.get("type")
@@ -61,7 +61,7 @@ def response_format_spec(fmt: dict | None, param: str = "response_format") -> St
     if kind == "text":
         return None
     if kind == "json_object":
-        return specs.json_object()
+        return specs.json_object(), param
     inner = fmt.get("json_schema")
     where = f"{param}.json_schema"
     if not isinstance(inner, dict):
@@ -73,8 +73,9 @@ def response_format_spec(fmt: dict | None, param: str = "response_format") -> St
         raise ApiError(400, f"{where}.name must be a non-empty string", param=f"{where}.name")
     if inner.get("strict") not in (None, True, False):
         raise ApiError(400, f"{where}.strict must be true, false or null", param=f"{where}.strict")
-    schema = inner.get("schema", {"type": "object"})  # OpenAI's default when it is left out: any object
-    return _built(f"{where}.schema", specs.json_schema, schema)
+    if "schema" not in inner:
+        raise ApiError(400, f"{where}.schema: the JSON schema is missing", param=f"{where}.schema")
+    return _built(f"{where}.schema", specs.json_schema, inner["schema"]), f"{where}.schema"
 
 
 def _vllm_one(kind: str, value: Any, ws: bool, param: str) -> StructuredSpec:
@@ -98,8 +99,9 @@ def _vllm_one(kind: str, value: Any, ws: bool, param: str) -> StructuredSpec:
     return _built(param, specs.regex if kind == "regex" else specs.grammar, value)
 
 
-def structured_outputs_spec(so: dict | None, param: str = "structured_outputs") -> StructuredSpec | None:
-    """vLLM's ``structured_outputs``: exactly one of ``VLLM_KINDS``, and its options."""
+def structured_outputs_spec(so: dict | None, param: str = "structured_outputs") -> tuple[StructuredSpec, str] | None:
+    """vLLM's ``structured_outputs``: exactly one of ``VLLM_KINDS``, and its options. (The spec,
+    its field), or None."""
     if so is None:
         return None
     if extra := sorted(set(so) - set(VLLM_KINDS) - set(VLLM_OPTIONS)):
@@ -116,7 +118,7 @@ def structured_outputs_spec(so: dict | None, param: str = "structured_outputs") 
         raise ApiError(400, f"{param}: give exactly one of {', '.join(VLLM_KINDS)}, got "
                             f"{', '.join(given) if given else 'none'}", param=param)
     kind = given[0]
-    return _vllm_one(kind, so[kind], not so.get("disable_any_whitespace", False), f"{param}.{kind}")
+    return _vllm_one(kind, so[kind], not so.get("disable_any_whitespace", False), f"{param}.{kind}"), f"{param}.{kind}"
 
 
 def guided_spec(req) -> tuple[StructuredSpec, str] | None:
@@ -141,13 +143,9 @@ def guided_spec(req) -> tuple[StructuredSpec, str] | None:
 def request_spec(req) -> StructuredSpec | None:
     """The structured output an OpenAI-route request asks for (at most one way), compiled once
     here to check it; None when it asks for none."""
-    found: list[tuple[StructuredSpec, str]] = []
-    if (spec := response_format_spec(getattr(req, "response_format", None))) is not None:
-        found.append((spec, "response_format"))
-    if (spec := structured_outputs_spec(getattr(req, "structured_outputs", None))) is not None:
-        found.append((spec, "structured_outputs"))
-    if (guided := guided_spec(req)) is not None:
-        found.append(guided)
+    found = [f for f in (response_format_spec(getattr(req, "response_format", None)),
+                         structured_outputs_spec(getattr(req, "structured_outputs", None)), guided_spec(req))
+             if f is not None]
     if len(found) > 1:
         raise ApiError(400, f"a request takes one structured-output constraint; it gives {found[0][1]} and "
                             f"{found[1][1]}", param=found[1][1])

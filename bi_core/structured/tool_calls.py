@@ -13,7 +13,8 @@ each VALUE typed by the function's JSON schema (a string's raw text, other types
 xgrammar's ``qwen_3_5`` structural tag builds it. Whitespace may surround each tag and value, so
 a parser strips it from a value (the model writes one newline on each side). "required" takes
 one call (or more, with ``parallel_tool_calls``) of any of the tools; a named function exactly
-that one. ``reasoning`` says how the output starts: "disabled" with the call, "enabled" inside a
+that one; nothing else is written between or after the calls (xgrammar's own "required"
+lets free text surround them), calls separated by a newline. ``reasoning`` says how the output starts: "disabled" with the call, "enabled" inside a
 thinking block the prompt opened (free text up to ``</think>``, then a blank line), "auto" with an
 optional ``<think>...</think>`` block."""
 
@@ -88,7 +89,16 @@ def tool_call_spec(tools: list[dict], tool_choice: Any, *, parallel_tool_calls: 
 
 
 def structural_tag(xgr, value: str):
-    """The xgrammar structural tag of a ``tool_call`` spec's value (model format ``qwen_3_5``)."""
+    """The xgrammar structural tag of a ``tool_call`` spec's value: xgrammar's ``qwen_3_5`` tags
+    (each call's begin, typed parameters and end, the reasoning prefix), the calls alone."""
+    from xgrammar import structural_tag as st
+
     spec = json.loads(value)
-    return xgr.get_model_structural_tag("qwen_3_5", tools=spec["tools"], tool_choice=spec["tool_choice"],
-                                        reasoning=spec["reasoning"], parallel_tool_calls=spec["parallel_tool_calls"])
+    tag = xgr.get_model_structural_tag("qwen_3_5", tools=spec["tools"], tool_choice=spec["tool_choice"],
+                                       reasoning=spec["reasoning"], parallel_tool_calls=spec["parallel_tool_calls"])
+    fmt = tag.format
+    elements = list(fmt.elements) if isinstance(fmt, st.SequenceFormat) else [fmt]  # [reasoning prefix,] calls
+    if isinstance(elements[-1], st.TriggeredTagsFormat):  # "required": one call or more, nothing around them
+        elements[-1] = st.TagsWithSeparatorFormat(tags=elements[-1].tags, separator="\n", at_least_one=True,
+                                                  stop_after_first=not spec["parallel_tool_calls"])
+    return st.StructuralTag(format=elements[0] if len(elements) == 1 else st.SequenceFormat(elements=elements))
