@@ -1,8 +1,8 @@
 """Grammars for structured outputs, through xgrammar (the optional extra ``structured``).
 
 ``check(spec)`` compiles a spec's grammar without a vocabulary (the HTTP side's 400s). ``Grammars``
-is the engine's: the vocabulary as xgrammar reads it (each token's bytes; special tokens with no
-bytes are never allowed, EOS only where the grammar may end), compiled grammars cached by spec,
+is the engine's: the vocabulary as xgrammar reads it (each token's bytes; special tokens are
+never allowed, EOS only where the grammar may end), compiled grammars cached by spec,
 and a ``GrammarState`` per sequence. A state is derived from the sequence's own output tokens
 alone: it replays them into a matcher of its own (never shared between sequences, n samples
 included), and catches up with whatever tokens came since, so a preempted or forked sequence has
@@ -72,11 +72,15 @@ def check(spec: StructuredSpec) -> None:
 
 
 def vocabulary(tokenizer, vocab_size: int) -> list[bytes]:
-    """Each token id's bytes (b"" for ids the tokenizer does not know: the embedding's padding)."""
+    """Each token id's bytes as a grammar matches them: b"" (never allowed, EOS aside) for special
+    tokens, whose text ``skip_special_tokens`` drops (so the text always holds what the grammar
+    matched), and for ids the tokenizer does not know (the embedding's padding). Tokens such as
+    Qwen's ``<tool_call>`` are not special: a grammar matches them as their text."""
+    special = tokenizer.special_ids()
     out = []
     for i in range(vocab_size):
         try:
-            out.append(tokenizer.token_bytes(i))
+            out.append(b"" if i in special else tokenizer.token_bytes(i))
         except (IndexError, KeyError, ValueError, TypeError, OverflowError):
             out.append(b"")
     return out

@@ -230,3 +230,28 @@ def test_the_grammar_state_follows_the_tokens_it_is_given(eng):
     assert torch.equal(a.mask([ord("a")], before=[ord("b")]), b.mask([ord("a"), ord("b")]))  # a draft, on a copy
     assert torch.equal(a.mask([ord("a")]), b.mask([ord("a")]))  # the draft left the state alone
     assert not a.ended_by([ord("a"), ord("b"), ord("d")]) and a.ended_by([ord("a"), ord("b"), ord("d"), 256])
+
+
+def test_the_grammar_vocabulary_leaves_special_tokens_out(tmp_path):
+    """A special token (whose text skip_special_tokens drops) is never matched by a grammar, so the
+    text holds what the grammar matched; an added token that is not special (Qwen's <tool_call>)
+    is matched as its text; ids past the tokenizer (the embedding's padding) never."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from bi_core.models.tokenizer import HFTokenizer
+    from bi_core.structured.grammars import vocabulary
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["a tool call"] * 5, trainer)
+    bpe.add_tokens([AddedToken("<tool_call>", special=False)])
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>").save_pretrained(str(tmp_path))
+    tok = HFTokenizer(tmp_path)
+    end, call = (tok._tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<tool_call>"))
+    vocab = vocabulary(tok, len(tok._tok) + 3)
+    assert vocab[end] == b"" and vocab[call] == b"<tool_call>" and vocab[-3:] == [b"", b"", b""]
+    assert vocab[tok.encode("a")[0]] == b"a"
