@@ -13,6 +13,7 @@ from bi_core.errors import RequestError
 from bi_core.serve.api_errors import ApiError
 from bi_core.structured import specs
 from bi_core.structured.specs import StructuredSpec
+from bi_core.structured.tool_calls import tool_call_spec
 
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -150,6 +151,24 @@ def request_spec(req) -> StructuredSpec | None:
         raise ApiError(400, f"a request takes one structured-output constraint; it gives {found[0][1]} and "
                             f"{found[1][1]}", param=found[1][1])
     return checked(*found[0]) if found else None
+
+
+def tool_choice_spec(spec: StructuredSpec | None, tools: list | None, tool_choice, *,
+                     parallel_tool_calls: bool | None = None, reasoning: str = "disabled") -> StructuredSpec | None:
+    """A chat request's structured output once its ``tool_choice`` counts: "required" or a named
+    function give their Qwen3.5 tool-call grammar (``tool_call_spec``; one 400 if the request also
+    asks for a response format or a guided output), "none", "auto" and null keep ``spec``."""
+    try:
+        calls = tool_call_spec(tools or [], "auto" if tool_choice is None else tool_choice,
+                               parallel_tool_calls=parallel_tool_calls is not False, reasoning=reasoning)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="tool_choice") from None
+    if calls is None:
+        return spec
+    if spec is not None:
+        raise ApiError(400, "tool_choice \"required\" or a named function constrains the output to tool calls: it "
+                            "cannot be combined with response_format or a guided output", param="tool_choice")
+    return checked(calls, "tools")
 
 
 def sglang_spec(sp, where: str) -> StructuredSpec | None:

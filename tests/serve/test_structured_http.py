@@ -111,3 +111,26 @@ def test_served_requests_follow_their_constraint(server):
     assert r.status_code == 200 and re.fullmatch("x[0-9]", r.json()["text"]), r.text
     r = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"json_schema": '{"type": "nope"}'}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.json_schema", r.text
+
+
+def test_tool_choice_required_or_named_gives_the_tool_call_grammar():
+    from bi_core.serve.structured_fields import tool_choice_spec
+    from bi_core.structured import tool_call_spec
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"]}}}]
+    assert tool_choice_spec(None, tools, "required") == tool_call_spec(tools, "required", parallel_tool_calls=True)
+    named = {"type": "function", "function": {"name": "f"}}
+    assert tool_choice_spec(None, tools, named, parallel_tool_calls=False) == tool_call_spec(tools, named)
+    for choice_ in ("auto", "none", None):
+        assert tool_choice_spec(regex("a"), tools, choice_) == regex("a")
+    for spec, bad, message in [(json_object(), "required", "cannot be combined with response_format"),
+                               (None, {"type": "function", "function": {"name": "g"}}, "not among the tools"),
+                               (None, "sometimes", "must be \"none\", \"auto\", \"required\"")]:
+        with pytest.raises(ApiError, match=message) as e:
+            tool_choice_spec(spec, tools, bad)
+        assert e.value.body["error"]["param"] == "tool_choice"
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+    with pytest.raises(ApiError, match="does not compile") as e:
+        tool_choice_spec(None, bad_schema, "required")
+    assert e.value.body["error"]["param"] == "tools"
