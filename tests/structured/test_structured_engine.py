@@ -87,6 +87,13 @@ def test_json_object_regex_choice_and_grammars_for_many_seeds(eng):
             assert valid(o.text), (spec, o.text)
 
 
+def test_the_request_ends_where_its_grammar_ends_even_with_ignore_eos(eng):
+    out, = eng.generate([PROMPT], SamplingParams(max_new_tokens=50, ignore_eos=True, structured=choice(["done"])))
+    assert out.text == "done" and out.finish_reason == "stop" and out.token_ids[-1] == 256  # EOS, the grammar's end
+    plain, = eng.generate([PROMPT], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    assert plain.finish_reason == "length"
+
+
 def parse_tool_calls(text: str, tools: list[dict]) -> list[tuple[str, dict]]:
     """Qwen3.5 XML tool calls, strictly: only calls (whitespace between them), each
     ``<tool_call>\\n<function=NAME>\\n`` parameters ``\\n</function>\\n</tool_call>``, a value
