@@ -24,6 +24,9 @@ class Tokenizer(Protocol):
     def token_name(self, token_id: int) -> str:
         """One token's name in logprobs, distinct for distinct tokens (``name_of``)."""
 
+    def special_ids(self) -> set[int]:
+        """The ids of the special tokens (those ``skip_special_tokens`` drops from the text)."""
+
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         """A conversation as prompt ids ending in the assistant's turn, and the token ids that end
         a turn; raises CheckpointError when the tokenizer has no chat template."""
@@ -69,6 +72,9 @@ class ByteTokenizer:
     def token_name(self, token_id: int) -> str:
         return self.special_tokens[token_id] if token_id in self.special_tokens else name_of(self.token_bytes(token_id))
 
+    def special_ids(self) -> set[int]:
+        return set(self.special_tokens)
+
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         ids: list[int] = []
         for m in messages:
@@ -106,6 +112,10 @@ class HFTokenizer:
 
     def token_name(self, token_id: int) -> str:
         return name_of(self.token_bytes(token_id))  # a special token's bytes are its text
+
+    def special_ids(self) -> set[int]:
+        decoder = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return {i for i, t in decoder.items() if getattr(t, "special", False)} | set(self._tok.all_special_ids)
 
     def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
         if not getattr(self._tok, "chat_template", None):

@@ -1,8 +1,9 @@
 """OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos, min_tokens,
 min_p, repetition_penalty, include_stop_str_in_output, skip_special_tokens,
 spaces_between_special_tokens, return_tokens_as_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats; SGLang's that sglang-router adds to what it forwards) and
-the mapping to SamplingParams. Validation errors name
+stream_options.continuous_usage_stats, structured_outputs and guided_*; SGLang's that
+sglang-router adds to what it forwards) and the mapping to SamplingParams (structured outputs:
+``structured_fields.py``). Validation errors name
 the field; unknown fields are refused, so a misspelled parameter never silently does nothing;
 parameters the engine does not implement are accepted at the value that changes nothing (their
 default) and refused with a reason at any other; types are strict as OpenAI's are (``"max_tokens":
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from bi_core.runtime.sequence import SamplingParams
 from bi_core.serve.api_errors import ApiError
+from bi_core.serve.structured_fields import request_spec
+from bi_core.structured.specs import StructuredSpec
 
 MAX_N = 128
 MAX_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs, prompt_logprobs)
@@ -118,6 +121,17 @@ class _Common(TextBody):
     # include_stop_str_in_output by SGLang's name; hidden states are never returned
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # structured outputs (structured_fields.py; response_format on each endpoint): vLLM's fields,
+    # and whether the logprobs reported are of the distribution after the grammar's mask (bi-engine's)
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    masked_logprobs: bool = False
+    _structured: StructuredSpec | None = PrivateAttr(None)
     # OpenAI's and vLLM's parameters the engine does not implement: accepted at their no-op values
     logit_bias: dict[str, float] | None = None
     truncate_prompt_tokens: int | None = None
@@ -150,6 +164,14 @@ class _Common(TextBody):
                                 "chunk is usage included)", param="stream_options.continuous_usage_stats")
         return self
 
+    @model_validator(mode="after")
+    def _structured_output(self):
+        self._structured = request_spec(self)
+        if self._structured is not None and self.min_tokens:
+            raise ApiError(400, "min_tokens must be 0 with a structured output: the grammar decides where the output "
+                                "ends, and banning its end could leave no token allowed", param="min_tokens")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -174,7 +196,8 @@ class _Common(TextBody):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured=self._structured, masked_logprobs=self.masked_logprobs)
 
 
 def _empty(v, name: str):
@@ -191,6 +214,7 @@ class CompletionRequest(_Common):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: per prompt token")
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict | None = None  # as chat's (vLLM takes it on completions too)
 
     _no_suffix = field_validator("suffix")(only(None, "", why="suffix (insertion) is not supported"))
 
@@ -258,8 +282,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict | None = None  # text, json_object or json_schema (structured_fields.py)
     # OpenAI's and vLLM's chat parameters the engine does not implement: their no-op values
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # no tools: either value changes nothing
@@ -280,13 +304,6 @@ class ChatCompletionRequest(_Common):
         True, why="the prompt always ends with the assistant's turn"))
     _no_echo = field_validator("echo")(only(False, why="echoing the last message is not supported"))
     _no_template_kwargs = field_validator("chat_template_kwargs")(lambda cls, v: _empty(v, "chat_template_kwargs"))
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v is not None and v != {"type": "text"}:
-            raise ValueError(f"only null or {{\"type\": \"text\"}} is supported: structured output is {_NOT_IMPLEMENTED}")
-        return v
 
     def conversation(self) -> list[dict[str, str]]:
         return [m.as_template_message() for m in self.messages]

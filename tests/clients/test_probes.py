@@ -116,7 +116,7 @@ def test_chat_fields_at_their_no_op_values_are_accepted(client_server, fields):
      "stream_options.continuous_usage_stats"),
     ("/v1/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"logprobs_typo": 1}, "logprobs_typo"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format.type"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
