@@ -22,7 +22,7 @@ from bi_core.errors import ConfigError
 Parser = Callable[[Any, str], Any]
 
 DTYPES = ("float32", "bfloat16")
-OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather")
+OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather", "lora")
 # names that were ops once: what took their place (a config or a plugin naming one gets this, not "unknown op")
 RETIRED_OPS = {"graph_runner": "no longer an op: the runtime launches steps itself (CUDA graphs are graph.enabled, "
                                "their capture graph.capture)"}
@@ -373,6 +373,31 @@ class ServeConfig:
                             "the client names); off: they do not exist (404). VLLM_SERVER_DEV_MODE=1 turns it on too")
 
 
+def _adapters(value: Any, path: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"expected a mapping of adapter name to its PEFT directory, got {_type_name(value)}")
+    for name, where in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(path, f"adapter names must be non-empty strings, got {name!r}")
+        _str(where, f"{path}.{name}")
+    return dict(value)
+
+
+@attrs.frozen(kw_only=True)
+class LoraConfig:
+    """LoRA adapters served alongside the base model (docs/lora.md): fixed slots on the device."""
+
+    max_loras: int = _field(_int(0, 256), 0, doc="adapter slots on the device (vLLM's max_loras); 0: no LoRA")
+    max_rank: int = _field(_int(1, 512), 64, doc="the largest adapter rank a slot holds (vLLM's max_lora_rank)")
+    adapters: dict = _field(_adapters, factory=dict, doc="name -> PEFT adapter directory, loaded at start (a "
+                            "request names one by model or lora_path)")
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.adapters) > self.max_loras:
+            raise ConfigError("adapters", f"{len(self.adapters)} adapters but lora.max_loras={self.max_loras} slots; "
+                              f"raise lora.max_loras to at least {len(self.adapters)}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """The whole engine, as in the YAML file."""
@@ -390,6 +415,7 @@ class EngineConfig:
     strategy: StrategyConfig = _field(_section(StrategyConfig), factory=StrategyConfig)
     sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
     serve: ServeConfig = _field(_section(ServeConfig), factory=ServeConfig)
+    lora: LoraConfig = _field(_section(LoraConfig), factory=LoraConfig)
     prompts: tuple = _field(_prompts, factory=tuple)
     seed: int = _field(_seed, 0, doc="seeds requests that have no seed of their own")
 

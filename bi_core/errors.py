@@ -59,3 +59,11 @@ class PromptTooLongError(RequestError):
 
 class CollectiveRpcError(BiEngineError):
     """A ``collective_rpc`` method raised on a tensor-parallel rank, or the call outlasted its timeout."""
+
+
+class LoraError(BiEngineError):
+    """A LoRA adapter cannot be loaded or unloaded (unknown name, every slot taken, a bad adapter)."""
+
+    def __init__(self, message: str, *, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found

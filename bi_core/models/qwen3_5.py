@@ -108,11 +108,23 @@ class Linear(nn.Module):
         out_features, in_features = self.weight.shape
         spec = LinearSpec(**factory.base, in_features=in_features, out_features=out_features, silu_mul=silu_mul,
                           **_spec_format(fp8))
-        self.impl = factory.build("linear", spec)
+        self.spec, self.impl = spec, factory.build("linear", spec)
+        self.lora = None  # a LoraTarget when the engine serves adapters (bi_core/lora/targets.py)
 
-    def forward(self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None = None,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``; with ``out`` (columns of a wider buffer) written there (LinearImpl's
-        ``writes_into``; the result copied for an impl that does not)."""
+        ``writes_into``; the result copied for an impl that does not). With adapters (``lora``),
+        each row's delta is added after the base GEMM (FP8 too), ``lora_slots [T]`` saying whose."""
+        y = self._base(x, out)
+        if self.lora is None:
+            return y
+        if lora_slots is None:  # rows without adapters (the lora op still applies a fused SiLU-and-mul)
+            lora_slots = torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
+        t = self.lora
+        return t.impl.forward(y, dense(x), t.a, t.b, lora_slots)
+
+    def _base(self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None) -> torch.Tensor:
         into = {"out": out} if out is not None and getattr(self.impl, "writes_into", False) else {}
         if self.weight_scale_inv is None:
             y = self.impl.forward(dense(x), self.weight, **into)
@@ -196,8 +208,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
         scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
-        o = self.attn.forward(self.qkv_proj(x), self.q_norm, self.k_norm, caches.k[i], caches.v[i], ctx, **scales)
-        return self.par.reduce(self.o_proj(o))
+        slots = ctx.lora_slots
+        o = self.attn.forward(self.qkv_proj(x, lora_slots=slots), self.q_norm, self.k_norm, caches.k[i], caches.v[i],
+                              ctx, **scales)
+        return self.par.reduce(self.o_proj(o, lora_slots=slots))
 
 
 class GatedDeltaNet(nn.Module):
@@ -239,15 +253,16 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
         i = self.cache_index
         weights = GdnWeights(self.conv1d, self.A_log, self.dt_bias, self.norm_weight)
+        slots = ctx.lora_slots
         if self.in_proj_ba is None:
-            proj = self.in_proj(x)
+            proj = self.in_proj(x, lora_slots=slots)
         else:  # official FP8: the two projections write their columns of one buffer (no concatenation)
             rows, xd = self.in_proj.weight.shape[0], dense(x)
             proj = torch.empty((xd.shape[0], rows + self.in_proj_ba.weight.shape[0]), dtype=xd.dtype, device=xd.device)
-            self.in_proj(x, out=proj[:, :rows])
-            self.in_proj_ba(x, out=proj[:, rows:])
+            self.in_proj(x, out=proj[:, :rows], lora_slots=slots)
+            self.in_proj_ba(x, out=proj[:, rows:], lora_slots=slots)
         o = self.gdn.forward(proj, weights, caches.conv[i], caches.recurrent[i], ctx)
-        return self.par.reduce(self.out_proj(o))
+        return self.par.reduce(self.out_proj(o, lora_slots=slots))
 
 
 class MLP(nn.Module):
@@ -261,8 +276,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(factory, intermediate, hidden, dtype, device, tp=par.info,
                                 shard=split(1, intermediate), fp8=fp8_weights(quant, "mlp.down_proj"))
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        return self.par.reduce(self.down_proj(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Activation, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        return self.par.reduce(self.down_proj(self.gate_up_proj(x, lora_slots=lora_slots), lora_slots=lora_slots))
 
 
 class SparseMoE(nn.Module):
@@ -321,8 +336,8 @@ class SparseMoE(nn.Module):
             else:
                 t[sl, :, keep:].zero_()
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        logits = self.gate(x)
+    def forward(self, x: torch.Tensor | Fp8Activation, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.gate(x, lora_slots=lora_slots)
         weights, ids = self.topk.forward(logits[:, : self.num_experts])
         if self.route_log is not None:
             self.route_log[: ids.shape[0]].copy_(ids)
@@ -359,7 +374,7 @@ class DecoderLayer(nn.Module):
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         h = self.mixer(h, ctx, caches)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx.lora_slots), residual
 
 
 class MtpHead(nn.Module):
@@ -406,6 +421,7 @@ class Qwen35Model(nn.Module):
         self.mtp = MtpHead(args, factory, par, dtype, device) if with_mtp and args.mtp_num_hidden_layers else None
         self.draft_ids: torch.Tensor | None = None  # MTP drafts among these ids only (set_draft_vocab)
         self.draft_weight: torch.Tensor | None = None
+        self.lora_targets: dict = {}  # projection path -> LoraTarget, when the engine serves adapters (bi_core/lora)
         impls = {id(m.attn): m.attn for m in self.modules() if isinstance(m, Attention)}
         self._step_planners = [i for i in impls.values() if hasattr(i, "prepare")]
 

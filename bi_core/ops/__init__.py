@@ -6,6 +6,7 @@ from bi_core.ops.collective import AllGatherBuilder, AllReduceBuilder, Collectiv
 from bi_core.ops.context import ForwardContext
 from bi_core.ops.gdn import GdnBuilder, GdnSpec
 from bi_core.ops.linear import LinearBuilder, LinearSpec
+from bi_core.ops.lora import LoraBuilder, LoraSpec
 from bi_core.ops.moe import MoEBuilder, MoESpec
 from bi_core.ops.norm import NormBuilder, NormSpec
 from bi_core.ops.sampling import SamplingBatch, SamplingBuilder, SamplingSpec
@@ -14,7 +15,7 @@ from bi_core.ops.topk import TopKBuilder, TopKSpec
 __all__ = [
     "AllGatherBuilder", "AllReduceBuilder", "CollectiveSpec",
     "AttentionBuilder", "AttentionSpec", "ForwardContext", "GdnBuilder", "GdnSpec",
-    "LinearBuilder", "LinearSpec", "MoEBuilder", "MoESpec",
+    "LinearBuilder", "LinearSpec", "LoraBuilder", "LoraSpec", "MoEBuilder", "MoESpec",
     "NormBuilder", "NormSpec", "OpBuilder", "OpSpec", "SamplingBatch", "SamplingBuilder",
     "SamplingSpec", "TopKBuilder", "TopKSpec",
 ]

@@ -77,6 +77,8 @@ class ForwardContext:
     # for every layer (inside a captured graph they are recomputed by every replay, where an
     # op_plans entry would keep the values of the capture); the model's forward empties it first
     step_tensors: dict = attrs.field(factory=dict)
+    # [T] int64: the LoRA slot of each row's adapter (-1 = none), when the engine serves adapters
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -117,6 +119,7 @@ class HostBatch:
     sample_keys: list[int] = attrs.field(factory=list)  # per logits row, when the step samples on the device
     temperatures: list[float] = attrs.field(factory=list)
     valid_tokens: list[int] | None = None  # [B] real tokens per sequence, when a graph pads one (else all)
+    lora_slots: list[int] = attrs.field(factory=list)  # [T] LoRA slot per row (-1 none), when adapters are served
 
     @property
     def num_seqs(self) -> int:

@@ -24,13 +24,15 @@ def plan_batch(
     logits_rows: list[list[int]] | None = None,
     sample_keys: list[int] | None = None,
     temperatures: list[float] | None = None,
+    lora_slots: list[int] | None = None,
 ) -> HostBatch:
     """``logits_rows[i]``: rows of sequence i (offsets into its tokens) whose logits are needed;
     default its last row. ``sample_keys`` / ``temperatures`` (one per logits row, flat): the step
     also samples those rows on the device (greedy or plain temperature). ``ring`` > 1 (speculative decoding): a sequence owns ``ring``
     consecutive state slots; at past length L it reads slot ``L % ring`` and the state after its
     t-th new token goes to slot ``(L + t + 1) % ring``, so rejecting drafts is just a shorter
-    length, never a copy."""
+    length, never a copy. ``lora_slots``: per sequence, its adapter's slot (-1 none), given to
+    each of its rows (an engine serving adapters passes it always, so the field is never absent)."""
     flat, positions, slots, token_states, rows = [], [], [], [], []
     offset = 0
     for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
@@ -58,7 +60,8 @@ def plan_batch(
         query_lens=query_lens, context_lens=[p + q for p, q in zip(past_lens, query_lens)],
         state_slots=[base * ring + past % ring for base, past in zip(state_slots, past_lens)],
         blocks=[list(b) for b in blocks], is_recurrent=list(is_recurrent), logits_rows=rows,
-        block_size=block_size, ring=ring, sample_keys=list(sample_keys or []), temperatures=list(temperatures or []))
+        block_size=block_size, ring=ring, sample_keys=list(sample_keys or []), temperatures=list(temperatures or []),
+        lora_slots=[s for s, n in zip(lora_slots, query_lens) for _ in range(n)] if lora_slots is not None else [])
 
 
 def float_bits(values: list[float]) -> list[int]:
@@ -78,7 +81,7 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
                  recurrent_ids: torch.Tensor, graph: GraphShape | None = None, op_plans: dict | None = None,
                  logits_all_rows: bool = False,
                  sample_keys: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
-                 valid_tokens: torch.Tensor | None = None) -> ForwardContext:
+                 valid_tokens: torch.Tensor | None = None, lora_slots: torch.Tensor | None = None) -> ForwardContext:
     """A ForwardContext over device tensors (fresh or static views) and the host lists of ``hb``."""
     return ForwardContext(
         positions=positions, cu_seqlens_q=cu_seqlens, context_lens=context_lens, block_tables=block_tables,
@@ -90,7 +93,8 @@ def context_from(hb: HostBatch, *, positions: torch.Tensor, cu_seqlens: torch.Te
         block_tables_host=hb.blocks, block_size=hb.block_size,
         logits_indices_host=list(hb.logits_rows), logits_all_rows=logits_all_rows, sample_keys=sample_keys,
         temperatures=temperatures, graph=graph, op_plans=op_plans if op_plans is not None else {},
-        valid_tokens=valid_tokens, valid_tokens_host=list(hb.valid_tokens) if hb.valid_tokens is not None else None)
+        valid_tokens=valid_tokens, valid_tokens_host=list(hb.valid_tokens) if hb.valid_tokens is not None else None,
+        lora_slots=lora_slots)
 
 
 def aligned_fields(sizes: list[int]) -> list[tuple[int, int]]:
@@ -114,15 +118,18 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     table = [x for b in hb.blocks for x in b + [-1] * (max_blocks - len(b))]
     recurrent = [i for i, r in enumerate(hb.is_recurrent) if r]
     fields = [hb.token_ids, hb.positions, hb.cu_seqlens, hb.context_lens, table, hb.slot_mapping, hb.state_slots,
-              hb.logits_rows, recurrent, hb.token_state_slots, hb.sample_keys, float_bits(hb.temperatures)]
+              hb.logits_rows, recurrent, hb.token_state_slots, hb.sample_keys, float_bits(hb.temperatures),
+              hb.lora_slots]
     spans = aligned_fields([len(f) for f in fields])
     flat = [0] * spans[-1][1]
     for f, (a, b) in zip(fields, spans):
         flat[a:b] = f
     region = to_device(flat, device)
     parts = [region[a:b] for a, b in spans]
-    ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states, keys, temps = parts
+    ids, pos, cu, ctx_lens, table_t, slots, states, logits, rec, token_states, keys, temps, lora = parts
     sampling = {"sample_keys": keys, "temperatures": temps.view(torch.float64)} if hb.sample_keys else {}
+    if hb.lora_slots:
+        sampling["lora_slots"] = lora
     ctx = context_from(hb, positions=pos, cu_seqlens=cu, context_lens=ctx_lens,
                        block_tables=table_t.view(hb.num_seqs, max_blocks), slot_mapping=slots, state_slots=states,
                        logits_indices=logits, token_state_slots=token_states, recurrent_ids=rec, **sampling)

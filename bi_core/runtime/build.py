@@ -117,6 +117,7 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     else:
         init_random_weights(model, config.model.random.seed)
     model.eval()
+    model.lora_targets = _attach_lora(config, model, factory, tp)
     if config.strategy.draft_vocab_size is not None and model.mtp is not None:
         _prune_draft_vocab(config, model, factory, args, tp)
     lookahead, decode_tokens = strategy_cls.lookahead_for(config), strategy_cls.decode_tokens_for(config)
@@ -143,7 +144,7 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
         max_batch_size=config.graph.max_batch_size or config.scheduler.max_num_seqs,
         max_blocks_per_seq=cache.blocks_for(max_model_len + lookahead), scratch_page=cache.scratch_page,
         scratch_slot=cache.scratch_slot, state_ring=cache.state_ring, query_lens=query_lens,
-        **mixed_fields(config, model, query_lens, chunk_size))
+        lora=bool(model.lora_targets), **mixed_fields(config, model, query_lens, chunk_size))
     runner = ModelRunner(model, cache, spec, with_mtp_graphs=strategy_cls.uses_mtp_head)
     if config.model.enable_return_routed_experts:
         if not args.is_moe:
@@ -154,6 +155,18 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
                           lookahead=lookahead, decode_tokens=decode_tokens, exact_step_tokens=exact_step_tokens,
                           eos_ids=args.eos_token_ids)
     return Parts(model, runner, scheduler, strategy_cls(config, runner), max_model_len, has_mtp)
+
+
+def _attach_lora(config: EngineConfig, model: Qwen35Model, factory: OpFactory, tp: TPInfo) -> dict:
+    """The adapter stacks of ``lora.max_loras`` slots (none when 0: the model is as without LoRA)."""
+    if not config.lora.max_loras:
+        return {}
+    if tp.world > 1:
+        raise ConfigError("lora.max_loras", "LoRA adapters are not served with tensor parallelism yet "
+                          "(parallel.tensor_parallel_size > 1); use replicas (serve --data-parallel-size)")
+    from bi_core.lora.targets import attach
+
+    return attach(model, factory, config.lora.max_loras, config.lora.max_rank)
 
 
 def _capture(config: EngineConfig, registry: Registry, factory: OpFactory) -> bool:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from bi_core.config import EngineConfig
 from bi_core.errors import BiEngineError, RequestError
+from bi_core.lora.engine_calls import LoraAPI
 from bi_core.models.qwen3_5 import check_tensor_parallel
 from bi_core.models.tokenizer import tokenizer_for
 from bi_core.parallel import lockstep
@@ -47,7 +48,7 @@ from bi_core.runtime.warmup import wants_warmup, warm_up
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(RolloutAPI):
+class LLMEngine(RolloutAPI, LoraAPI):
     """Requests and the step loop here; weight updates, weight sync from a trainer and pause/resume in
     ``bi_core.rl.api.RolloutAPI``."""
 
@@ -85,6 +86,7 @@ class LLMEngine(RolloutAPI):
         self.intake.routed_experts = self.runner.routing is not None
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
+        self._start_lora()  # lora.adapters loaded into their slots
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
         self.worker = worker_cls(self)  # what collective_rpc calls methods of (bi_core/rl/collective_rpc.py)
         self.num_steps = 0
@@ -151,6 +153,7 @@ class LLMEngine(RolloutAPI):
         (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
         self.weight_sync.check_serving()
         seq = self.intake.request(prompt, params, text=text, weight_version=self.weight_version)
+        self._pin_lora(seq)
         self.requests.update((s.request_id, s) for s in seq.group)
         self.scheduler.add(seq)
         self._mirror(lockstep.AddRequest(prompt, params, text))
@@ -220,6 +223,8 @@ class LLMEngine(RolloutAPI):
             self.scheduler.finish(seq)
             self.strategy.forget(seq)
             self.requests.pop(seq.request_id, None)
+        if done and self.lora.retired:
+            self.lora.collect(self._lora_in_use())  # old adapter versions whose last request finished
         return done
 
     # ------------------------------------------------------------------ batch API

@@ -72,7 +72,7 @@ class PrefixCache:
         ids, bs = seq.all_ids, self.block_size
         path, best, parent = [], None, None
         for start in range(0, limit - limit % bs, bs):
-            node = self.nodes.get((id(parent), tuple(ids[start:start + bs])))
+            node = self.nodes.get((_parent_key(parent, seq), tuple(ids[start:start + bs])))
             if node is None:
                 break
             path.append(node)
@@ -107,7 +107,7 @@ class PrefixCache:
         ids, bs = seq.all_ids, self.block_size
         parent = seq.prefix_node
         for start in range(seq.prefix_end, end, bs):
-            key = (id(parent), tuple(ids[start:start + bs]))
+            key = (_parent_key(parent, seq), tuple(ids[start:start + bs]))
             node = self.nodes.get(key)
             if node is None:  # else someone cached the same tokens already: follow theirs
                 node = Node(seq.blocks[start // bs], parent, key, start + bs)
@@ -190,3 +190,9 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         return {"queries": self.queries, "hits": self.hits, "hit_tokens": self.hit_tokens,
                 "cached_pages": len(self.nodes), "snapshots": len(self.snapshots), "evicted_pages": self.evicted}
+
+
+def _parent_key(parent: Node | None, seq: Sequence) -> object:
+    """A node's parent in its key; a first page's is the request's adapter version (``lora_uid``,
+    0: none), so no request reuses pages computed with another adapter or another version of it."""
+    return id(parent) if parent is not None else ("root", seq.lora_uid)

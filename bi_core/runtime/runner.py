@@ -188,7 +188,8 @@ class ModelRunner:
         return plan_batch([r.tokens for r in rows], [r.start for r in rows], [r.seq.blocks for r in rows],
                           [r.seq.state_slot for r in rows], [r.recurrent for r in rows],
                           block_size=self.cache.block_size, ring=self.cache.state_ring,
-                          logits_rows=[list(r.logits_rows) for r in rows], sample_keys=keys, temperatures=temps)
+                          logits_rows=[list(r.logits_rows) for r in rows], sample_keys=keys, temperatures=temps,
+                          lora_slots=[r.seq.lora_slot for r in rows] if self.spec.lora else None)
 
     def _model_step(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
         """(hidden, logits[, samples]): with ``ctx.sample_keys`` the step samples its logits rows on

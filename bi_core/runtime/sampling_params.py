@@ -111,6 +111,8 @@ class SamplingParams:
     # the reported logprobs (and top-N) are of the distribution after the grammar's mask (the
     # allowed tokens only; at the temperature with logprobs_mode "temperature"); by default the raw one's
     masked_logprobs: bool = False
+    # the LoRA adapter (a loaded adapter's name, bi_core/lora) that decodes it; None: the base model
+    lora_name: str | None = None
 
     def __attrs_post_init__(self) -> None:
         self._check_counts()
@@ -123,6 +125,8 @@ class SamplingParams:
         for name in ("ignore_eos", "return_routed_experts", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "masked_logprobs"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""),
+               f"lora_name must be a loaded adapter's name (a non-empty string) or None, got {self.lora_name!r}")
         _check(self.logprobs_mode in LOGPROBS_MODES,
                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 

@@ -112,6 +112,9 @@ class Sequence:
     num_routed: int = 0  # positions they cover, from 0
     # structured outputs: its own grammar matcher, derived from its output tokens (never shared)
     grammar: GrammarState | None = None
+    # LoRA: the adapter version pinned at admission (its slot and engine-unique id; -1 / 0: none)
+    lora_slot: int = -1
+    lora_uid: int = 0
 
     def record_routing(self, start: int, rows: np.ndarray) -> None:
         """The expert ids of positions ``start...`` (a recompute after preemption replaces what

@@ -172,3 +172,22 @@ class GroupedMMMoEImpl:
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
         return moe_combine(y, topk_weights, shared_logits)
+
+
+class TritonLoraImpl:
+    """Per-row LoRA through the gather mat-vec kernel (``kernels/lora.py``), then SwiGLU's
+    SiLU-and-mul (``kernels/elementwise.py``) for a fused ``[gate; up]`` projection."""
+
+    def __init__(self, silu_mul: bool = False) -> None:
+        self.silu_mul = silu_mul
+
+    def forward(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        from bi_core.kernels.lora import lora_apply
+
+        y = lora_apply(y, x, a, b, slots)
+        if not self.silu_mul:
+            return y
+        from bi_core.kernels.elementwise import silu_mul
+
+        return silu_mul(y)

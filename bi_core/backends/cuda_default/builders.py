@@ -11,6 +11,7 @@ from bi_core.ops import (
     AttentionBuilder,
     GdnBuilder,
     LinearBuilder,
+    LoraBuilder,
     MoEBuilder,
     NormBuilder,
     SamplingBuilder,
@@ -150,3 +151,13 @@ class DefaultAllReduceBuilder(ReferenceAllReduceBuilder):
 class DefaultAllGatherBuilder(ReferenceAllGatherBuilder):
     def check(self, spec, policy):
         return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + super().check(spec, policy)
+
+
+class DefaultLoraBuilder(LoraBuilder):
+    """Per-row LoRA through the gather mat-vec kernel (its fastest path here as well)."""
+
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32)
+
+    def build(self, spec):
+        return kernel_calls.TritonLoraImpl(spec.silu_mul)

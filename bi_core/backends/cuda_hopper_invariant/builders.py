@@ -92,3 +92,12 @@ class InvariantAllReduceBuilder(AllReduceBuilder):
 
 class InvariantAllGatherBuilder(_OnHopper, d.DefaultAllGatherBuilder):
     pass
+
+
+class InvariantLoraBuilder(d.DefaultLoraBuilder):
+    """The gather mat-vec kernel: one program per row, block sizes from K and N only."""
+
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)

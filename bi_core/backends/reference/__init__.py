@@ -18,6 +18,7 @@ def bi_register_backends(register) -> None:
     from bi_core.backends.reference.collective import ReferenceAllGatherBuilder, ReferenceAllReduceBuilder
     from bi_core.backends.reference.gdn import ReferenceGdnBuilder
     from bi_core.backends.reference.linear import ReferenceLinearBuilder
+    from bi_core.backends.reference.lora import ReferenceLoraBuilder
     from bi_core.backends.reference.moe import ReferenceMoEBuilder
     from bi_core.backends.reference.norm import ReferenceNormBuilder
     from bi_core.backends.reference.sampling import ReferenceSamplingBuilder
@@ -31,6 +32,7 @@ def bi_register_backends(register) -> None:
                 ReferenceAttentionBuilder(), ReferenceLinearBuilder(), ReferenceNormBuilder(),
                 ReferenceTopKBuilder(), ReferenceMoEBuilder(), ReferenceGdnBuilder(),
                 ReferenceSamplingBuilder(), ReferenceAllReduceBuilder(), ReferenceAllGatherBuilder(),
+                ReferenceLoraBuilder(),
             ),
             invariance_refusal="its PyTorch ops (matmul, softmax, conv) pick kernels by shape, so a row's "
             "bits can change with the batch; use cuda_hopper_invariant on an SM90 GPU",

@@ -42,6 +42,7 @@ class GraphRunnerSpec:
     # False: only a prompt piece alone (bucket 0) replays a graph (a strategy whose decode rows
     # are several tokens, MTP: its prompts' steps still leave the host's eager launches)
     mixed_decode_rows: bool = True
+    lora: bool = False  # the model serves adapters: the static buffers carry each row's LoRA slot
 
 
 class GraphRunner(Protocol):

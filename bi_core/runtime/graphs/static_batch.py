@@ -86,18 +86,19 @@ class StaticBatch:
         self.fields = _aligned_fields([("input_ids", t), ("positions", t), ("slot_mapping", t),
                                        ("token_state_slots", t), ("sample_keys", r), ("temperatures", r),
                                        ("logits_indices", r), ("context_lens", seqs), ("state_slots", seqs),
-                                       ("valid_tokens", seqs)])
+                                       ("valid_tokens", seqs), ("lora_slots", t)])
         self.region = torch.zeros(max(end for _, end in self.fields.values()), dtype=torch.int64, device=device)
         # a padded prompt piece's padding rows sit past the sequence's pages, up to a chunk past
         # max_model_len: their reads go to the scratch page, inside the table
         width = spec.max_blocks_per_seq + (-(-chunk // block_size) if chunk else 0)
         self.block_tables = torch.full((seqs, width), spec.scratch_page, dtype=torch.int64, device=device)
-        ids, pos, slots, token_states, keys, temps, logits, ctx_lens, states, valid = (
+        ids, pos, slots, token_states, keys, temps, logits, ctx_lens, states, valid, lora = (
             self.region[a:b] for a, b in self.fields.values())
         self.input_ids = ids
         self.views = dict(positions=pos, slot_mapping=slots, token_state_slots=token_states, context_lens=ctx_lens,
                           state_slots=states, sample_keys=keys, temperatures=temps.view(torch.float64),
-                          logits_indices=logits, valid_tokens=valid if chunk else None)
+                          logits_indices=logits, valid_tokens=valid if chunk else None,
+                          lora_slots=lora if spec.lora else None)
         if not chunk:  # every row, never rewritten (a uniform graph reads all rows: logits_all_rows)
             logits.copy_(torch.arange(t, dtype=torch.int64, device=device))
         self.cu_seqlens = torch.tensor(list(range(0, decode + 1, q)) + ([t] if chunk else []), dtype=torch.int64,
@@ -161,7 +162,8 @@ class StaticBatch:
             blocks=blocks, is_recurrent=per_seq(real.is_recurrent, [True] * pad),
             logits_rows=self.graph_rows(real, real.logits_rows) if hb else [], block_size=bs, ring=real.ring,
             sample_keys=real.sample_keys, temperatures=real.temperatures,
-            valid_tokens=per_seq(real.query_lens, [q] * pad) if chunk else None)
+            valid_tokens=per_seq(real.query_lens, [q] * pad) if chunk else None,
+            lora_slots=split(real.lora_slots, [-1] * (pad * q), [-1] * extra) if real.lora_slots else [])
 
     def logit_pos(self, rows: list[int]) -> list[int]:
         """Where graph rows' logits are among the graph's logits rows (a uniform graph: the same)."""
@@ -198,6 +200,7 @@ class StaticBatch:
         put("context_lens", p.context_lens)
         put("state_slots", p.state_slots)
         put("valid_tokens", p.valid_tokens or [0] * len(p.state_slots))
+        put("lora_slots", p.lora_slots or [-1] * self.num_tokens)  # padding rows: no adapter
         self.region.copy_(self._stage_region, non_blocking=True)
         table, rows, changed = self._stage_table.numpy(), self._table_rows, False
         for i, pages in enumerate(p.blocks):
