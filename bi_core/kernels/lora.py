@@ -19,20 +19,22 @@ def _lora_rows_kernel(X, W, SLOTS, Y, K, N, stride_x, stride_ws, stride_wn, stri
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(SLOTS + t)
     valid = slot >= 0
+    # a row without an adapter reads nothing and (ADD) writes nothing: its bounds become 0
+    k_end, n_end = tl.where(valid, K, 0), tl.where(valid, N, 0)
     base = W + tl.maximum(slot, 0).to(tl.int64) * stride_ws
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        x = tl.load(X + t * stride_x + kk, mask=(kk < K) & valid, other=0.0).to(tl.float32)
+        x = tl.load(X + t * stride_x + kk, mask=kk < k_end, other=0.0).to(tl.float32)
         w = tl.load(base + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=(cols[:, None] < N) & (kk[None, :] < K) & valid, other=0.0).to(tl.float32)
+                    mask=(cols[:, None] < n_end) & (kk[None, :] < k_end), other=0.0).to(tl.float32)
         acc += w * x[None, :]
     delta = tl.sum(acc, axis=1).to(Y.dtype.element_ty)
     out = Y + t * stride_y + cols
     if ADD:  # y + delta in the activation dtype (one rounding of the float32 sum, as torch adds)
-        y = tl.load(out, mask=(cols < N) & valid, other=0.0)
-        tl.store(out, (y.to(tl.float32) + delta.to(tl.float32)).to(Y.dtype.element_ty), mask=(cols < N) & valid)
+        y = tl.load(out, mask=cols < n_end, other=0.0)
+        tl.store(out, (y.to(tl.float32) + delta.to(tl.float32)).to(Y.dtype.element_ty), mask=cols < n_end)
     else:  # the shrink: zeros for a row without an adapter
         tl.store(out, delta, mask=cols < N)
 

@@ -37,3 +37,20 @@ def engine_config(ckpt: Path, adapters: dict[str, str] | None = None, *, max_lor
            "lora": {"max_loras": max_loras, "max_rank": max_rank, "adapters": adapters or {}}}
     cfg.update(extra)
     return cfg
+
+
+def random_adapter(engine, *, r: int = 8, seed: int = 0, scale: float = 0.5, only: tuple[str, ...] = ()
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT-named adapter of rank ``r`` on every module the engine can adapt (or those whose
+    name contains one of ``only``), random: (adapter_config dict, tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for target in engine.model.lora_targets.values():
+        for hf, part in target.parts.items():
+            if only and not any(o in hf for o in only):
+                continue
+            rows = part.rows[1] - part.rows[0]
+            tensors[f"base_model.model.{hf}.lora_A.weight"] = torch.randn(r, part.in_features, generator=gen) * (
+                scale / part.in_features ** 0.5)
+            tensors[f"base_model.model.{hf}.lora_B.weight"] = torch.randn(rows, r, generator=gen) * (scale / r ** 0.5)
+    return {"r": r, "lora_alpha": r, "peft_type": "LORA"}, tensors
