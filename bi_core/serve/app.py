@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bi_core.config import ServeConfig
 from bi_core.models.tokenizer import Tokenizer
-from bi_core.serve import completions, control_routes, dev, info, native, router_routes
+from bi_core.serve import completions, control_routes, dev, info, lora_routes, native, router_routes
 from bi_core.serve.api_errors import ApiError, error_response, install_error_handlers
 from bi_core.serve.auth import OPEN_PATHS, Guard
 from bi_core.serve.client import EngineClient
@@ -48,10 +48,11 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     _install_middleware(app, server)
     install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                  **native.REQUEST_MODELS, **info.REQUEST_MODELS, **control_routes.REQUEST_MODELS,
-                                 **dev.REQUEST_MODELS}, success_style=control_routes.SUCCESS_STYLE)
+                                 **lora_routes.REQUEST_MODELS, **dev.REQUEST_MODELS}, success_style=control_routes.SUCCESS_STYLE)
     native.install(app, server)
     info.install(app, server)
     control_routes.install(app, server)
+    lora_routes.install(app, server)
     router_routes.install(app, server)
     if dev.dev_mode(config):
         dev.install(app, server)

@@ -69,7 +69,7 @@ def _usage(choices: list[Choice], n: int) -> dict:
 
 
 async def completions(server: Server, req: CompletionRequest, request: Request):
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)
     tokenizer = server.tokenizer
     try:
         texts = req.prompts()
@@ -85,6 +85,7 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
     num_computed = req.num_prompt_logprobs()
     jobs = [(ids, req.sampling_params(_max_new_tokens(server, ids, req.max_tokens, "max_tokens", "prompt"),
                                       req.logprobs, num_computed)) for ids in prompts]
+    jobs = [(ids, attrs.evolve(p, lora_name=adapter)) for ids, p in jobs]
 
     def choice(c: Choice) -> dict:
         o, j = c.output, c.index // req.n
@@ -107,7 +108,7 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
 
 
 async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)
     tokenizer = server.tokenizer
     if tokenizer is None:
         raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
@@ -127,7 +128,7 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     # the template's turn end is an EOS as vLLM counts it (generation_config's eos ids), so
     # ignore_eos ignores it too
     ends = () if params.ignore_eos else turn_end
-    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends))]
+    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends, lora_name=adapter))]
 
     def choice(c: Choice) -> dict:
         o = c.output

@@ -55,9 +55,13 @@ class DetokenizeRequest(TextBody):
 REQUEST_MODELS = {"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
-def model_card(server) -> dict:
-    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "bi-engine",
+def model_card(server, name: str | None = None) -> dict:
+    """vLLM's card: the base model's, or (``name``) a LoRA adapter's, whose ``parent`` is the base model."""
+    card = {"id": name or server.model_name, "object": "model", "created": server.created, "owned_by": "bi-engine",
             "max_model_len": server.max_model_len}
+    if name is not None:
+        card["parent"] = server.model_name
+    return card
 
 
 def tokenize(server, req: TokenizeRequest) -> list[int]:
@@ -77,12 +81,12 @@ def tokenize(server, req: TokenizeRequest) -> list[int]:
 def install(app: FastAPI, server) -> None:
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(server)]}
+        return {"object": "list", "data": [model_card(server)] + [model_card(server, n)
+                                                                  for n in sorted(server.lora_names)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        server.check_model(model_id)
-        return model_card(server)
+        return model_card(server, server.check_model(model_id))
 
     @app.get("/version")
     async def version():

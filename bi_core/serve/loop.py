@@ -60,6 +60,7 @@ from bi_core.serve.messages import (
     InitWeightsUpdateGroup,
     IsPaused,
     IsSleeping,
+    LoadLoraAdapter,
     Out,
     PauseGeneration,
     Ready,
@@ -71,6 +72,7 @@ from bi_core.serve.messages import (
     Stop,
     Stopped,
     UnexpectedMessage,
+    UnloadLoraAdapter,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
@@ -126,6 +128,7 @@ class EngineLoop(ControlCalls):
             DestroyWeightsUpdateGroup: lambda m: self.engine.destroy_weights_update_group(m.group_name),
             UpdateWeightsFromDisk: self._update_weights_from_disk,
             UpdateWeightsFromTensor: self._update_weights_from_tensor, CollectiveRpc: self._collective_rpc,
+            LoadLoraAdapter: self._load_lora_adapter, UnloadLoraAdapter: self._unload_lora_adapter,
         }
 
     def run(self) -> None:
@@ -343,7 +346,8 @@ def engine_main(config, channel) -> None:
         return
     try:
         channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
-                                      config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size)))
+                                      config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size,
+                                      tuple(engine.lora.names))))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests,
                    weight_sync_timeout_s=config.serve.weight_sync_timeout_s).run()
     finally:

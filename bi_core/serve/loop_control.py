@@ -9,7 +9,14 @@ import json
 import logging
 import time
 
-from bi_core.errors import BiEngineError, CheckpointError, CollectiveRpcError, ConfigError, RequestError
+from bi_core.errors import (
+    BiEngineError,
+    CheckpointError,
+    CollectiveRpcError,
+    ConfigError,
+    LoraError,
+    RequestError,
+)
 from bi_core.rl.joining import Join
 from bi_core.serve.messages import (
     AbortRequests,
@@ -17,9 +24,11 @@ from bi_core.serve.messages import (
     ControlDone,
     ControlFailed,
     InitWeightsUpdateGroup,
+    LoadLoraAdapter,
     PauseGeneration,
     ResumeGeneration,
     Sleep,
+    UnloadLoraAdapter,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
@@ -182,6 +191,23 @@ class ControlCalls:
         finally:
             self._sweep()  # the requests it aborted (once the checkpoint passed its checks) end here
         return {"num_tensors": int(n), "weight_version": int(self.engine.weight_version)}
+
+    def _load_lora_adapter(self, m: LoadLoraAdapter) -> dict:
+        if m.name in self.engine.lora.current and not m.load_inplace:  # vLLM's answer; in place: a new version
+            raise _Failed("invalid", f"The lora adapter '{m.name}' has already been loaded; pass load_inplace: true "
+                                     "to load this one as its next version")
+        try:
+            x = self.engine.load_lora_adapter(m.name, m.path)
+        except LoraError as e:
+            raise _Failed("invalid", str(e)) from None
+        return {"name": x.name, "version": x.version, "slot": x.slot}
+
+    def _unload_lora_adapter(self, m: UnloadLoraAdapter) -> dict:
+        try:
+            x = self.engine.unload_lora_adapter(m.name)
+        except LoraError as e:
+            raise _Failed("not_found" if e.not_found else "invalid", str(e)) from None
+        return {"name": x.name, "version": x.version}
 
     def _collective_rpc(self, m: CollectiveRpc) -> list:
         try:

@@ -30,7 +30,7 @@ RefusalReason = Literal["unavailable", "overloaded", "prompt_too_long", "invalid
 PauseMode = Literal["abort", "wait", "keep"]  # vLLM's: abort the requests in flight, let them finish, or freeze them
 # why a control call failed: a bad argument (400), the engine takes no more calls (503), or the engine
 # raised anything else (500)
-ControlFailure = Literal["invalid", "unavailable", "error"]
+ControlFailure = Literal["invalid", "not_found", "unavailable", "error"]
 
 _short = reprlib.Repr()  # an unexpected message in an error: its start
 _short.maxother = _short.maxstring = 200
@@ -54,6 +54,7 @@ class EngineInfo:
     vocab_size: int
     max_num_seqs: int
     tensor_parallel_size: int = 1
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters loaded at start (lora.adapters)
 
 
 # ---------------------------------------------------------------------- HTTP process -> engine process
@@ -212,6 +213,24 @@ class UpdateWeightsFromDisk:
 
 
 @attrs.frozen
+class LoadLoraAdapter:
+    """HTTP -> engine: load a PEFT adapter directory as ``name`` (load_inplace: its next version); answered with {name, version, slot}."""
+
+    key: int
+    name: str
+    path: str
+    load_inplace: bool
+
+
+@attrs.frozen
+class UnloadLoraAdapter:
+    """HTTP -> engine: stop serving adapter ``name``; answered with {name, version}."""
+
+    key: int
+    name: str
+
+
+@attrs.frozen
 class CollectiveRpc:
     """HTTP -> engine (dev mode): call a worker method on every tensor-parallel rank; answered with the results in rank order."""
 
@@ -291,6 +310,6 @@ class Stopped:
 
 CONTROL = (PauseGeneration, ResumeGeneration, IsPaused, AbortRequests, ResetPrefixCache, Sleep, WakeUp, IsSleeping,
            GetWeightVersion, InitWeightsUpdateGroup, UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup,
-           UpdateWeightsFromDisk, UpdateWeightsFromTensor, CollectiveRpc)
+           UpdateWeightsFromDisk, UpdateWeightsFromTensor, CollectiveRpc, LoadLoraAdapter, UnloadLoraAdapter)
 TO_ENGINE = (Add, Abort, Stop, *CONTROL)
 FROM_ENGINE = (Ready, StartFailed, Added, Refused, ControlDone, ControlFailed, Out, Stopped)

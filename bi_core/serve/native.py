@@ -92,6 +92,19 @@ def _per_prompt(value, num: int, param: str, default):
     return [value] * num
 
 
+def _adapters(server, req: GenerateRequest, num: int) -> list[str | None]:
+    """Each prompt's LoRA adapter: SGLang's ``lora_path`` (a loaded adapter's name), else the one
+    ``model`` names (vLLM's way; None: the base model)."""
+    default = server.check_model(req.model) if req.model is not None else None
+    names = _per_prompt(req.lora_path, num, "lora_path", default)
+    unknown = sorted({n for n in names if n is not None and n not in server.lora_names})
+    if unknown:
+        raise ApiError(400, f"lora_path names no loaded LoRA adapter: {', '.join(unknown)} (loaded: "
+                            f"{', '.join(sorted(server.lora_names)) or 'none'}; /v1/load_lora_adapter loads one)",
+                       param="lora_path", code="lora_not_found")
+    return [default if n is None else n for n in names]
+
+
 def _prompts(server, req: GenerateRequest) -> tuple[list[list[int]], bool, str]:
     """The prompts' token ids, whether the request is a single prompt, and the field they came in."""
     if (req.text is None) == (req.input_ids is None):
@@ -166,6 +179,7 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
     return_logprob = _per_prompt(req.return_logprob, num, "return_logprob", False)
     start_len = _per_prompt(req.logprob_start_len, num, "logprob_start_len", -1)
     top_num = _per_prompt(req.top_logprobs_num, num, "top_logprobs_num", 0)
+    adapters = _adapters(server, req, num)
     jobs, options, unused = [], [], []
     for j, (ids, sp) in enumerate(zip(prompts, sps)):
         room = server.max_model_len - len(ids)
@@ -191,6 +205,8 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
                            param=f"{where}.stop")
         lp = return_logprob[j]
         extra = {"return_routed_experts": True} if req.return_routed_experts else {}
+        if adapters[j] is not None:
+            extra["lora_name"] = adapters[j]
         # max_new_tokens 0 (SGLang's scoring): the engine samples one token, which the answer drops
         new_tokens = room if sp.max_new_tokens is None else max(sp.max_new_tokens, 1)
         if sp.min_new_tokens > (sp.max_new_tokens if sp.max_new_tokens is not None else room):

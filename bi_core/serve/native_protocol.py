@@ -116,8 +116,9 @@ class GenerateRequest(TextBody):
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
-    lora_path: Any = None
     custom_logit_processor: Any = None
+    # SGLang's: the LoRA adapter (a loaded adapter's name) of the request, or one per prompt (null: the base model)
+    lora_path: str | list[str | None] | None = None
     token_ids_logprob: Any = None
     session_params: Any = None
     return_hidden_states: bool = False
@@ -129,12 +130,12 @@ class GenerateRequest(TextBody):
     return_bytes: bool = False
     return_entropy: bool = False
 
-    @field_validator("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "token_ids_logprob",
+    @field_validator("input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
                      "session_params")
     @classmethod
     def _absent(cls, v):
         if v is not None:
-            raise ValueError("not supported by this engine (text-only, no LoRA); leave it out (null)")
+            raise ValueError("not supported by this engine (text-only); leave it out (null)")
         return v
 
     @field_validator("custom_logit_processor")

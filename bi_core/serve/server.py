@@ -48,6 +48,7 @@ class Server:
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
         self.vocab_size, self.max_num_seqs = info.vocab_size, info.max_num_seqs
         self.tensor_parallel_size = info.tensor_parallel_size
+        self.lora_names: set[str] = set(info.lora_adapters)  # kept by the LoRA routes (serve/lora_routes.py)
         self.shutting_down = False
         self.created = int(time.time())
         self.requests: dict[str, list[Choice]] = {}  # unfinished requests by the ids clients know them by
@@ -67,16 +68,22 @@ class Server:
         try:
             return await asyncio.wrap_future(self.core.control(kind, **fields))
         except ControlError as e:
-            status, type_ = {"invalid": (400, "invalid_request_error"),
+            status, type_ = {"invalid": (400, "invalid_request_error"), "not_found": (404, "not_found_error"),
                              "unavailable": (503, "service_unavailable")}.get(e.reason, (500, "server_error"))
             raise ApiError(status, str(e), type_) from None
         except Unavailable as e:
             raise ApiError(503, str(e), "service_unavailable") from None
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names (vLLM's way), or None for the base model;
+        a 404 for any other name."""
+        if name == self.model_name:
+            return None
+        if name in self.lora_names:
+            return name
+        served = ", ".join([f"`{self.model_name}`", *(f"`{n}`" for n in sorted(self.lora_names))])
+        raise ApiError(404, f"The model `{name}` does not exist (this server serves {served})",
+                       param="model", code="model_not_found")
 
     def check_size(self, num_prompts: int, n: int, prompt_param: str) -> None:
         """A request's sequences (prompts x n) must fit in one batch: they are added together, and

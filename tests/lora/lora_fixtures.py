@@ -54,3 +54,15 @@ def random_adapter(engine, *, r: int = 8, seed: int = 0, scale: float = 0.5, onl
                 scale / part.in_features ** 0.5)
             tensors[f"base_model.model.{hf}.lora_B.weight"] = torch.randn(rows, r, generator=gen) * (scale / r ** 0.5)
     return {"r": r, "lora_alpha": r, "peft_type": "LORA"}, tensors
+
+
+def save_adapter(path: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """An adapter directory as PEFT's save_pretrained lays it out."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    return path

@@ -71,9 +71,9 @@ def _routes(install) -> dict[str, set[str]]:
 
 def test_every_route_that_changes_the_engine_is_a_control_route():
     """A new control route that is not in CONTROL_PATHS would answer without the admin key."""
-    from bi_core.serve import control_routes, dev
+    from bi_core.serve import control_routes, dev, lora_routes
 
-    routes = {**_routes(control_routes.install), **_routes(dev.install)}
+    routes = {**_routes(control_routes.install), **_routes(dev.install), **_routes(lora_routes.install)}
     changing = {p for p, methods in routes.items() if methods - {"GET", "HEAD"} or p in ("/flush_cache",)}
     assert changing == CONTROL_PATHS, changing ^ CONTROL_PATHS
     assert {p for p in routes if p not in CONTROL_PATHS} == {

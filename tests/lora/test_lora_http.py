@@ -1,0 +1,81 @@
+"""vLLM's LoRA routes and request fields on a real server: /v1/load_lora_adapter and
+/v1/unload_lora_adapter (paths only under serve.weights_root, load_inplace as a new version,
+every slot taken: a 400), a request naming its adapter by ``model`` (vLLM) or ``lora_path``
+(SGLang's /generate), /v1/models listing adapters."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from serve_helpers import CONFIG, ServerProcess, httpx
+
+from bi_core import EngineConfig, build_engine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_fixtures import random_adapter, save_adapter  # noqa: E402
+
+LORA_CONFIG = CONFIG.replace("serve: {model_name: tiny, shutdown_timeout_s: 20}",
+                             "serve: {model_name: tiny, shutdown_timeout_s: 20, weights_root: ROOT}\n"
+                             "lora: {max_loras: 2, max_rank: 8}")
+PROMPT = [3, 14, 15, 92, 65]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_http")
+    config = LORA_CONFIG.replace("ROOT", str(tmp))
+    engine = build_engine(EngineConfig.from_dict({**__import__("yaml").safe_load(config), "serve": {}}))
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        save_adapter(tmp / "adapters" / name, *random_adapter(engine, r=8, seed=seed, scale=2.0))
+    s = ServerProcess(tmp, config=config)
+    yield s
+    s.stop()
+
+
+def tokens(server, **fields):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "logprobs": 0, "temperature": 0, **fields},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def post(server, route, body):
+    return httpx.post(f"{server.url}{route}", json=body, timeout=60)
+
+
+def test_load_serve_replace_and_unload(server):
+    r = post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "adapters/a"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a' added successfully."
+    cards = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert [(c["id"], c.get("parent")) for c in cards] == [("tiny", None), ("a", "tiny")]
+    base, with_a = tokens(server, model="tiny"), tokens(server, model="a")
+    assert with_a != base  # the adapter reaches the answer
+    gen = post(server, "/generate", {"input_ids": PROMPT, "lora_path": "a", "return_logprob": True,
+                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert [e[0] for e in gen["meta_info"]["output_token_logprobs"]] == with_a
+    again = post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "adapters/b"})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    inplace = post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "adapters/b", "load_inplace": True})
+    assert inplace.status_code == 200
+    assert tokens(server, model="a") != with_a  # its next version serves new requests
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "adapters/b"}).status_code == 200
+    full = post(server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "adapters/c"})
+    assert full.status_code == 400 and "lora.max_loras=2" in full.json()["error"]["message"]
+    missing = post(server, "/v1/unload_lora_adapter", {"lora_name": "zzz"})
+    assert missing.status_code == 404
+    r = post(server, "/v1/unload_lora_adapter", {"lora_name": "a"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a' removed successfully."
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "model": "a"}).status_code == 404
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "adapters/c"}).status_code == 200
+
+
+def test_bad_paths_and_names(server):
+    outside = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})
+    assert outside.status_code == 403 and outside.json()["error"]["param"] == "lora_path"
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "nope"}).status_code == 400
+    unknown = post(server, "/generate", {"input_ids": PROMPT, "lora_path": "nope"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora_path"
+    extra = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "adapters/a", "bogus": 1})
+    assert extra.status_code == 400
