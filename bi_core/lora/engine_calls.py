@@ -38,6 +38,19 @@ class LoraAPI:
             config or {}, tensors, f"{name!r} (tensors)")
         return self.lora.load(name, adapter, self._lora_in_use())
 
+    def load_lora_adapter_from_tensor(self, name: str, serialized_named_tensors: str | bytes, config: dict) -> Loaded:
+        """An adapter a trainer process shares by handle (``bi_core.rl.serialize_named_tensors``:
+        shared memory on the CPU, CUDA IPC on this GPU; opened by the same checked unpickler as
+        ``update_weights_from_tensor``), as ``name``'s next version; ``config``: its adapter_config."""
+        from bi_core.rl.tensors import deserialize_named_tensors
+
+        if not isinstance(config, dict):
+            raise ValueError(f"load_lora_adapter_from_tensor: config must be the adapter_config dict, got "
+                             f"{type(config).__name__}")
+        # the handles are copied into the slot here and closed with this frame (the trainer's memory again)
+        return self.load_lora_adapter(name, tensors=dict(deserialize_named_tensors(serialized_named_tensors)),
+                                      config=config)
+
     def unload_lora_adapter(self, name: str) -> Loaded:
         """Stop serving ``name`` (requests already running on it finish on it)."""
         return self.lora.unload(name, self._lora_in_use())

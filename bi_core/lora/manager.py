@@ -1,7 +1,9 @@
 """Adapter slots and versions. A name's adapter lives in one slot; loading the name again
 (a trainer's new adapter) writes the new version into a free slot and makes it current, while the
 old version's slot keeps serving the requests that pinned it at admission, and is freed once none
-is left. ``max_loras`` slots in all: a load with none free is refused, naming what holds them."""
+is left (a version no request pins gives its slot to the next at once, so one slot serves a
+name whose requests all finish between versions). ``max_loras`` slots in all: a load with none
+free is refused, naming what holds them."""
 
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ class LoraManager:
             raise LoraError("LoRA is off: start the engine with lora.max_loras > 0 to load adapters")
         placed = check_adapter(adapter, self.targets, self.max_rank)
         self.collect(in_use)
+        old = self.current.get(name)
+        if not self.free and old is not None and old.slot not in in_use:  # no request pins it: its slot is next
+            self.retired.append(self.current.pop(name))
+            self.collect(in_use)
         if not self.free:
             held = sorted(f"{x.name} v{x.version}" for x in [*self.current.values(), *self.retired])
             raise LoraError(f"cannot load adapter {name!r}: all lora.max_loras={self.max_loras} slots are taken "
@@ -50,9 +56,8 @@ class LoraManager:
                             "raise lora.max_loras")
         slot = self.free.pop(0)
         write_slot(self.targets, slot, adapter, placed)
-        old = self.current.get(name)
-        if old is not None:
-            self.retired.append(old)
+        if name in self.current:
+            self.retired.append(self.current[name])
         loaded = Loaded(name, old.version + 1 if old else 1, slot, next(self._uids), adapter.rank, adapter.source)
         self.current[name] = loaded
         self.collect(in_use)
