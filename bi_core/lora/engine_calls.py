@@ -64,5 +64,5 @@ class LoraAPI:
         if seq.params.lora_name is None:
             return
         loaded = self.lora.pin(seq.params.lora_name)
-        for member in seq.group:
+        for member in seq.group or [seq]:  # (a scoring request has no group)
             member.lora_slot, member.lora_uid = loaded.slot, loaded.uid

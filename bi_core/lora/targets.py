@@ -69,7 +69,7 @@ def attach(model, factory, max_loras: int, max_rank: int) -> dict[str, LoraTarge
                         silu_mul=lin.spec.silu_mul)
         if lin.spec.silu_mul:
             lin.impl = factory.build("linear", attrs.evolve(lin.spec, silu_mul=False))
-        dtype, device = factory.base["dtype"], factory.base["device"]
+        dtype, device = factory.base["dtype"], lin.weight.device  # (the meta device when explain plans)
         placed = {hf: Part(rows, (j * max_rank, (j + 1) * max_rank), k) for j, (hf, rows) in enumerate(parts.items())}
         lin.lora = targets[module] = LoraTarget(
             a=torch.zeros((max_loras, rank, k), dtype=dtype, device=device),
@@ -116,3 +116,8 @@ def write_slot(targets: dict[str, LoraTarget], slot: int, adapter: Adapter | Non
         c0 = part.cols[0]
         t.a[slot, c0:c0 + r].copy_(a)
         t.b[slot, part.rows[0]:part.rows[1], c0:c0 + r].copy_(b)
+
+
+def stack_bytes(targets: dict[str, LoraTarget]) -> int:
+    """Device bytes of every adapter stack (what ``lora.max_loras`` x ``lora.max_rank`` costs)."""
+    return sum(t.a.numel() * t.a.element_size() + t.b.numel() * t.b.element_size() for t in targets.values())

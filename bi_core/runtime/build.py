@@ -157,13 +157,18 @@ def build_parts(config: EngineConfig, registry: Registry, policy: Policy, factor
     return Parts(model, runner, scheduler, strategy_cls(config, runner), max_model_len, has_mtp)
 
 
+def check_lora(config: EngineConfig, world: int) -> None:
+    """LoRA with one rank only (the adapter stacks are not split over ranks)."""
+    if config.lora.max_loras and world > 1:
+        raise ConfigError("lora.max_loras", "LoRA adapters are not served with tensor parallelism yet "
+                          "(parallel.tensor_parallel_size > 1); use replicas (serve --data-parallel-size)")
+
+
 def _attach_lora(config: EngineConfig, model: Qwen35Model, factory: OpFactory, tp: TPInfo) -> dict:
     """The adapter stacks of ``lora.max_loras`` slots (none when 0: the model is as without LoRA)."""
     if not config.lora.max_loras:
         return {}
-    if tp.world > 1:
-        raise ConfigError("lora.max_loras", "LoRA adapters are not served with tensor parallelism yet "
-                          "(parallel.tensor_parallel_size > 1); use replicas (serve --data-parallel-size)")
+    check_lora(config, tp.world)
     from bi_core.lora.targets import attach
 
     return attach(model, factory, config.lora.max_loras, config.lora.max_rank)
@@ -239,9 +244,16 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     with_mtp = builds_mtp_head(strategy_cls, args, index)
     world = config.parallel.tensor_parallel_size
     check_tensor_parallel(args, world)
-    Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp, tp=TPInfo(0, world))
+    model = Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp,
+                        tp=TPInfo(0, world))
+    targets = _attach_lora(config, model, factory, TPInfo(0, world))  # the lora op's choice, stacks on meta
     failures = factory.failures()
     text = factory.explain()
+    if targets:
+        from bi_core.lora.targets import stack_bytes
+
+        text += (f"\nlora: {len(targets)} projections adapted, {stack_bytes(targets) / 2**30:.2f} GiB of adapter stacks "
+                 f"({config.lora.max_loras} slots of rank {config.lora.max_rank}; the KV cache is sized after them)")
     try:  # how steps are launched: the runtime's choice from graph.* and the device, not an op's
         capture = _capture(config, registry, factory)
         text += "\n" + explain_line(GraphRunnerSpec(**factory.base, use_graphs=config.graph.enabled, capture=capture,

@@ -30,7 +30,7 @@ from bi_core.rl.collective_rpc import worker_class
 from bi_core.rl.receiver import WeightSync
 from bi_core.rl.rollout_control import RolloutControl
 from bi_core.runtime import compile_ahead
-from bi_core.runtime.build import build_parts, prepare, resolve_max_model_len, resolve_model
+from bi_core.runtime.build import build_parts, check_lora, prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.intake import Intake
 from bi_core.runtime.overlap import Overlap
 from bi_core.runtime.prompts import Prompt, ids_or_empty, is_one_prompt
@@ -63,6 +63,7 @@ class LLMEngine(RolloutAPI, LoraAPI):
         self.args, index = resolve_model(config)
         self.tp = TPInfo(tp_rank, config.parallel.tensor_parallel_size)
         check_tensor_parallel(self.args, self.tp.world)
+        check_lora(config, self.tp.world)  # before the other ranks start
         resolve_max_model_len(config, self.args)
         worker_cls = worker_class(config.parallel.worker_extension_cls)  # a bad path fails before ranks start
         self._driver = None  # rank 0 of a tensor-parallel engine, once every rank is built: the other ranks
@@ -160,12 +161,13 @@ class LLMEngine(RolloutAPI, LoraAPI):
         return seq
 
     def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
-                          logprobs: int = 0) -> Sequence:
+                          logprobs: int = 0, lora_name: str | None = None) -> Sequence:
         """Queue one scoring request: the logprob of each continuation token after the prompt
         (see ``score``). Steps run it alongside generation requests."""
         self.weight_sync.check_serving()
         seq = self.intake.score_request(prompt, continuation, exact=exact, logprobs=logprobs,
-                                        weight_version=self.weight_version)
+                                        weight_version=self.weight_version, lora_name=lora_name)
+        self._pin_lora(seq)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         self._mirror(lockstep.AddScoreRequest(prompt, continuation, exact, logprobs))
@@ -253,7 +255,7 @@ class LLMEngine(RolloutAPI, LoraAPI):
         return [self.output_of(s) for s in seqs]
 
     def score(self, prompts: Seq[Prompt], continuations: Seq[Prompt], *, exact: bool = True, logprobs: int = 0,
-              progress: bool = False) -> list[ScoreOutput]:
+              progress: bool = False, lora_name: str | None = None) -> list[ScoreOutput]:
         """The logprob of every continuation token given the prompt and the tokens before it.
 
         ``exact=True``: each prompt is prefilled in the chunks generation uses and the
@@ -261,7 +263,8 @@ class LLMEngine(RolloutAPI, LoraAPI):
         scored logprob equals, bitwise, the one the engine reported when it sampled that token
         (from that prompt, with these weights). ``exact=False``: one chunked prefill over prompt
         and continuation, faster, equal only to float tolerance. ``logprobs``: also the top-N
-        per token. A pair that cannot be scored comes back with ``error`` set. As in ``generate``,
+        per token; ``lora_name``: under that LoRA adapter. A pair that cannot be scored comes back with
+        ``error`` set. As in ``generate``,
         a lone prompt and continuation (a str, or a flat sequence of ids each) are one pair."""
         self.rollout.refuse_if_idle("score")
         prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
@@ -271,7 +274,7 @@ class LLMEngine(RolloutAPI, LoraAPI):
         seqs: list[Sequence | str] = []
         for prompt, cont in zip(prompts, continuations):
             try:
-                seqs.append(self.add_score_request(prompt, cont, exact=exact, logprobs=logprobs))
+                seqs.append(self.add_score_request(prompt, cont, exact=exact, logprobs=logprobs, lora_name=lora_name))
             except RequestError as e:
                 seqs.append(str(e))
         self._run_all(sum(isinstance(s, Sequence) for s in seqs), "score", progress)

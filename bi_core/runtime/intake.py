@@ -72,7 +72,7 @@ class Intake:
         return seq
 
     def score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool, logprobs: int,
-                      weight_version: int) -> Sequence:
+                      weight_version: int, lora_name: str | None = None) -> Sequence:
         """A scoring request: prompt + continuation, the continuation's logprobs wanted."""
         ids, cont = self.token_ids(prompt), self.token_ids(continuation, "continuation")
         if not 0 <= logprobs <= 20:
@@ -81,8 +81,8 @@ class Intake:
         if total > self.max_model_len:
             raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
                                      f"is {self.max_model_len}")
-        return self._new(ids + cont, SamplingParams(max_new_tokens=1), total, weight_version, score_from=len(ids),
-                         exact=exact, score_top=logprobs)
+        return self._new(ids + cont, SamplingParams(max_new_tokens=1, lora_name=lora_name), total, weight_version,
+                         score_from=len(ids), exact=exact, score_top=logprobs)
 
     def _new(self, ids: list[int], params: SamplingParams, max_total_len: int, weight_version: int,
              seed: int | None = None, **fields) -> Sequence:

@@ -116,3 +116,20 @@ def test_slots_full_and_refusals():
         engine(max_loras=0).load_lora_adapter("a", tensors=tensors, config=cfg)
     with pytest.raises(ConfigError, match="lora.adapters"):
         EngineConfig.from_dict({"model": {"random": {"preset": "tiny-dense"}}, "lora": {"adapters": {"a": "/x"}}})
+
+
+def test_scoring_under_an_adapter_and_tensor_parallel_refused():
+    """``score(..., lora_name=)`` gives the logprobs the adapter sampled with (exact scoring, greedy
+    tokens): equal to generation's on the same engine; the base model's differ."""
+    eng = engine()
+    cfg, tensors = random_adapter(eng, r=8, seed=5, scale=2.0)
+    eng.load_lora_adapter("a", tensors=tensors, config=cfg)
+    (out,) = eng.generate([PROMPTS[1]], [params(lora="a")])
+    (scored,) = eng.score([PROMPTS[1]], [out.token_ids], lora_name="a")
+    (base,) = eng.score([PROMPTS[1]], [out.token_ids])
+    torch.testing.assert_close(torch.tensor(scored.token_logprobs), torch.tensor(out.token_logprobs), atol=1e-5, rtol=0)
+    assert base.token_logprobs != scored.token_logprobs
+    cfg_tp = EngineConfig.from_dict({"model": {"random": {"preset": "tiny-dense"}, "device": "cpu"},
+                                     "parallel": {"tensor_parallel_size": 2}, "lora": {"max_loras": 1}})
+    with pytest.raises(ConfigError, match="lora.max_loras: LoRA adapters are not served with tensor parallelism"):
+        build_engine(cfg_tp)
