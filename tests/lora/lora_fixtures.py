@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from bi_core.lora.synthetic import random_adapter  # noqa: F401 (the tests import it from here)
+
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                  "out_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -37,23 +39,6 @@ def engine_config(ckpt: Path, adapters: dict[str, str] | None = None, *, max_lor
            "lora": {"max_loras": max_loras, "max_rank": max_rank, "adapters": adapters or {}}}
     cfg.update(extra)
     return cfg
-
-
-def random_adapter(engine, *, r: int = 8, seed: int = 0, scale: float = 0.5, only: tuple[str, ...] = ()
-                   ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A PEFT-named adapter of rank ``r`` on every module the engine can adapt (or those whose
-    name contains one of ``only``), random: (adapter_config dict, tensors)."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for target in engine.model.lora_targets.values():
-        for hf, part in target.parts.items():
-            if only and not any(o in hf for o in only):
-                continue
-            rows = part.rows[1] - part.rows[0]
-            tensors[f"base_model.model.{hf}.lora_A.weight"] = torch.randn(r, part.in_features, generator=gen) * (
-                scale / part.in_features ** 0.5)
-            tensors[f"base_model.model.{hf}.lora_B.weight"] = torch.randn(rows, r, generator=gen) * (scale / r ** 0.5)
-    return {"r": r, "lora_alpha": r, "peft_type": "LORA"}, tensors
 
 
 def save_adapter(path: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
