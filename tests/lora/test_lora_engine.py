@@ -75,3 +75,19 @@ def test_n_samples_share_the_adapter():
                                                        lora_name=lo)])[0] for lo in ("a", None)]
     assert [s.token_ids for s in out[0].samples] == [s.token_ids for s in alone[0].samples]
     assert [s.token_ids for s in out[0].samples] != [s.token_ids for s in alone[1].samples]
+
+
+def test_base_requests_keep_their_bits_when_lora_is_on():
+    """The same batch of base-model requests on an engine without LoRA and on one with adapters
+    loaded (rows of slot -1 are left as the base GEMM made them): bitwise, dense and MoE.
+    Negative control: one of them on an adapter changes."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    for preset in ("tiny-moe", "tiny-dense"):
+        on = engine(preset)
+        with_adapter(on)
+        off = build_engine(EngineConfig.from_dict({**on.config.to_dict(), "lora": {}}))
+        assert not off.model.lora_targets and on.model.lora_targets
+        want, got = off.generate(PROMPTS, params), on.generate(PROMPTS, params)
+        assert [(o.token_ids, o.token_logprobs) for o in got] == [(o.token_ids, o.token_logprobs) for o in want]
+        adapted = on.generate(PROMPTS[:1], [SamplingParams(max_new_tokens=6, ignore_eos=True, lora_name="a")])[0]
+        assert adapted.token_logprobs != want[0].token_logprobs
