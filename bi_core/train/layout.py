@@ -55,6 +55,7 @@ class TrainContext:
     num_blocks: int  # KV pages the batch needs (plus one scratch page)
     logits_all_rows: bool = False
     step_tensors: dict = attrs.field(factory=dict)
+    lora_slots: None = None  # the model reads it (ForwardContext's): the trainer runs the base weights only
 
 
 def _check(prompts: list[list[int]], completions: list[list[int]], vocab_size: int, max_len: int) -> None:
