@@ -156,7 +156,7 @@ async def _respond(server: Server, req, request: Request, jobs: list, choice, *,
     if drop_generated:
         for c in choices:
             c.output = formats.without_generated(c.output)
-    return formats.envelope("chat.completion" if chat else "text_completion", rid, server.model_name,
+    return formats.envelope("chat.completion" if chat else "text_completion", rid, req.model,
                             [choice(c) for c in choices], usage=_usage(choices, req.n),
                             metadata=weight_metadata(choices))
 
@@ -183,14 +183,14 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, ri
         extra = {"metadata": weight_metadata([c])} if finish is not None else {}
         if req.continuous_usage:
             extra["usage"] = running_usage(c)
-        return formats.envelope(kind, rid, server.model_name, [body], **extra)
+        return formats.envelope(kind, rid, req.model, [body], **extra)
 
     async def events():
         try:
             if chat:
                 for c in choices:
                     extra = {"usage": running_usage(c)} if req.continuous_usage else {}
-                    yield formats.sse(formats.envelope(kind, rid, server.model_name, [
+                    yield formats.sse(formats.envelope(kind, rid, req.model, [
                         {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}], **extra))
             while any(c.output is None for c in choices):
@@ -208,7 +208,7 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, ri
                     c.text_sent += len(delta.text)
             else:
                 if req.include_usage:
-                    yield formats.sse(formats.envelope(kind, rid, server.model_name, [], usage=_usage(choices, req.n),
+                    yield formats.sse(formats.envelope(kind, rid, req.model, [], usage=_usage(choices, req.n),
                                                        metadata=weight_metadata(choices)))
             yield formats.sse("[DONE]")
         finally:  # the client went away (or we are done): unfinished requests stop at the next step

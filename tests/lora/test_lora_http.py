@@ -35,9 +35,10 @@ def server(tmp_path_factory):
 
 
 def tokens(server, **fields):
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "logprobs": 0, "temperature": 0, **fields},
-                   timeout=60)
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": PROMPT, "max_tokens": 6, "logprobs": 0, "temperature": 0, **fields})
     assert r.status_code == 200, r.text
+    assert r.json()["model"] == fields["model"]  # vLLM answers with the model the request named
     return r.json()["choices"][0]["logprobs"]["token_logprobs"]
 
 
