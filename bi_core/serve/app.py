@@ -48,7 +48,7 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     _install_middleware(app, server)
     install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                  **native.REQUEST_MODELS, **info.REQUEST_MODELS, **control_routes.REQUEST_MODELS,
-                                 **lora_routes.REQUEST_MODELS, **dev.REQUEST_MODELS}, success_style=control_routes.SUCCESS_STYLE)
+                                 **lora_routes.REQUEST_MODELS, **dev.REQUEST_MODELS}, success_style=control_routes.SUCCESS_STYLE | lora_routes.SUCCESS_STYLE)
     native.install(app, server)
     info.install(app, server)
     control_routes.install(app, server)

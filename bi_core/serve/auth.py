@@ -32,6 +32,7 @@ CONTROL_PATHS = frozenset({
     "/flush_cache", "/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
     "/destroy_weights_update_group", "/update_weights_from_disk", "/release_memory_occupation",
     "/resume_memory_occupation", "/collective_rpc", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
 })
 ENABLE_HINT = ("set serve.admin_api_key (or serve.api_key; --api-key) and send 'Authorization: Bearer <key>', or "
                "set serve.allow_unauthenticated_control: true to let anyone who reaches the port call them")

@@ -61,6 +61,7 @@ from bi_core.serve.messages import (
     IsPaused,
     IsSleeping,
     LoadLoraAdapter,
+    LoadLoraAdapterFromTensor,
     Out,
     PauseGeneration,
     Ready,
@@ -129,6 +130,7 @@ class EngineLoop(ControlCalls):
             UpdateWeightsFromDisk: self._update_weights_from_disk,
             UpdateWeightsFromTensor: self._update_weights_from_tensor, CollectiveRpc: self._collective_rpc,
             LoadLoraAdapter: self._load_lora_adapter, UnloadLoraAdapter: self._unload_lora_adapter,
+            LoadLoraAdapterFromTensor: self._load_lora_adapter_from_tensor,
         }
 
     def run(self) -> None:
@@ -347,7 +349,7 @@ def engine_main(config, channel) -> None:
     try:
         channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
                                       config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size,
-                                      tuple(engine.lora.names))))
+                                      tuple((x.name, x.source) for x in engine.lora_adapters()))))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests,
                    weight_sync_timeout_s=config.serve.weight_sync_timeout_s).run()
     finally:

@@ -25,6 +25,7 @@ from bi_core.serve.messages import (
     ControlFailed,
     InitWeightsUpdateGroup,
     LoadLoraAdapter,
+    LoadLoraAdapterFromTensor,
     PauseGeneration,
     ResumeGeneration,
     Sleep,
@@ -200,7 +201,14 @@ class ControlCalls:
             x = self.engine.load_lora_adapter(m.name, m.path)
         except LoraError as e:
             raise _Failed("invalid", str(e)) from None
-        return {"name": x.name, "version": x.version, "slot": x.slot}
+        return {"name": x.name, "version": x.version, "slot": x.slot, "source": x.source}
+
+    def _load_lora_adapter_from_tensor(self, m: LoadLoraAdapterFromTensor) -> dict:
+        try:  # a loaded name takes these tensors as its next version (a trainer's adapter sync)
+            x = self.engine.load_lora_adapter_from_tensor(m.name, m.payload, m.config)
+        except LoraError as e:
+            raise _Failed("invalid", str(e)) from None
+        return {"name": x.name, "version": x.version, "slot": x.slot, "source": x.source}
 
     def _unload_lora_adapter(self, m: UnloadLoraAdapter) -> dict:
         try:

@@ -54,7 +54,7 @@ class EngineInfo:
     vocab_size: int
     max_num_seqs: int
     tensor_parallel_size: int = 1
-    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters loaded at start (lora.adapters)
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, source) of the LoRA adapters loaded at start
 
 
 # ---------------------------------------------------------------------- HTTP process -> engine process
@@ -223,6 +223,16 @@ class LoadLoraAdapter:
 
 
 @attrs.frozen
+class LoadLoraAdapterFromTensor:
+    """HTTP -> engine: load the adapter a payload shares (rl.serialize_named_tensors) as ``name``'s next version; answered as LoadLoraAdapter."""
+
+    key: int
+    name: str
+    payload: str
+    config: dict
+
+
+@attrs.frozen
 class UnloadLoraAdapter:
     """HTTP -> engine: stop serving adapter ``name``; answered with {name, version}."""
 
@@ -310,6 +320,7 @@ class Stopped:
 
 CONTROL = (PauseGeneration, ResumeGeneration, IsPaused, AbortRequests, ResetPrefixCache, Sleep, WakeUp, IsSleeping,
            GetWeightVersion, InitWeightsUpdateGroup, UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup,
-           UpdateWeightsFromDisk, UpdateWeightsFromTensor, CollectiveRpc, LoadLoraAdapter, UnloadLoraAdapter)
+           UpdateWeightsFromDisk, UpdateWeightsFromTensor, CollectiveRpc, LoadLoraAdapter, LoadLoraAdapterFromTensor,
+           UnloadLoraAdapter)
 TO_ENGINE = (Add, Abort, Stop, *CONTROL)
 FROM_ENGINE = (Ready, StartFailed, Added, Refused, ControlDone, ControlFailed, Out, Stopped)

@@ -48,7 +48,8 @@ class Server:
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
         self.vocab_size, self.max_num_seqs = info.vocab_size, info.max_num_seqs
         self.tensor_parallel_size = info.tensor_parallel_size
-        self.lora_names: set[str] = set(info.lora_adapters)  # kept by the LoRA routes (serve/lora_routes.py)
+        # the loaded LoRA adapters, name -> where each came from; kept by the LoRA routes (serve/lora_routes.py)
+        self.lora_names: dict[str, str] = dict(info.lora_adapters)
         self.shutting_down = False
         self.created = int(time.time())
         self.requests: dict[str, list[Choice]] = {}  # unfinished requests by the ids clients know them by

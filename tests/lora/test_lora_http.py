@@ -80,3 +80,34 @@ def test_bad_paths_and_names(server):
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora_path"
     extra = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "adapters/a", "bogus": 1})
     assert extra.status_code == 400
+
+
+def test_sglang_routes_and_adapter_sync_by_handle(server, tmp_path):
+    """SGLang's /load_lora_adapter, /unload_lora_adapter and /load_lora_adapter_from_tensors: the
+    tensors pushed by shared-memory handle become the name's next version, whose tokens are those of
+    the same tensors loaded from disk under another name."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from bi_core.rl import serialize_named_tensors
+
+    for name in list(httpx.get(f"{server.url}/v1/models").json()["data"])[1:]:
+        assert post(server, "/unload_lora_adapter", {"lora_name": name["id"]}).json()["success"] is True
+    r = post(server, "/load_lora_adapter", {"lora_name": "s", "lora_path": "adapters/a"}).json()
+    assert r["success"] is True and r["error_message"] is None and list(r["loaded_adapters"]) == ["s"]
+    dup = post(server, "/load_lora_adapter", {"lora_name": "s", "lora_path": "adapters/a"})
+    assert dup.status_code == 400 and dup.json()["success"] is False
+    before = tokens(server, model="s")
+    b_dir = Path(server.log_path).parent / "adapters" / "b"
+    tensors = load_file(str(b_dir / "adapter_model.safetensors"))
+    config = json.loads((b_dir / "adapter_config.json").read_text())
+    pushed = post(server, "/load_lora_adapter_from_tensors", {"lora_name": "s", "config_dict": config,
+                                                              "serialized_tensors": serialize_named_tensors(tensors)})
+    assert pushed.status_code == 200 and pushed.json()["success"] is True, pushed.text
+    after = tokens(server, model="s")
+    assert post(server, "/load_lora_adapter", {"lora_name": "t", "lora_path": "adapters/b"}).status_code == 200
+    assert after != before and after == tokens(server, model="t")
+    bad = post(server, "/load_lora_adapter_from_tensors", {"lora_name": "s", "config_dict": config,
+                                                           "serialized_tensors": "bm90IGEgcGlja2xl"})
+    assert bad.status_code == 400 and bad.json()["success"] is False
