@@ -34,6 +34,7 @@ class LoraTarget:
     b: torch.Tensor  # [slots, N, R]
     impl: object
     parts: dict[str, Part]  # Hugging Face module name -> where it sits
+    ranks: torch.Tensor  # [slots] int32, shared by every target: each slot's rank (its used columns per part)
 
 
 def _projections(model) -> dict[str, dict[str, tuple[int, int]]]:
@@ -60,21 +61,23 @@ def attach(model, factory, max_loras: int, max_rank: int) -> dict[str, LoraTarge
     """Give every adaptable projection its stacks (zeros: no adapter) and its lora op; a fused
     ``[gate; up]`` projection's GEMM runs without SiLU-and-mul then (the lora op applies it after
     the delta). Returns module path -> target; ``Linear.lora`` holds it too."""
-    targets = {}
+    targets, ranks = {}, None
     for module, parts in _projections(model).items():
         lin = model.get_submodule(module)
         n, k = lin.weight.shape
         rank = max_rank * len(parts)
         spec = LoraSpec(**factory.base, in_features=k, out_features=n, rank=rank, max_loras=max_loras,
-                        silu_mul=lin.spec.silu_mul)
+                        part_rank=max_rank, silu_mul=lin.spec.silu_mul)
         if lin.spec.silu_mul:
             lin.impl = factory.build("linear", attrs.evolve(lin.spec, silu_mul=False))
         dtype, device = factory.base["dtype"], lin.weight.device  # (the meta device when explain plans)
+        if ranks is None:
+            ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         placed = {hf: Part(rows, (j * max_rank, (j + 1) * max_rank), k) for j, (hf, rows) in enumerate(parts.items())}
         lin.lora = targets[module] = LoraTarget(
             a=torch.zeros((max_loras, rank, k), dtype=dtype, device=device),
             b=torch.zeros((max_loras, n, rank), dtype=dtype, device=device),
-            impl=factory.build("lora", spec), parts=placed)
+            impl=factory.build("lora", spec), parts=placed, ranks=ranks)
     return targets
 
 
@@ -108,6 +111,7 @@ def write_slot(targets: dict[str, LoraTarget], slot: int, adapter: Adapter | Non
     for t in targets.values():
         t.a[slot].zero_()
         t.b[slot].zero_()
+        t.ranks[slot] = 0 if adapter is None else adapter.rank
     if adapter is None:
         return
     for hf, (a, b) in adapter.modules.items():

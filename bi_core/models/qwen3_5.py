@@ -122,7 +122,7 @@ class Linear(nn.Module):
         if lora_slots is None:  # rows without adapters (the lora op still applies a fused SiLU-and-mul)
             lora_slots = torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
         t = self.lora
-        return t.impl.forward(y, dense(x), t.a, t.b, lora_slots)
+        return t.impl.forward(y, dense(x), t.a, t.b, lora_slots, t.ranks)
 
     def _base(self, x: torch.Tensor | Fp8Activation, out: torch.Tensor | None) -> torch.Tensor:
         into = {"out": out} if out is not None and getattr(self.impl, "writes_into", False) else {}

@@ -26,15 +26,19 @@ class LoraSpec(OpSpec):
     out_features: int
     rank: int
     max_loras: int
+    part_rank: int = 0  # R is parts of this width (one per fused part); 0: one part of R
     silu_mul: bool = False
 
 
 class LoraImpl(Protocol):
     def forward(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, ranks: torch.Tensor | None = None) -> torch.Tensor:
         """``y [T, N]`` (the base output, written in place), ``x [T, K]`` (the dense input),
         ``a [S, R, K]``, ``b [S, N, R]``, ``slots [T]`` int64 -> ``y`` with each row's delta added,
-        then (``silu_mul``) ``silu(y[:, :N/2]) * y[:, N/2:]`` as a new tensor."""
+        then (``silu_mul``) ``silu(y[:, :N/2]) * y[:, N/2:]`` as a new tensor. ``ranks [S]``
+        int32 (optional): slot s uses only the first ``ranks[s]`` columns of each ``part_rank``-wide
+        part of R (the others are zero): an impl may skip them, which changes no bit (the products
+        it skips are zeros)."""
 
 
 class LoraBuilder(OpBuilder[LoraSpec]):

@@ -72,8 +72,8 @@ def test_kernel_blocks_change_the_bits(device):
     slots = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1], device=device)
     fixed = kl.lora_rows(x, a, slots)
     other = torch.empty_like(fixed)
-    kl._lora_rows_kernel[(8, 1)](x, a, slots, other, k, r, x.stride(0), a.stride(0), a.stride(1), other.stride(0),
-                                 ADD=False, BLOCK_N=16, BLOCK_K=32)
+    kl._lora_rows_kernel[(8, 1)](x, a, slots, other, slots, k, r, k, x.stride(0), a.stride(0), a.stride(1),
+                                 other.stride(0), ADD=False, RANKED=0, BLOCK_N=16, BLOCK_K=32)
     torch.testing.assert_close(other, fixed)
     assert not torch.equal(other, fixed)
 
@@ -128,3 +128,27 @@ def attrs_evolve(params, **kw):
     import attrs
 
     return attrs.evolve(params, **kw)
+
+
+def test_skipping_a_slots_padding_changes_no_bit(device):
+    """``ranks``: slot s reads only its first ranks[s] columns of each part (the others are zero):
+    the same bits as reading the zeros, bf16; and the mask bites (a rank too small differs)."""
+    from bi_core.kernels.lora import lora_apply
+
+    gen = torch.Generator().manual_seed(2)
+    k, n, part, parts = 96, 80, 16, 3
+    a, b = stacks(k, n, part * parts, 3, torch.bfloat16, gen)
+    used = [4, 16, 9]
+    for s, r in enumerate(used):  # zero each slot's padding columns in every part
+        for p in range(parts):
+            a[s, p * part + r:(p + 1) * part] = 0
+            b[s, :, p * part + r:(p + 1) * part] = 0
+    a, b = a.to(device), b.to(device)
+    x = torch.randn(7, k, generator=gen).to(torch.bfloat16).to(device)
+    y = torch.randn(7, n, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.tensor([0, 2, -1, 1, 0, 2, 1], device=device)
+    ranks = torch.tensor(used, dtype=torch.int32, device=device)
+    full = lora_apply(y.clone(), x, a, b, slots)
+    assert torch.equal(lora_apply(y.clone(), x, a, b, slots, ranks, part), full)
+    short = torch.tensor([4, 8, 9], dtype=torch.int32, device=device)
+    assert not torch.equal(lora_apply(y.clone(), x, a, b, slots, short, part), full)

@@ -178,14 +178,14 @@ class TritonLoraImpl:
     """Per-row LoRA through the gather mat-vec kernel (``kernels/lora.py``), then SwiGLU's
     SiLU-and-mul (``kernels/elementwise.py``) for a fused ``[gate; up]`` projection."""
 
-    def __init__(self, silu_mul: bool = False) -> None:
-        self.silu_mul = silu_mul
+    def __init__(self, silu_mul: bool = False, part_rank: int = 0) -> None:
+        self.silu_mul, self.part_rank = silu_mul, part_rank
 
     def forward(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, ranks: torch.Tensor | None = None) -> torch.Tensor:
         from bi_core.kernels.lora import lora_apply
 
-        y = lora_apply(y, x, a, b, slots)
+        y = lora_apply(y, x, a, b, slots, ranks, self.part_rank)
         if not self.silu_mul:
             return y
         from bi_core.kernels.elementwise import silu_mul

@@ -160,4 +160,4 @@ class DefaultLoraBuilder(LoraBuilder):
         return cuda_reasons(spec, dtypes=BF16_FP32)
 
     def build(self, spec):
-        return kernel_calls.TritonLoraImpl(spec.silu_mul)
+        return kernel_calls.TritonLoraImpl(spec.silu_mul, spec.part_rank)

@@ -22,7 +22,7 @@ class ReferenceLoraImpl:
         self.silu_mul = silu_mul
 
     def forward(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, ranks: torch.Tensor | None = None) -> torch.Tensor:
         for t, s in enumerate(slots.tolist()):
             if s >= 0:
                 y[t:t + 1] += row_delta(x[t:t + 1], a[s], b[s])
