@@ -82,6 +82,8 @@ class LoraManager:
 
     def pin(self, name: str) -> Loaded:
         """The current version of ``name``, for a request being admitted."""
+        if not self.max_loras:
+            raise RequestError(f"lora_name {name!r}: this engine serves no LoRA adapters (lora.max_loras is 0)")
         if name not in self.current:
             raise RequestError(f"unknown LoRA adapter {name!r}; loaded: {', '.join(self.names) or 'none'}")
         return self.current[name]

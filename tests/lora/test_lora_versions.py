@@ -112,8 +112,11 @@ def test_slots_full_and_refusals():
         eng.load_lora_adapter("x", tensors=tensors, config={**cfg, "use_dora": True})
     with pytest.raises(LoraError, match="no LoRA adapter named 'zzz'"):
         eng.unload_lora_adapter("zzz")
+    off = engine(max_loras=0)
     with pytest.raises(LoraError, match="LoRA is off"):
-        engine(max_loras=0).load_lora_adapter("a", tensors=tensors, config=cfg)
+        off.load_lora_adapter("a", tensors=tensors, config=cfg)
+    (refused,) = off.generate([PROMPTS[0]], [params(lora="a")])
+    assert refused.finish_reason == "error" and "lora.max_loras is 0" in refused.error
     with pytest.raises(ConfigError, match="lora.adapters"):
         EngineConfig.from_dict({"model": {"random": {"preset": "tiny-dense"}}, "lora": {"adapters": {"a": "/x"}}})
 
