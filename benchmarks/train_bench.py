@@ -55,17 +55,24 @@ def _innermost(fn):
 
 
 @contextlib.contextmanager
-def hf_gdn(which: str):
-    """transformers' chunked GDN as ``which`` says: "fla" (what it resolved at import, fla where
-    installed) or "torch" (its own reference implementation, the function its wrapper wraps)."""
+def hf_gdn(model, which: str):
+    """transformers' chunked GDN as ``which`` says: "fla" (what it resolved, fla where installed) or
+    "torch" (its own implementation). Releases differ in where the choice lives: a module global
+    behind a kernel wrapper (5.2x), or each GDN module's ``chunk_gated_delta_rule`` (5.1x)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
     resolved = m.torch_chunk_gated_delta_rule
+    layers = [(mod, mod.chunk_gated_delta_rule) for mod in model.modules() if hasattr(mod, "chunk_gated_delta_rule")]
     if which == "torch":
-        m.torch_chunk_gated_delta_rule = _innermost(resolved)
+        torch_fn = _innermost(resolved)
+        m.torch_chunk_gated_delta_rule = torch_fn
+        for mod, _ in layers:
+            mod.chunk_gated_delta_rule = torch_fn
     try:
         yield
     finally:
         m.torch_chunk_gated_delta_rule = resolved
+        for mod, fn in layers:
+            mod.chunk_gated_delta_rule = fn
 
 
 def timed(fn, steps: int) -> float:
@@ -110,7 +117,7 @@ def measure(policy, hf, prompts, completions, ids, prompt_len: int, steps: int, 
 
     def hf_train():
         hf.train()
-        with hf_gdn(hf_train_gdn):
+        with hf_gdn(hf, hf_train_gdn):
             (-hf_logprobs(hf, ids, prompt_len, grad=True).mean()).backward()
         hf.zero_grad(set_to_none=True)
         hf.eval()
