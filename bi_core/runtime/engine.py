@@ -208,6 +208,8 @@ class LLMEngine(RolloutAPI):
                     raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
                 plan = self.strategy.plan(scheduled)
                 out = self.runner.execute(plan.forward)
+            if self.strategy.masks_device_samples:  # grammar masks filled while the device runs the step
+                out = self.runner.mask_samples(plan.forward, out)
             landed = self.overlap.launch_next(plan, out)  # the next step, when it can be planned now
             commit = self.strategy.commit(plan, out, landed.wait() if landed is not None else None)
             self.scheduler.update(commit)

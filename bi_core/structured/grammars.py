@@ -187,16 +187,43 @@ class GrammarState:
         self._draft = (key, drafts, copy, mask)
         return mask
 
-    def _fill(self, matcher) -> torch.Tensor:
+    def _fill(self, matcher, out: torch.Tensor | None = None, row: int = 0) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
+        if out is None:
+            out = torch.empty((1, words), dtype=torch.int32)
         if matcher.is_terminated():  # nothing follows; allow the stop tokens (the row is never kept)
-            mask = torch.zeros(words, dtype=torch.int32)
+            out[row] = 0
             for t in self.stop_ids:
-                mask[t // 32] |= _bit(t % 32)
-            return mask
-        out = torch.empty((1, words), dtype=torch.int32)
-        matcher.fill_next_token_bitmask(out)
-        return out[0]
+                out[row, t // 32] |= _bit(t % 32)
+        else:
+            matcher.fill_next_token_bitmask(out, index=row)
+        return out[row]
+
+
+_BATCH: dict[int, object] = {}  # a BatchGrammarMatcher per xgrammar module (its thread pool)
+
+
+def fill_rows(rows: Seq[tuple[GrammarState, Seq[int]]], out: torch.Tensor, threads: int = 0) -> None:
+    """Row k of the host int32 buffer ``out`` := ``rows[k]``'s state's mask after its output ids
+    (``GrammarState.mask``), the live matchers' rows filled together on xgrammar's threads
+    (``BatchGrammarMatcher``: each row's bits are its own matcher's, whatever fills the others)."""
+    if not rows:
+        return
+    live, at = [], []
+    for k, (state, ids) in enumerate(rows):
+        matcher = state._synced(ids)
+        if matcher.is_terminated():
+            state._fill(matcher, out, k)
+        else:
+            live.append(matcher)
+            at.append(k)
+    if not live:
+        return
+    xgr = rows[0][0]._xgr
+    batch = _BATCH.get(id(xgr))
+    if batch is None:
+        batch = _BATCH[id(xgr)] = xgr.BatchGrammarMatcher(threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+    batch.batch_fill_next_token_bitmask(live, out, at)
 
 
 def _bit(i: int) -> int:
