@@ -111,3 +111,17 @@ def test_fill_rows_gives_each_row_its_own_states_mask():
             assert torch.equal(out[k], s.mask(i)), (threads, k)
         assert (out[4:] == 7).all()  # rows past the batch untouched
     assert not torch.equal(out[0], out[1])
+
+
+def test_the_warm_up_draws_once_with_an_all_allowed_mask():
+    """What the engine's warm-up runs to compile the sampler's masked variant (on a GPU): an
+    all-allowed mask draws what no mask does."""
+    from bi_core.runtime.warmup import warm_masked_sampler
+
+    eng = engine()
+    with torch.inference_mode():
+        drawn = warm_masked_sampler(eng)
+        logits = eng.model.compute_logits(torch.zeros((1, eng.args.hidden_size)))
+        plain = eng.model.sampler.sample_device(logits, torch.zeros(1, dtype=torch.int64),
+                                                torch.ones(1, dtype=torch.float64))
+    assert drawn.shape == (1, 2) and torch.equal(drawn, plain)
