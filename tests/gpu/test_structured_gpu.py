@@ -95,12 +95,18 @@ def needle_run(eng, needle, params, crowd: list[SamplingParams]):
     return n.output_ids, n.token_logprobs
 
 
+@pytest.fixture(scope="module")
+def ar_engine():
+    """One AR engine for the module (prefix caching off: runs share nothing but the graphs)."""
+    return engine()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_json_schema_request_alone_and_among_255_bitwise(temperature, monkeypatch):
+def test_json_schema_request_alone_and_among_255_bitwise(ar_engine, temperature, monkeypatch):
     params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=11,
                             structured=json_schema(SCHEMA, any_whitespace=False))
     needle = random_prompts(1, seed=99)[0]
-    eng = engine()
+    eng = ar_engine
     alone = needle_run(eng, needle, params, [])
     doc = json.loads(text_of(alone[0][:-1]))  # the last token: EOS, where the grammar ends
     assert set(doc) == {"n", "tag", "ok"}
@@ -117,7 +123,7 @@ def test_json_schema_request_alone_and_among_255_bitwise(temperature, monkeypatc
         real(rows, out, threads)
         out[1:len(rows)] = out[0]
     monkeypatch.setattr(grammar_masks, "fill_rows", first_mask_for_all)
-    leaky = engine()
+    leaky = eng
     crowd = fillers(7, top_n=False)
     crowd = [c if c.structured is None else SamplingParams(
         max_new_tokens=48, temperature=1.0, seed=c.seed, structured=regex(r"[a-z]{4,24}")) for c in crowd]
@@ -128,7 +134,7 @@ def test_json_schema_request_alone_and_among_255_bitwise(temperature, monkeypatc
     assert got != alone
 
 
-def test_mtp_equals_ar_under_a_grammar_bitwise():
+def test_mtp_equals_ar_under_a_grammar_bitwise(ar_engine):
     """Forced drafts (right with probability 0.7): each verify row masked with the grammar state
     after the drafts before it; the tokens and logprobs are AR's, bitwise. Negative control: verify
     rows masked with the state before the step's drafts."""
@@ -137,15 +143,16 @@ def test_mtp_equals_ar_under_a_grammar_bitwise():
                              structured=json_schema(SCHEMA, any_whitespace=False) if i % 2 == 0
                              else regex(r"([a-d]{2}-)+\d")) for i in range(len(ps))]
     params[5] = SamplingParams(max_new_tokens=30, temperature=0.8, seed=5, ignore_eos=True)  # one unconstrained
-    ar = engine(max_seqs=16).generate(ps, params)
-    truth = {i: o.token_ids for i, o in enumerate(ar)}
+    ar = ar_engine.generate(ps, params)
+    truth = {i: o.token_ids for i, o in enumerate(ar)}  # by the request's place (ids differ between engines)
     assert sum(o.finish_reason == "stop" for o in ar) >= 6
+    eng = engine("mtp", max_seqs=16)
 
     def run(drafts_before: bool):
-        eng, rng = engine("mtp", max_seqs=16), random.Random(3)
+        rng, first = random.Random(3), eng.intake.next_id
         eng.strategy.draft_hook = lambda seq, d: [
             t if rng.random() < 0.7 else (t + 1) % bench().SPECIAL_START
-            for t in truth[seq.request_id][len(seq.output_ids):][:len(d)]]
+            for t in truth[seq.request_id - first][len(seq.output_ids):][:len(d)]]
         if not drafts_before:
             sample = eng.runner.sample
             eng.runner.sample = lambda seqs, positions, logits, samples=None, before=None, masked=False: sample(
