@@ -12,6 +12,8 @@ from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from bi_core.structured.grammars import GrammarState
 
 __all__ = ["RequestOutput", "SamplingParams", "ScoreOutput", "Sequence", "Status", "request_output"]
@@ -112,6 +114,8 @@ class Sequence:
     num_routed: int = 0  # positions they cover, from 0
     # structured outputs: its own grammar matcher, derived from its output tokens (never shared)
     grammar: GrammarState | None = None
+    # its grammar's compile while it runs (the request waits in the queue, never admitted before)
+    grammar_ready: Future | None = None
 
     def record_routing(self, start: int, rows: np.ndarray) -> None:
         """The expert ids of positions ``start...`` (a recompute after preemption replaces what
