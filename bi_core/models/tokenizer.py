@@ -27,6 +27,9 @@ class Tokenizer(Protocol):
     def token_name(self, token_id: int) -> str:
         """One token's name in logprobs, distinct for distinct tokens (``name_of``)."""
 
+    def special_ids(self) -> set[int]:
+        """The ids of the special tokens (those ``skip_special_tokens`` drops from the text)."""
+
     def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
@@ -83,6 +86,9 @@ class ByteTokenizer:
     def token_name(self, token_id: int) -> str:
         return self.special_tokens[token_id] if token_id in self.special_tokens else name_of(self.token_bytes(token_id))
 
+    def special_ids(self) -> set[int]:
+        return set(self.special_tokens)
+
     @property
     def chat_template(self) -> str:
         return templates.qwen3_5_template()
@@ -134,6 +140,10 @@ class HFTokenizer:
 
     def token_name(self, token_id: int) -> str:
         return name_of(self.token_bytes(token_id))  # a special token's bytes are its text
+
+    def special_ids(self) -> set[int]:
+        decoder = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return {i for i, t in decoder.items() if getattr(t, "special", False)} | set(self._tok.all_special_ids)
 
     @property
     def chat_template(self) -> str | None:

@@ -1,7 +1,9 @@
 """Sampling: greedy, temperature, min-p, top-k, top-p, repetition / frequency / presence
-penalties and min_tokens, with per-request (seed, position) randomness, plus the
-log-probabilities of the model's raw distribution (vLLM's default ``raw_logprobs``: penalties,
-masks and filters choose the token, never change the logprobs reported).
+penalties, min_tokens and a structured output's grammar mask, with per-request (seed, position)
+randomness, plus the log-probabilities of the model's raw distribution (vLLM's default
+``raw_logprobs``: penalties, masks and filters choose the token, never change the logprobs
+reported), or where a request asks, of its distribution at its temperature and/or after its
+grammar's mask.
 
 A row's arithmetic is its own (G1): the adjustments are elementwise over the row's logits, from
 the row's own tokens and parameters; the filters run row by row."""
@@ -24,6 +26,7 @@ class SamplingSpec(OpSpec):
 @attrs.define(eq=False)
 class LogitsAdjust:
     """What changes one row's raw logits before it is sampled (greedy too), in vLLM's order:
+    the tokens its grammar forbids to -inf (``allowed``, a structured output's bitmask),
     ``banned`` ids to -inf (min_tokens: the stop ids and EOS), the repetition penalty on every
     token in ``seen_ids`` (prompt and output: a positive logit divided by it, i.e. multiplied by
     its float32 reciprocal, any other multiplied), then ``frequency_penalty`` times each token's
@@ -36,6 +39,19 @@ class LogitsAdjust:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # int32 [ceil(V / 32)] on the host, bit t % 32 of word t // 32 set where token t is allowed; None: all
+    allowed: torch.Tensor | None = None
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """A grammar's bitmask (``LogitsAdjust.allowed``) as ``[vocab]`` booleans on ``device``."""
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    return ((bitmask.to(device)[:, None] >> bits) & 1).reshape(-1)[:vocab].bool()
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """One row's logits with the tokens its grammar forbids at -inf (elementwise: the row's own)."""
+    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[-1], logits.device), float("-inf"))
 
 
 @attrs.define
@@ -53,6 +69,14 @@ class SamplingBatch:
     # per row, the temperature its reported logprobs are at (SamplingParams.logprob_temperature);
     # None: every row's are the raw distribution's
     logprob_temperatures: list[float] | None = None
+    # per row, whether its reported logprobs are of the distribution after its grammar's mask
+    # (SamplingParams.masked_logprobs, on a row with a mask); None: no row's are
+    masked_logprobs: list[bool] | None = None
+
+    def reports_raw(self, i: int) -> bool:
+        """Whether row i's reported logprobs are the raw distribution's."""
+        return ((self.logprob_temperatures is None or self.logprob_temperatures[i] == 1.0)
+                and (self.masked_logprobs is None or not self.masked_logprobs[i]))
 
     def needs_filter(self, i: int) -> bool:
         return needs_filter(self.temperatures[i], self.top_ks[i], self.top_ps[i], self.min_p(i))
@@ -75,16 +99,16 @@ def needs_filter(temperature: float, top_k: int, top_p: float, min_p: float = 0.
 
 
 def adjusts_logits(seq) -> bool:
-    """Whether a sequence's next samples change its logits (penalties, or min_tokens not reached:
-    its tokens up to now are the ones before the first row a step samples for it)."""
+    """Whether a sequence's next samples change its logits (penalties, a grammar, or min_tokens
+    not reached: its tokens up to now are the ones before the first row a step samples for it)."""
     p = seq.params
-    return p.has_penalties or len(seq.output_ids) < p.min_tokens
+    return p.has_penalties or p.structured is not None or len(seq.output_ids) < p.min_tokens
 
 
 def device_sampled(seqs) -> bool:
     """Whether a step's own device samples (greedy or plain temperature, token and its raw logprob)
-    serve these requests: none wants filtering, adjusted logits, top-N logprobs or logprobs at its
-    temperature."""
+    serve these requests: none wants filtering, adjusted logits (a grammar's mask too), top-N
+    logprobs or logprobs at its temperature."""
     return not any(s.params.logprobs or adjusts_logits(s) or s.params.logprob_temperature != 1.0
                    or needs_filter(s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p)
                    for s in seqs)
@@ -100,14 +124,20 @@ def at_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Te
 
 def with_logprob_temperatures(sampler, out: SamplerOutput, logits: torch.Tensor, batch: SamplingBatch,
                               num_logprobs: int) -> SamplerOutput:
-    """``out`` with the rows whose logprobs are at a temperature (``batch.logprob_temperatures``)
-    computed again by ``sampler.logprobs_of`` from ``at_temperature`` logits, top-N too."""
-    temps = batch.logprob_temperatures
-    rows = [i for i, t in enumerate(temps or ()) if t != 1.0]
+    """``out`` with the rows whose logprobs are not the raw distribution's computed again by
+    ``sampler.logprobs_of``, top-N too: from ``at_temperature`` logits (a row's
+    ``logprob_temperatures``), of the row's logits after its grammar's mask where it asks for the
+    masked distribution (``masked_logprobs``: the mask, then the temperature)."""
+    rows = [i for i in range(logits.shape[0]) if not batch.reports_raw(i)]
     if not rows:
         return out
     idx = torch.tensor(rows, device=logits.device)
-    scaled = at_temperature(logits[idx], torch.tensor([temps[i] for i in rows], dtype=torch.float32))
+    chosen = logits[idx].float()
+    for k, i in enumerate(rows):
+        if batch.masked_logprobs is not None and batch.masked_logprobs[i]:
+            chosen[k] = masked(chosen[k], batch.adjust_of(i).allowed)
+    temps = batch.logprob_temperatures
+    scaled = at_temperature(chosen, torch.tensor([temps[i] if temps else 1.0 for i in rows], dtype=torch.float32))
     again = sampler.logprobs_of(scaled, out.token_ids[idx], num_logprobs)
     logprobs, top_ids, top_lps = out.logprobs.clone(), out.top_ids.clone(), out.top_logprobs.clone()
     logprobs[idx], top_ids[idx], top_lps[idx] = again.logprobs, again.top_ids, again.top_logprobs
@@ -117,7 +147,7 @@ def with_logprob_temperatures(sampler, out: SamplerOutput, logits: torch.Tensor,
 @attrs.define
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32, log p(token) under the raw distribution, or at the row's temperature
+    logprobs: torch.Tensor  # [B] float32, log p(token) under the raw distribution (or the row's other one)
     top_ids: torch.Tensor  # [B, N] int64
     top_logprobs: torch.Tensor  # [B, N] float32
     packed: torch.Tensor | None = None  # [B, 2] float64 (token, logprob) when the impl made it (N = 0)

@@ -81,7 +81,7 @@ class LLMEngine(RolloutAPI):
         self.tokenizer = tokenizer_for(config.model)
         self.intake = Intake(tokenizer=self.tokenizer, vocab_size=self.args.vocab_size,
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-                             seed=config.seed)
+                             seed=config.seed, eos_ids=self.args.eos_token_ids)
         self.intake.routed_experts = self.runner.routing is not None
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it

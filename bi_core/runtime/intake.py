@@ -1,5 +1,6 @@
 """Request intake: prompts tokenized and checked, request ids and seeds given, a prompt's n
-samples grouped under their leader. Pure bookkeeping: nothing here touches the caches."""
+samples grouped under their leader, each with a grammar state of its own for a structured
+output. Pure bookkeeping: nothing here touches the caches."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from bi_core.ops.sampling import mix_seed, sample_seed
 from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.prompts import Prompt, as_ints
 from bi_core.runtime.sequence import SamplingParams, Sequence
+from bi_core.structured.grammars import Grammars
 
 
 class Intake:
-    def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, seed: int) -> None:
+    def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, seed: int,
+                 eos_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.max_num_seqs, self.seed = max_model_len, max_num_seqs, seed
+        self.grammars = Grammars(tokenizer, vocab_size, eos_ids)  # compiles at the first structured request
         self.next_id = 0  # the next request id (every tensor-parallel rank agrees on it)
         self.routed_experts = False  # whether the model logs its routing (model.enable_return_routed_experts)
 
@@ -48,6 +52,8 @@ class Intake:
         if params.n > self.max_num_seqs:  # the samples of a prompt are admitted together
             raise RequestError(f"n={params.n} samples exceed scheduler.max_num_seqs={self.max_num_seqs} (the "
                                "samples of a prompt run together); lower n or raise scheduler.max_num_seqs")
+        if params.structured is not None:  # a grammar that does not compile fails before the request gets an id
+            self.grammars.compiled(params.structured)
         max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
         seq = self._new(ids, params, max_total, weight_version, score_top=params.prompt_logprobs or 0)
         seq.group = [seq]
@@ -56,6 +62,9 @@ class Intake:
                           leader=seq, score_top=seq.score_top)
             seq.followers.append(f)
             seq.group.append(f)
+        if params.structured is not None:
+            for member in seq.group:
+                member.grammar = self.grammars.state(params.structured, params.stop_token_ids)
         if (text or params.stop) and self.tokenizer is not None:
             for member in seq.group:
                 member.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,

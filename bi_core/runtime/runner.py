@@ -377,7 +377,8 @@ def rows_of(seqs: list[Sequence], packed: torch.Tensor, n: int = 0) -> list[Samp
         top = None
         if seq.params.logprobs is not None:
             k = seq.params.logprobs
-            top = dict(zip(top_ids[i][:k], top_lps[i][:k]))
+            # a masked distribution (masked_logprobs) may have fewer than k tokens: the others are -inf
+            top = {t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
             top[tokens[i]] = lps[i]
         out.append((tokens[i], lps[i], top))
     return out

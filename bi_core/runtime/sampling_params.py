@@ -11,6 +11,7 @@ import attrs
 
 from bi_core.errors import RequestError
 from bi_core.runtime.prompts import is_token_id
+from bi_core.structured.specs import StructuredSpec
 
 SEED_LIMIT = 2**64  # seeds are mixed as 64-bit words (ops/sampling.py mix_seed): larger ones would alias smaller
 MAX_LOGPROBS = 20
@@ -103,12 +104,24 @@ class SamplingParams:
     # "temperature" the one sampled at this request's temperature, log_softmax(logits / T) (SGLang's
     # default, what RL trainers compute; the same as raw for greedy requests and at T = 1)
     logprobs_mode: str = "raw"
+    # structured outputs: what the text must match (a JSON schema, a regex, a grammar, a Qwen3.5
+    # tool call...; bi_core.structured); its grammar masks each token's logits. The request ends
+    # where its grammar ends (a stop token or EOS, which the grammar allows only there)
+    structured: StructuredSpec | None = None
+    # the reported logprobs (and top-N) are of the distribution after the grammar's mask (the
+    # allowed tokens only; at the temperature with logprobs_mode "temperature"); by default the raw one's
+    masked_logprobs: bool = False
 
     def __attrs_post_init__(self) -> None:
         self._check_counts()
         self._check_floats()
+        _check(self.structured is None or isinstance(self.structured, StructuredSpec),
+               f"structured must be a bi_core.structured.StructuredSpec (or None), got {type(self.structured).__name__}")
+        _check(self.structured is None or self.min_tokens == 0,
+               f"min_tokens must be 0 with structured outputs, got {self.min_tokens}: the grammar decides where the "
+               "output ends, and banning its end could leave no token allowed")
         for name in ("ignore_eos", "return_routed_experts", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "masked_logprobs"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         _check(self.logprobs_mode in LOGPROBS_MODES,
                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")

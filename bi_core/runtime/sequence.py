@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from bi_core.structured.grammars import GrammarState
 
 __all__ = ["RequestOutput", "SamplingParams", "ScoreOutput", "Sequence", "Status", "request_output"]
 
@@ -106,6 +110,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     routed: list[np.ndarray] = attrs.field(factory=list)  # routing replay: [n, layers, k] blocks, in position order
     num_routed: int = 0  # positions they cover, from 0
+    # structured outputs: its own grammar matcher, derived from its output tokens (never shared)
+    grammar: GrammarState | None = None
 
     def record_routing(self, start: int, rows: np.ndarray) -> None:
         """The expert ids of positions ``start...`` (a recompute after preemption replaces what
@@ -188,7 +194,13 @@ class Sequence:
         # min_tokens: nothing stops it before that many tokens came (the sampler banned the stop ids
         # and EOS until then; a stop string is matched only in text that a later token completes)
         may_stop = len(self.output_ids) > self.params.min_tokens
-        by_token = may_stop and token in stops
+        # a grammar ends at a stop token or EOS where it may end, and the request with it (ignore_eos too)
+        by_grammar = self.grammar is not None and self.grammar.ended_by(self.output_ids)
+        by_token = may_stop and (token in stops or by_grammar)
+        if self.grammar is not None and self.grammar.rejected is not None:
+            self.finish("error", f"structured outputs: token {self.grammar.rejected} is not allowed by the request's "
+                                 "grammar (an engine bug: the sampler masks what the grammar forbids)")
+            return
         if self.text is not None and (self.params.include_stop_str_in_output or not by_token):
             self.text.feed(token, match=may_stop)  # a stop token's text is dropped, as vLLM does
         if by_token:

@@ -21,10 +21,12 @@ from bi_core.runtime.sequence import RequestOutput
 from bi_core.serve.api_errors import ApiError
 from bi_core.serve.chat_output import OutputParser, Parsed, parse_all
 from bi_core.serve.openai_protocol import ChatCompletionRequest
-from bi_core.serve.tool_calls import ToolCall, tool_parameters
+from bi_core.serve.structured_fields import tool_choice_spec
+from bi_core.serve.tool_call_parser import ToolCall, tool_parameters
 
 if TYPE_CHECKING:
     from bi_core.serve.server import Server
+    from bi_core.structured.specs import StructuredSpec
 
 
 def chat_prompt(server: Server, req: ChatCompletionRequest) -> ChatPrompt:
@@ -60,12 +62,33 @@ class ChatTurn:
     req: ChatCompletionRequest
     prompt: ChatPrompt
 
+    @property
+    def reasons(self) -> bool:
+        """Whether the answer starts with reasoning: the prompt opened a ``<think>`` block and no
+        response format or guided output constrains the text from its first token (those grammars
+        have no reasoning part, so what they match is the content)."""
+        return self.prompt.opens_reasoning and self.req.structured_spec is None
+
     def parser(self) -> OutputParser:
         tools = self.req.parsed_tools()
-        return OutputParser(reasoning=self.prompt.opens_reasoning,
+        return OutputParser(reasoning=self.reasons,
                             tools=tool_parameters(tools) if tools is not None else None,
                             split_reasoning=self.req.separate_reasoning,
                             max_calls=1 if self.req.parallel_tool_calls is False else None)
+
+    def constraint(self) -> StructuredSpec | None:
+        """The request's structured output once ``tool_choice`` counts: "required" or a named
+        function constrain the answer to Qwen3.5's tool-call grammar (``structured.tool_calls``), so
+        even a random-weight model writes a valid call; after the reasoning when the prompt opened a
+        ``<think>`` block (the grammar leaves the reasoning free up to ``</think>``)."""
+        given = self.req.structured_spec
+        spec = tool_choice_spec(given, self.req.tools, self.req.tool_choice,
+                                parallel_tool_calls=self.req.parallel_tool_calls,
+                                reasoning="enabled" if self.prompt.opens_reasoning else "disabled")
+        if spec is not None and spec is not given and self.req.min_tokens:
+            raise ApiError(400, "min_tokens must be 0 with tool_choice required or a named function: the tool-call "
+                                "grammar decides where the answer ends", param="min_tokens")
+        return spec
 
     def top_fields(self) -> dict:
         """Response fields beside the choices: vLLM's ``prompt_token_ids``."""
@@ -78,7 +101,7 @@ class ChatTurn:
         """A finished answer's message and finish reason."""
         parsed = parse_all(self.parser(), o.text or "")
         message = {"role": "assistant", "content": parsed.content or (None if parsed.calls else "")}
-        if self.prompt.opens_reasoning or parsed.reasoning:
+        if self.reasons or parsed.reasoning:
             self._reasoning(message, parsed.reasoning or None)
         if parsed.calls:
             message["tool_calls"] = [call.as_openai() for call in parsed.calls]

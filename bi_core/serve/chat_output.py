@@ -8,7 +8,7 @@ format (the reasoning parser vLLM calls ``qwen3``, the tool parser ``qwen3_coder
   reasoning there.
 - Tool calls (when the request offers tools and ``tool_choice`` is not ``none``): each
   ``<tool_call>...</tool_call>`` block of the content is parsed when its end arrives
-  (``tool_calls.parse_block``); a block that is not a call, or one cut off by the end of the answer,
+  (``tool_call_parser.parse_block``); a block that is not a call, or one cut off by the end of the answer,
   stays content, with the reason logged. Whitespace that only separates content from calls (or calls
   from each other) is dropped.
 
@@ -22,7 +22,7 @@ import logging
 import attrs
 
 from bi_core.models.chat_template import THINK_CLOSE, THINK_OPEN
-from bi_core.serve.tool_calls import (
+from bi_core.serve.tool_call_parser import (
     FUNCTION_OPEN,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,

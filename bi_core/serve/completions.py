@@ -115,12 +115,8 @@ def chat_jobs(server: Server, req: ChatCompletionRequest) -> tuple[ChatTurn, lis
     except ValueError as e:
         raise ApiError(400, str(e), param="top_logprobs") from None
     server.check_size(1, req.n, "messages")
-    if (forced := req.constrained_tool_choice()) is not None:
-        # required / a named function: only constrained decoding (the grammar engine) can guarantee a call
-        shown = forced if isinstance(forced, str) else f"the named function {forced['function']['name']}"
-        raise ApiError(400, f"tool_choice {shown} needs constrained decoding (the grammar engine), which this server "
-                            "does not have yet; use auto or none", param="tool_choice")
     turn = ChatTurn(req, chat_prompt(server, req))
+    structured = turn.constraint()  # before the prompt's length: a request's own conflicts come first
     ids = turn.prompt.ids
     limit = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -129,7 +125,8 @@ def chat_jobs(server: Server, req: ChatCompletionRequest) -> tuple[ChatTurn, lis
     # the template's turn end is an EOS as vLLM counts it (generation_config's eos ids), so
     # ignore_eos ignores it too
     ends = () if params.ignore_eos else turn.prompt.stop_token_ids
-    return turn, [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends))]
+    params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends, structured=structured)
+    return turn, [(ids, params)]
 
 
 async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):

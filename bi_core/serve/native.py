@@ -6,8 +6,9 @@ The request is SGLang's ``GenerateReqInput``: ``text`` or ``input_ids`` (one pro
 128, ``temperature`` 1.0, ``top_k`` -1 = off, ``sampling_seed``), ``return_logprob``,
 ``logprob_start_len``, ``top_logprobs_num`` (each one value or one per prompt),
 ``return_text_in_logprobs``, ``return_routed_experts``, ``routed_experts_start_len``, ``rid``,
-``stream`` (``native_protocol.py``). SGLang's parameters the engine does not implement are accepted
-only at their no-op values (a penalty of 0, no grammar, ...): anything else is a 400 naming the
+``stream`` (``native_protocol.py``); ``json_schema``, ``regex`` or ``ebnf`` constrain the output
+(``structured_fields.py``). SGLang's parameters the engine does not implement are accepted only at
+their no-op values (a penalty of 0, no structural tag, ...): anything else is a 400 naming the
 field, as is any unknown field. ``max_new_tokens`` 0 runs the prompt alone (SGLang's scoring: its
 ``input_token_logprobs``, no output tokens, finish reason ``length`` 0). Parameters accepted that
 change nothing here (``custom_params``) are named in the ``X-Unused-Params`` header.
@@ -44,6 +45,7 @@ from bi_core.serve import formats
 from bi_core.serve.api_errors import ApiError, output_failure, validation_error
 from bi_core.serve.client import Delta
 from bi_core.serve.native_protocol import REQUEST_MODELS, GenerateRequest, GenerateSamplingParams
+from bi_core.serve.structured_fields import sglang_spec
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 MAX_TOP_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs)
@@ -194,8 +196,12 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
         if sp.min_new_tokens > (sp.max_new_tokens if sp.max_new_tokens is not None else room):
             raise ApiError(400, f"min_new_tokens ({sp.min_new_tokens}) must be at most max_new_tokens",
                            param=f"{where}.min_new_tokens")
+        structured = sglang_spec(sp, where)
+        if structured is not None and sp.min_new_tokens:
+            raise ApiError(400, "min_new_tokens must be 0 with a structured output: the grammar decides where the "
+                                "output ends", param=f"{where}.min_new_tokens")
         params = SamplingParams(
-            max_new_tokens=new_tokens, n=n,
+            max_new_tokens=new_tokens, n=n, structured=structured, masked_logprobs=sp.masked_logprobs,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), seed=sp.sampling_seed,
             logprobs=top_num[j] if lp and top_num[j] > 0 else None,
             prompt_logprobs=top_num[j] if lp and start_len[j] >= 0 else None,

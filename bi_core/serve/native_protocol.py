@@ -1,8 +1,9 @@
 """SGLang's ``/generate`` request (``GenerateReqInput``) and its ``sampling_params``: the fields
 this engine serves, SGLang's names and defaults (``min_new_tokens``, ``no_stop_trim``,
 ``skip_special_tokens``, ``spaces_between_special_tokens``, the penalties and ``min_p`` are the
-engine's SamplingParams by vLLM's names). SGLang's parameters the engine does not implement
-are accepted at their no-op values (a penalty of 0, no grammar, an empty ``stop_regex``, ...) and
+engine's SamplingParams by vLLM's names; ``json_schema``, ``regex`` and ``ebnf`` a structured
+output, ``serve/structured_fields.py``). SGLang's parameters the engine does not implement
+are accepted at their no-op values (a penalty of 0, no structural tag, an empty ``stop_regex``, ...) and
 refused with a reason at any other; unknown fields are refused. ``custom_params`` is accepted and
 reported unused (the ``X-Unused-Params`` header): SGLang hands it to a custom logit processor
 only, and none runs here, as none runs in an SGLang server started without one. A
@@ -42,10 +43,12 @@ class GenerateSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = Field(False, description="a matched stop string (or stop token) stays in the text")
-    # SGLang's parameters the engine does not implement: accepted at their no-op value only
+    # structured outputs (one at most); masked_logprobs (bi-engine's): logprobs after the grammar's mask
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    masked_logprobs: bool = False
+    # SGLang's parameters the engine does not implement: accepted at their no-op value only
     structural_tag: str | None = None
     stop_regex: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
@@ -73,8 +76,8 @@ class GenerateSamplingParams(BaseModel):
             raise ValueError("repetition_penalty must be > 0 (1 = off)")
         return v
 
-    _no_grammar = field_validator("json_schema", "regex", "ebnf", "structural_tag")(only(
-        None, why=f"constrained decoding is {NOT_IMPLEMENTED}"))
+    _no_structural_tag = field_validator("structural_tag")(only(
+        None, why=f"structural tags are {NOT_IMPLEMENTED} (json_schema, regex and ebnf are)"))
     _no_stop_regex = field_validator("stop_regex")(only(
         None, [], why=f"stop regexes are {NOT_IMPLEMENTED}; use stop strings (stop)"))
     _no_interval = field_validator("stream_interval")(only(None, why="a stream sends every step's tokens"))

@@ -1,8 +1,9 @@
 """OpenAI request models (with vLLM's extensions: top_k, stop_token_ids, ignore_eos, min_tokens,
 min_p, repetition_penalty, include_stop_str_in_output, skip_special_tokens,
 spaces_between_special_tokens, return_tokens_as_token_ids, prompt_logprobs,
-stream_options.continuous_usage_stats; SGLang's that sglang-router adds to what it forwards) and
-the mapping to SamplingParams. Validation errors name
+stream_options.continuous_usage_stats, structured_outputs and guided_*; SGLang's that
+sglang-router adds to what it forwards) and the mapping to SamplingParams (structured outputs:
+``structured_fields.py``). Validation errors name
 the field; unknown fields are refused, so a misspelled parameter never silently does nothing;
 parameters the engine does not implement are accepted at the value that changes nothing (their
 default) and refused with a reason at any other; types are strict as OpenAI's are (``"max_tokens":
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from bi_core.runtime.sequence import SamplingParams
 from bi_core.serve.api_errors import ApiError
 from bi_core.serve.chat_messages import ChatMessage, check_tool_choice, check_tools
+from bi_core.serve.structured_fields import request_spec
+from bi_core.structured.specs import StructuredSpec
 
 MAX_N = 128
 MAX_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs, prompt_logprobs)
@@ -119,6 +122,17 @@ class _Common(TextBody):
     # include_stop_str_in_output by SGLang's name; hidden states are never returned
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # structured outputs (structured_fields.py; response_format on each endpoint): vLLM's fields,
+    # and whether the logprobs reported are of the distribution after the grammar's mask (bi-engine's)
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    masked_logprobs: bool = False
+    _structured: StructuredSpec | None = PrivateAttr(None)
     # OpenAI's and vLLM's parameters the engine does not implement: accepted at their no-op values
     logit_bias: dict[str, float] | None = None
     truncate_prompt_tokens: int | None = None
@@ -151,6 +165,19 @@ class _Common(TextBody):
                                 "chunk is usage included)", param="stream_options.continuous_usage_stats")
         return self
 
+    @model_validator(mode="after")
+    def _structured_output(self):
+        self._structured = request_spec(self)
+        if self._structured is not None and self.min_tokens:
+            raise ApiError(400, "min_tokens must be 0 with a structured output: the grammar decides where the output "
+                                "ends, and banning its end could leave no token allowed", param="min_tokens")
+        return self
+
+    @property
+    def structured_spec(self) -> StructuredSpec | None:
+        """The structured output the request's own fields ask for (``structured_fields.request_spec``)."""
+        return self._structured
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -175,7 +202,8 @@ class _Common(TextBody):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured=self._structured, masked_logprobs=self.masked_logprobs)
 
 
 def _empty(v, name: str):
@@ -192,6 +220,7 @@ class CompletionRequest(_Common):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: per prompt token")
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict | None = None  # as chat's (vLLM takes it on completions too)
 
     _no_suffix = field_validator("suffix")(only(None, "", why="suffix (insertion) is not supported"))
 
@@ -232,10 +261,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict | None = None  # text, json_object or json_schema (structured_fields.py)
     # OpenAI's and vLLM's chat parameters the engine does not implement: their no-op values
-    response_format: dict | None = None
     echo: bool = False
-    # tools (tool_calls in the answer; required and a named function need constrained decoding),
+    # tools (tool_calls in the answer; required and a named function are constrained decoding's:
+    # chat.ChatTurn.constraint),
     # the chat template's inputs (chat_template_kwargs: variables the template reads, such as
     # enable_thinking), reasoning (vLLM's include_reasoning and reasoning_effort, SGLang's
     # separate_reasoning), vLLM's return_token_ids, and an episode's exact ids (previous_token_ids)
@@ -258,13 +288,6 @@ class ChatCompletionRequest(_Common):
     _checked_tools = field_validator("tools")(lambda cls, v: check_tools(v))
     _streamed_reasoning = field_validator("stream_reasoning")(only(
         True, why="reasoning streams as it is generated (reasoning_content deltas)"))
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v is not None and v != {"type": "text"}:
-            raise ValueError(f"only null or {{\"type\": \"text\"}} is supported: structured output is {_NOT_IMPLEMENTED}")
-        return v
 
     @model_validator(mode="after")
     def _tool_choice_and_turns(self):
@@ -296,11 +319,6 @@ class ChatCompletionRequest(_Common):
     def parsed_tools(self) -> list[dict] | None:
         """The tools whose calls the answer is parsed for: none with tool_choice none."""
         return self.tools if self.tools and self.tool_choice != "none" else None
-
-    def constrained_tool_choice(self) -> str | dict | None:
-        """``required`` or the named function when the request demands a tool call: what
-        constrained decoding (the grammar engine) must enforce; None for none and auto."""
-        return self.tool_choice if self.tool_choice == "required" or isinstance(self.tool_choice, dict) else None
 
     def conversation(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]

@@ -85,7 +85,9 @@ class PolicyLayer(nn.Module):
         hf, out = _tensors(self), {}
         for name, pieces in self._plan.pieces.items():
             meta = self._meta[name]
-            dense = fuse(meta.shape, pieces, hf, self._dtype)
+            # in the engine parameter's dtype (the model's, or float32 for GDN's A_log / dt_bias);
+            # an FP8 one's dense copy in the model's
+            dense = fuse(meta.shape, pieces, hf, self._dtype if is_fp8(meta) else meta.dtype)
             if not is_fp8(meta):
                 out[name] = dense
                 continue

@@ -100,11 +100,15 @@ def fuse_fp8(param: torch.nn.Parameter, pieces: tuple[Piece, ...], tensors: dict
 
 @torch.no_grad()
 def unfuse(plan: FusionPlan, engine_params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF tensors (in ``dtype``) holding exactly what the engine's parameters hold."""
-    out = {name: torch.empty(shape, dtype=dtype, device=next(iter(engine_params.values())).device)
-           for name, shape in plan.shapes.items()}
+    """HF tensors holding exactly what the engine's parameters hold: in ``dtype``, or in the
+    engine parameter's own dtype where that is wider (GDN's float32 ``A_log`` and ``dt_bias`` in a
+    bf16 model: rounding them to bf16 changed every logprob)."""
+    device = next(iter(engine_params.values())).device
+    wider = {p.hf_name: torch.promote_types(dtype, engine_params[param].dtype)
+             for param, pieces in plan.pieces.items() for p in pieces}
+    out = {name: torch.empty(shape, dtype=wider[name], device=device) for name, shape in plan.shapes.items()}
     for param, pieces in plan.pieces.items():
         for p in pieces:
             dst = out[p.hf_name] if p.src != ALL else out[p.hf_name].view(engine_params[param][p.dst].shape)
-            dst[p.src] = engine_params[param][p.dst].to(dtype)
+            dst[p.src] = engine_params[param][p.dst].to(dst.dtype)
     return out

@@ -117,11 +117,11 @@ def test_chat_fields_at_their_no_op_values_are_accepted(client_server, fields):
      "stream_options.continuous_usage_stats"),
     ("/v1/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"logprobs_typo": 1}, "logprobs_typo"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format.type"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),  # without tools
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     "tool_choice"),  # constrained decoding: the grammar engine's
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tool_choice"),  # two constraints
     ("/v1/chat/completions", {"chat_template_kwargs": {"no_such_variable": 1}}, "chat_template_kwargs.no_such_variable"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("/v1/chat/completions", {"stream_reasoning": False}, "stream_reasoning"),

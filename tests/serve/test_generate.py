@@ -170,7 +170,8 @@ def test_a_batch_stream_says_which_item_each_event_is(gen_server):
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 600}}, "sampling_params.max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, "sampling_params.frequency_penalty"),
     ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
-    ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ({"input_ids": [1], "sampling_params": {"regex": "[a-"}}, "sampling_params.regex"),  # no regex
+    ({"input_ids": [1], "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
      "sampling_params.min_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temprature": 0}}, "sampling_params.temprature"),

@@ -33,3 +33,30 @@ def test_negative_control_adjusted_rows_flying(monkeypatch):
     monkeypatch.setattr(overlap, "device_sampled", lambda seqs: True)
     with pytest.raises(AssertionError):
         same(engine(True).generate(ps, PARAMS), ref)
+
+
+def test_overlap_with_a_grammar_equals_no_overlap_and_never_flies(monkeypatch):
+    """A structured output's rows are masked by the row-by-row sampler, so no step of theirs flies
+    (the plain requests beside them fly once they are alone); negative control: letting them fly
+    takes the unmasked device samples, and the output no longer matches."""
+    from bi_core.structured import regex
+
+    ps = prompts(3)
+    params = [SamplingParams(max_new_tokens=12, temperature=0.9, seed=4, structured=regex(r"[a-f]{12}")),
+              SamplingParams(max_new_tokens=24, ignore_eos=True), SamplingParams(max_new_tokens=30, ignore_eos=True)]
+    ref = engine(False).generate(ps, params)
+    eng = engine(True)
+    flown, launch = [], eng.overlap.launch_next
+
+    def launch_next(plan, out):  # records whether a step with a constrained row flew
+        landed = launch(plan, out)
+        flown.append(landed is not None and any(r.seq.grammar is not None for r in plan.forward.rows))
+        return landed
+
+    eng.overlap.launch_next = launch_next
+    same(eng.generate(ps, params), ref)
+    assert eng.num_ahead > 0 and not any(flown)
+    assert all(c in "abcdef" for c in ref[0].text) and len(ref[0].text) == 12
+    monkeypatch.setattr(overlap, "device_sampled", lambda seqs: True)
+    with pytest.raises(AssertionError):
+        same(engine(True).generate(ps, params), ref)

@@ -1,8 +1,8 @@
 """GPU sampler: one Triton program per (row, vocabulary chunk) then one per row (greedy or
 Gumbel-max with Philox keyed by the row's key, reading the logits in their own dtype); rows with
-penalties, min_tokens' mask or min-p/top-k/top-p get their logits prepared row by row first
-(``prepared_row``) and drawn again by the same kernel. Without top-N logprobs the kernel writes
-the (token, logprob) pairs the host reads back in one transfer."""
+a grammar's mask, penalties, min_tokens' mask or min-p/top-k/top-p get their logits prepared row
+by row first (``prepared_row``) and drawn again by the same kernel. Without top-N logprobs the
+kernel writes the (token, logprob) pairs the host reads back in one transfer."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class CudaSamplerImpl:
         tokens, lse, packed = sample(logits, keys, temps)
         prepared = [i for i in range(logits.shape[0]) if not batch.is_plain(i)]
         n = batch.num_logprobs
-        if not prepared and n == 0 and batch.logprob_temperatures is None:
+        if not prepared and n == 0 and batch.logprob_temperatures is None and batch.masked_logprobs is None:
             empty = torch.empty((logits.shape[0], 0), device=dev)
             return SamplerOutput(token_ids=tokens, logprobs=packed[:, 1].float(), top_ids=empty.long(),
                                  top_logprobs=empty, packed=packed)

@@ -9,14 +9,18 @@ from bi_core.ops.sampling import (
     SamplingBatch,
     SamplingBuilder,
     SamplingSpec,
+    masked,
     with_logprob_temperatures,
 )
 
 
 def adjust_logits(row: torch.Tensor, adj: LogitsAdjust) -> torch.Tensor:
-    """One float32 row's logits after min_tokens' mask and the penalties (``LogitsAdjust``):
-    elementwise, from the row's own tokens, so a row's result never depends on its batch."""
+    """One float32 row's logits after its grammar's mask, min_tokens' mask and the penalties
+    (``LogitsAdjust``): elementwise, from the row's own tokens, so a row's result never depends
+    on its batch."""
     vocab, dev = row.shape[0], row.device
+    if adj.allowed is not None:
+        row = masked(row, adj.allowed)
     if adj.banned:
         row = row.index_fill(0, torch.tensor(adj.banned, device=dev), float("-inf"))
     if adj.repetition_penalty != 1.0:

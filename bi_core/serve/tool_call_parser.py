@@ -14,7 +14,11 @@ strings stay the raw text, integers, numbers, booleans and null are parsed, obje
 JSON (the template writes non-strings with ``tojson``); a value that does not parse as its type
 stays a string, and a parameter the schema does not name is a string (vLLM's qwen3_coder parser
 does the same). A block that is not one well-formed call of a tool the request offered is not a
-call: ``parse_block`` says why, and the text stays content."""
+call: ``parse_block`` says why, and the text stays content.
+
+This reads what ``bi_core.structured.tool_calls`` (the grammar of ``tool_choice`` required or
+named) lets a model write: the same tags, whitespace around tags and values (a string value loses
+one newline on each side, as the template writes it; other values are stripped)."""
 
 from __future__ import annotations
 

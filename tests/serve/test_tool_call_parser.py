@@ -1,4 +1,4 @@
-"""Qwen3.5's answers parsed into reasoning, content and tool calls (bi_core/serve/tool_calls.py,
+"""Qwen3.5's answers parsed into reasoning, content and tool calls (bi_core/serve/tool_call_parser.py,
 chat_output.py), on hand-written outputs in the format its chat template teaches: typed values,
 nested JSON, several calls, calls after thinking, truncated and malformed calls; and streamed in
 every split, the pieces joined equal the whole answer parsed at once."""
@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from bi_core.serve.chat_output import OutputParser, parse_all
-from bi_core.serve.tool_calls import MalformedToolCall, parse_block, tool_parameters
+from bi_core.serve.tool_call_parser import MalformedToolCall, parse_block, tool_parameters
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
