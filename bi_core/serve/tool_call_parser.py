@@ -10,15 +10,16 @@
 
 parsed into OpenAI's tool calls (``{"id", "type": "function", "function": {"name", "arguments"}}``,
 ``arguments`` a JSON object's text). A value is typed by the tool's JSON schema for that parameter:
-strings stay the raw text, integers, numbers, booleans and null are parsed, objects and arrays are
-JSON (the template writes non-strings with ``tojson``); a value that does not parse as its type
-stays a string, and a parameter the schema does not name is a string (vLLM's qwen3_coder parser
-does the same). A block that is not one well-formed call of a tool the request offered is not a
+plain strings stay the raw text (one newline on each side dropped, as the template writes it),
+integers, numbers, booleans and null are parsed, objects and arrays are JSON (the template writes
+non-strings with ``tojson``), an enum's member is the one named; a value that does not parse as its
+type stays a string, and a parameter the schema does not name is a string (vLLM's qwen3_coder
+parser does the same). A block that is not one well-formed call of a tool the request offered is not a
 call: ``parse_block`` says why, and the text stays content.
 
 This reads what ``bi_core.structured.tool_calls`` (the grammar of ``tool_choice`` required or
-named) lets a model write: the same tags, whitespace around tags and values (a string value loses
-one newline on each side, as the template writes it; other values are stripped)."""
+named) lets a model write: the same tags, with whitespace around tags and around every value but a
+plain string's (``_raw_text``), which is therefore stripped."""
 
 from __future__ import annotations
 
@@ -137,16 +138,44 @@ def _schema_types(schema: dict | None) -> list[str]:
 _JSON_TYPES = {"integer": (int,), "number": (int, float), "object": (dict,), "array": (list,)}
 
 
+def _raw_text(schema: dict | None, kind: str | None) -> bool:
+    """Whether a value is its raw text: a plain string (no enum, const, pattern, length or format),
+    or a parameter the schema does not describe. The grammar writes those as any text up to
+    ``</parameter>``; every other value it lets whitespace surround, which is not the value."""
+    if not schema:
+        return True
+    return kind == "string" and not set(schema) & _STRING_CONSTRAINTS
+
+
+_STRING_CONSTRAINTS = {"enum", "const", "pattern", "minLength", "maxLength", "format"}
+
+
+def _member(text: str, schema: dict) -> tuple[bool, Any]:
+    """An ``enum`` / ``const`` member the text names: a string member as its text, another as JSON."""
+    members = schema.get("enum", [schema["const"]] if "const" in schema else [])
+    if text in members:
+        return True, text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False, None
+    return any(value == m and type(value) is type(m) for m in members), value
+
+
 def typed_value(raw: str, schema: dict | None, key: str, function: str) -> Any:
     """A parameter's value as its schema's type: the first type it allows besides null decides
-    (a string stays the text); ``null`` is None where the schema allows null."""
+    (a plain string stays the text); ``null`` is None where the schema allows null; an ``enum`` or
+    ``const`` without a type is the member named."""
     types = _schema_types(schema)
     if "null" in types and raw.strip() == "null":
         return None
     kind = next((t for t in types if t != "null"), None)
-    if kind is None or kind == "string":
+    if _raw_text(schema, kind):
         return raw
     text = raw.strip()
+    if kind in (None, "string"):
+        found, value = _member(text, schema or {})
+        return value if found else text
     if kind == "boolean" and text.lower() in ("true", "false"):
         return text.lower() == "true"
     if kind in _JSON_TYPES:

@@ -51,6 +51,20 @@ def test_values_are_typed_by_the_tools_schema():
                        "limit": None}
 
 
+def test_whitespace_the_grammar_allows_around_a_value_is_not_the_value():
+    """structured/tool_calls.py (xgrammar's qwen_xml) lets whitespace surround every value but a
+    plain string's; the parser strips it there and only there."""
+    schema = {"pick": {"properties": {"city": {"enum": ["Paris", "Rome", 3]}, "code": {"type": "string", "maxLength": 4},
+                                      "n": {"type": "integer"}, "text": {"type": "string"}}}}
+    body = ("<tool_call>\n<function=pick>\n<parameter=city>\t Rome \r\n</parameter>\n<parameter=code>  ab \n"
+            "</parameter><parameter=n> 7\t</parameter>\n<parameter=text>\n  indented\n\n</parameter>\n</function>\n"
+            "</tool_call>")
+    (c,) = parse(body, tools=schema).calls
+    assert args(c) == {"city": "Rome", "code": "ab", "n": 7, "text": "  indented\n"}
+    (c,) = parse(call("pick", city="3"), tools=schema).calls
+    assert args(c)["city"] == 3  # a member that is not a string, as JSON
+
+
 def test_strings_stay_raw_and_unknown_parameters_are_strings():
     value = 'line one\n  "quoted" {not json}\n<parameter=fake>\n</parameter> inside'
     (c,) = parse(call("search", query=value)).calls
