@@ -17,9 +17,12 @@ import attrs
 from bi_core.errors import CheckpointError
 from bi_core.models.chat_episode import extend_chat
 from bi_core.models.chat_template import ChatPrompt, ChatTemplateError, template_variables
+from bi_core.models.tokenizer import Tokenizer
 from bi_core.runtime.sequence import RequestOutput
+from bi_core.serve import formats
 from bi_core.serve.api_errors import ApiError
 from bi_core.serve.chat_output import OutputParser, Parsed, parse_all
+from bi_core.serve.client import Delta
 from bi_core.serve.openai_protocol import ChatCompletionRequest
 from bi_core.serve.structured_fields import tool_choice_spec
 from bi_core.serve.tool_call_parser import ToolCall, tool_parameters
@@ -118,6 +121,9 @@ class ChatTurn:
             out["tool_calls"] = [_call_delta(first_call + i, call) for i, call in enumerate(parsed.calls)]
         return out
 
+    def stream(self, num_choices: int, tokenizer) -> ChatStream:
+        return ChatStream(self, tokenizer, [self.parser() for _ in range(num_choices)], [0] * num_choices)
+
     def _reasoning(self, into: dict, text: str | None) -> None:
         if self.req.include_reasoning:
             into["reasoning_content"] = into["reasoning"] = text
@@ -125,3 +131,31 @@ class ChatTurn:
 
 def _call_delta(index: int, call: ToolCall) -> dict:
     return {"index": index, **call.as_openai()}
+
+
+@attrs.define
+class ChatStream:
+    """A streamed chat answer's choices: each its own parser, and the calls it has sent."""
+
+    turn: ChatTurn
+    tokenizer: Tokenizer
+    parsers: list[OutputParser]
+    calls_sent: list[int]
+
+    def choice(self, index: int, output: RequestOutput | None, delta: Delta) -> dict | None:
+        """The chunk's choice for a delta, or None when the delta settled nothing worth a chunk."""
+        req = self.turn.req
+        parsed = self.parsers[index].feed(delta.text, final=delta.finished)
+        body = self.turn.delta(parsed, self.calls_sent[index])
+        self.calls_sent[index] += len(parsed.calls)
+        ids_wanted = delta.token_ids and (req.logprobs or req.return_token_ids)
+        if not body and not delta.finished and not ids_wanted:
+            return None
+        lp = (formats.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, delta.top_logprobs,
+                                    req.top_logprobs or 0, req.return_tokens_as_token_ids)
+              if req.logprobs and delta.token_ids else None)
+        finish = self.turn.finish_reason(output, self.calls_sent[index] > 0) if delta.finished else None
+        out = {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
+        if req.return_token_ids:
+            out["token_ids"] = delta.token_ids
+        return out

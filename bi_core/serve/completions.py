@@ -173,28 +173,11 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, ri
     chat = turn is not None
     kind = "chat.completion.chunk" if chat else "text_completion"
     tok, as_ids = server.tokenizer, req.return_tokens_as_token_ids
-    parsers = [turn.parser() for _ in choices] if chat else []
-    calls_sent = [0] * len(choices)
+    chat_stream = turn.stream(len(choices), tok) if chat else None
 
     def running_usage(c: Choice) -> dict:
         """vLLM's continuous usage: the choice's prompt and its tokens so far."""
         return formats.usage(c.prompt_tokens, c.tokens_sent)
-
-    def chat_body(c: Choice, delta: Delta) -> dict | None:
-        """The chunk's choice, or None when the delta settled nothing worth a chunk."""
-        parsed = parsers[c.index].feed(delta.text, final=delta.finished)
-        body = turn.delta(parsed, calls_sent[c.index])
-        calls_sent[c.index] += len(parsed.calls)
-        ids_wanted = delta.token_ids and (req.logprobs or req.return_token_ids)
-        if not body and not delta.finished and not ids_wanted:
-            return None
-        lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0,
-                                    as_ids) if req.logprobs and delta.token_ids else None)
-        finish = turn.finish_reason(c.output, calls_sent[c.index] > 0) if delta.finished else None
-        out = {"index": c.index, "delta": body, "logprobs": lp, "finish_reason": finish}
-        if req.return_token_ids:
-            out["token_ids"] = delta.token_ids
-        return out
 
     def completion_body(c: Choice, delta: Delta) -> dict | None:
         if not (delta.text or delta.finished or (delta.token_ids and req.logprobs)):
@@ -230,7 +213,7 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, ri
                     if (failure := output_failure(c.output, server.shutting_down)) is not None:
                         yield formats.sse(failure.body)
                         break
-                body = chat_body(c, delta) if chat else completion_body(c, delta)
+                body = chat_stream.choice(c.index, c.output, delta) if chat else completion_body(c, delta)
                 if body is not None:
                     yield formats.sse(chunk(c, body, delta.finished))
                     c.text_sent += len(delta.text)
