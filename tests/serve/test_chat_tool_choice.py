@@ -163,3 +163,36 @@ def test_a_five_turn_episode_is_the_concatenation_of_its_turns(server):
         assert out["choices"][0]["finish_reason"] in (("tool_calls",) if n in (0, 2) else ("stop", "length"))
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": episode}).json()["prompt"]
     assert text.count("<think>") == 5 and "<function=get_weather>" in text  # every turn's thinking kept
+
+
+def test_the_responses_api_runs_as_its_chat_request(server):
+    """/v1/responses (stateless): input items with an earlier call and its output, flat function
+    tools, a named tool_choice; the answer's call is a function_call item, valid; thinking on gives
+    a reasoning item; what is not implemented is a 400 naming the field."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "search", "arguments": '{"top": true}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    r = client.responses.create(model="tiny", input=items, tools=flat, tool_choice={"type": "function",
+                                "name": "get_weather"}, reasoning={"effort": "none"}, max_output_tokens=600,
+                                instructions="Be brief.")
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"], r.output
+    assert r.output[0].name == "get_weather" and r.output[0].call_id.startswith("call_")
+    _valid("get_weather", r.output[0].arguments)
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    rendered = _post(server, "/tokenize", {"messages": [
+        {"role": "system", "content": "Be brief."}, items[0],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"top": true}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": TOOLS,
+        "chat_template_kwargs": NO_THINKING}).json()
+    assert r.usage.input_tokens == rendered["count"]  # the items rendered as the chat messages they mean
+    cut = client.responses.create(model="tiny", input="Hi", max_output_tokens=8)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in cut.output] == ["reasoning"] and cut.output[0].content[0].text
+    for field, value in [("stream", True), ("store", True), ("previous_response_id", "resp_1"),
+                         ("reasoning", {"effort": "high"}), ("input", [{"type": "web_search_call"}])]:
+        err = _post(server, "/v1/responses", {"model": "tiny", "input": "Hi", field: value})
+        want = "input[0].type" if field == "input" else field
+        assert err.status_code == 400 and err.json()["error"]["param"] == want, (field, err.text)
