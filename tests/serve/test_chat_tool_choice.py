@@ -196,3 +196,14 @@ def test_the_responses_api_runs_as_its_chat_request(server):
         err = _post(server, "/v1/responses", {"model": "tiny", "input": "Hi", field: value})
         want = "input[0].type" if field == "input" else field
         assert err.status_code == 400 and err.json()["error"]["param"] == want, (field, err.text)
+
+
+def test_litellm_forced_tool_call(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm")
+    r = litellm.completion(model="openai/tiny", api_base=f"{server.url}/v1", api_key="unused", max_tokens=600,
+                           messages=BASE["messages"], tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                           seed=2, extra_body={"chat_template_kwargs": NO_THINKING})
+    (call,) = r.choices[0].message.tool_calls
+    _valid(call.function.name, call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
