@@ -57,22 +57,23 @@ def _innermost(fn):
 @contextlib.contextmanager
 def hf_gdn(model, which: str):
     """transformers' chunked GDN as ``which`` says: "fla" (what it resolved, fla where installed) or
-    "torch" (its own implementation). Releases differ in where the choice lives: a module global
-    behind a kernel wrapper (5.2x), or each GDN module's ``chunk_gated_delta_rule`` (5.1x)."""
+    "torch" (its own implementation). Releases differ in where the choice lives (a module global
+    behind a kernel wrapper, a global imported from fla, each GDN module's attribute), so "torch"
+    replaces every one of them for the block: the module's globals named ``chunk_gated_delta_rule``
+    or ``torch_chunk_gated_delta_rule`` and any module attribute of those names."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-    resolved = m.torch_chunk_gated_delta_rule
-    layers = [(mod, mod.chunk_gated_delta_rule) for mod in model.modules() if hasattr(mod, "chunk_gated_delta_rule")]
+    names = ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule")
+    saved = [(m, n, getattr(m, n)) for n in names if hasattr(m, n)]
+    saved += [(mod, n, getattr(mod, n)) for mod in model.modules() for n in names if hasattr(mod, n)]
     if which == "torch":
-        torch_fn = _innermost(resolved)
-        m.torch_chunk_gated_delta_rule = torch_fn
-        for mod, _ in layers:
-            mod.chunk_gated_delta_rule = torch_fn
+        torch_fn = _innermost(m.torch_chunk_gated_delta_rule)
+        for owner, n, _ in saved:
+            setattr(owner, n, torch_fn)
     try:
         yield
     finally:
-        m.torch_chunk_gated_delta_rule = resolved
-        for mod, fn in layers:
-            mod.chunk_gated_delta_rule = fn
+        for owner, n, fn in saved:
+            setattr(owner, n, fn)
 
 
 def timed(fn, steps: int) -> float:
