@@ -22,7 +22,8 @@ from bi_core.errors import ConfigError
 Parser = Callable[[Any, str], Any]
 
 DTYPES = ("float32", "bfloat16")
-OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather")
+OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather", "layer_norm",
+            "vision_attention")
 # names that were ops once: what took their place (a config or a plugin naming one gets this, not "unknown op")
 RETIRED_OPS = {"graph_runner": "no longer an op: the runtime launches steps itself (CUDA graphs are graph.enabled, "
                                "their capture graph.capture)"}
