@@ -375,6 +375,21 @@ class ServeConfig:
 
 
 @attrs.frozen(kw_only=True)
+class VisionConfig:
+    """Images and videos in (a checkpoint with a vision tower; docs/vision.md)."""
+
+    enabled: bool | str = _field(_auto_or(_bool), "auto", doc="load the checkpoint's vision tower (model.visual.*) "
+                                 "and take images; auto: when config.json has a vision_config")
+    max_images_per_request: int = _field(_int(0), 16, doc="images plus videos one request may carry")
+    max_pixels_per_request: int = _field(_int(1), 16 * 1024 * 1024, doc="pixels of all its images and video "
+                                         "frames after the processor's resize")
+    max_vision_tokens_per_request: int = _field(_int(1), 16384, doc="placeholder tokens of all its images and "
+                                                "videos (after the 2x2 merge)")
+    media_root: str | None = _field(_optional(_str), None, doc="the directory local image files (file: URLs and "
+                                    "paths in requests) may be read from; none: local files are refused")
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """The whole engine, as in the YAML file."""
 
@@ -391,6 +406,7 @@ class EngineConfig:
     strategy: StrategyConfig = _field(_section(StrategyConfig), factory=StrategyConfig)
     sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
     serve: ServeConfig = _field(_section(ServeConfig), factory=ServeConfig)
+    vision: VisionConfig = _field(_section(VisionConfig), factory=VisionConfig)
     prompts: tuple = _field(_prompts, factory=tuple)
     seed: int = _field(_seed, 0, doc="seeds requests that have no seed of their own")
 

@@ -96,7 +96,7 @@ def _tower(path, dtype, device):
     from triton_anywhere import TritonAnywhere
 
     from bi_core.models.loader import read_config
-    from bi_core.models.vision import VisionArgs, VisionTower, load_vision_weights
+    from bi_core.models.vision_tower import VisionArgs, VisionTower, load_vision_weights
     from bi_core.plugins import load_registry
     from bi_core.policies import make_policy
     from bi_core.selector import OpFactory
@@ -158,3 +158,32 @@ def test_tower_negative_control(vl_checkpoint, device, monkeypatch):
     monkeypatch.setattr(impls.TritonVisionAttentionImpl, "forward",
                         lambda self, q, k, v, cu_t, cu_h: vision_attention(q, k, v, cu_h, self.scale, key_grid=64))
     assert _tower_mismatches(tower, hf) != []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mrope_kernel_of_equal_axes_is_the_1d_kernel(device, dtype):
+    """A text token in a step with images: the M-RoPE kernel gives the 1-D kernel's bits."""
+    from bi_core.kernels.mrope import qk_norm_mrope_write
+    from bi_core.kernels.qk_norm_rope import qk_norm_rope_write
+
+    torch.manual_seed(4)
+    t, hq, hkv, d, rot = 9, 2, 1, 64, 16
+    qkv = torch.randn(t, 2 * hq * d + 2 * hkv * d, device=device).to(dtype)
+    qn, kn = (0.1 * torch.randn(d, device=device)).to(dtype), (0.1 * torch.randn(d, device=device)).to(dtype)
+    inv = 1.0 / (1e7 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+    pos = torch.arange(100, 100 + 13 * t, 13, device=device)
+    slots = torch.arange(t, device=device)
+
+    def run(rope_positions):
+        kc = torch.zeros(4, 16, hkv, d, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        if rope_positions is None:
+            return qk_norm_rope_write(qkv, qn, kn, inv, pos, slots, kc, vc, hq, 1e-6, rot), kc
+        return qk_norm_mrope_write(qkv, qn, kn, inv, rope_positions, slots, kc, vc, hq, 1e-6, rot), kc
+
+    plain = run(None)
+    same = run(pos[:, None].expand(-1, rot // 2).contiguous())
+    assert torch.equal(plain[0], same[0]) and torch.equal(plain[1], same[1])
+    moved = pos[:, None].expand(-1, rot // 2).contiguous().clone()
+    moved[:, 1] += 3  # negative control
+    assert not torch.equal(plain[0], run(moved)[0])
