@@ -52,3 +52,30 @@ def random_pixels(grids: list[tuple[int, int, int]], model, seed: int = 1) -> to
     dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     n = sum(t * h * w for t, h, w in grids)
     return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+
+
+class _TextPart:
+    """The text model of a conditional-generation model as ``hf_fixtures.mtp_tensors`` reads one."""
+
+    def __init__(self, hf) -> None:
+        self.config = hf.config.text_config
+        self._sd = {"model." + k: v for k, v in hf.model.language_model.state_dict().items()}
+
+    def state_dict(self):
+        return self._sd
+
+
+def save_with_mtp(hf, path: Path) -> Path:
+    """``hf`` saved by transformers, plus random ``mtp.*`` tensors (one MTP layer) in a file of their own."""
+    import json
+
+    from hf_fixtures import mtp_tensors
+    from safetensors.torch import save_file
+
+    hf.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in mtp_tensors(_TextPart(hf), "per_expert").items()},
+              str(path / "mtp.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
