@@ -18,6 +18,7 @@ from bi_core.errors import CheckpointError
 from bi_core.serve import formats
 from bi_core.serve.api_errors import ApiError, output_failure
 from bi_core.serve.client import Delta
+from bi_core.serve.media import chat_media
 from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -128,6 +129,9 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     # ignore_eos ignores it too
     ends = () if params.ignore_eos else turn_end
     jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends))]
+    images, videos = chat_media([m.content for m in req.messages], server.media_root)
+    if images or videos:
+        jobs = [(*jobs[0], {"images": images or None, "videos": videos or None})]
 
     def choice(c: Choice) -> dict:
         o = c.output

@@ -198,8 +198,8 @@ class EngineLoop(ControlCalls):
                                              f"too many waiting requests ({self.max_waiting}); retry later"))
         seqs: list[Sequence] = []
         try:
-            for prompt, params in jobs:
-                seqs.append(self.engine.add_request(prompt, params, text=True))
+            for prompt, params, *media in jobs:  # media: {"images", "videos"} decoded on the HTTP side
+                seqs.append(self.engine.add_request(prompt, params, text=True, **(media[0] if media else {})))
         except BiEngineError as e:
             for seq in seqs:  # not one step has run: the request leaves no trace
                 self.engine.abort(seq.request_id)
