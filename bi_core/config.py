@@ -387,6 +387,8 @@ class VisionConfig:
                                                 "videos (after the 2x2 merge)")
     media_root: str | None = _field(_optional(_str), None, doc="the directory local image files (file: URLs and "
                                     "paths in requests) may be read from; none: local files are refused")
+    random_depth: int | None = _field(_optional(_int(1)), None, doc="a random model's tower (vision.enabled: true "
+                                      "with model.random): its blocks; default the published 27")
 
 
 @attrs.frozen(kw_only=True)

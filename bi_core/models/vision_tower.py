@@ -60,6 +60,15 @@ class VisionArgs:
         return self.spatial_merge_size ** 2
 
     @classmethod
+    def published(cls, out_hidden_size: int, depth: int | None = None) -> VisionArgs:
+        """The released Qwen3.5 tower's shape (transformers' Qwen3_5VisionConfig defaults: 27 blocks
+        of width 1152, 16 heads, 16-pixel patches), feeding a text model of width ``out_hidden_size``;
+        ``depth``: fewer blocks (random weights, benchmarks)."""
+        return cls(depth=27 if depth is None else depth, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                   in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                   out_hidden_size=out_hidden_size, num_position_embeddings=2304)
+
+    @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> VisionArgs | None:
         """The tower of a ``config.json``; None for a text-only checkpoint."""
         v = config.get("vision_config")
@@ -266,3 +275,19 @@ def load_vision_weights(tower: VisionTower, path) -> None:
             raise CheckpointError(f"model.visual.{theirs}: shape {tuple(t.shape)}, the config's vision_config "
                                   f"gives {tuple(p.shape)}")
         p.copy_(t.reshape(p.shape))
+
+
+@torch.no_grad()
+def init_random_vision(tower: VisionTower, seed: int) -> None:
+    """Random weights drawn on the tower's device: linears ~ N(0, 1/fan_in), biases and the
+    position table small, LayerNorm scales near 1 (activations stay O(1) through the depth)."""
+    gen = torch.Generator(device=tower.device)
+    gen.manual_seed(seed)
+    for name, p in tower.named_parameters():
+        noise = torch.randn(p.shape, device=p.device, generator=gen)
+        if p.dim() == 2 and name != "pos_embed":
+            p.copy_(noise / p.shape[1] ** 0.5)
+        elif "norm" in name and name.endswith("weight"):
+            p.copy_(1.0 + 0.1 * noise)
+        else:
+            p.copy_(0.1 * noise)

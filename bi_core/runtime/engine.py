@@ -84,7 +84,7 @@ class LLMEngine(RolloutAPI):
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                              seed=config.seed, eos_ids=self.args.eos_token_ids)
         self.intake.routed_experts = self.runner.routing is not None
-        self.runner.vision, self.intake.vision = build_vision(config, self.factory, self.tp.world)
+        self.runner.vision, self.intake.vision = build_vision(config, self.factory, self.tp.world, self.args)
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer

@@ -140,27 +140,46 @@ class VisionInputs:
         return build(ids, items, self.tokens)
 
 
-def build_vision(config, factory, world: int):
-    """The vision tower (weights loaded) and the request side, or (None, None): ``vision.enabled``
-    auto takes the checkpoint's tower where it has one and the engine runs on one rank; true
-    requires both."""
+def _random_args(config, text) -> VisionArgs:
+    """A random model's tower (``vision.enabled: true``): the published shape at
+    ``vision.random_depth`` blocks, placeholder ids inside the vocabulary."""
+    from bi_core.errors import ConfigError
+
+    args = VisionArgs.published(text.hidden_size, config.vision.random_depth)
+    if args.vision_end_token_id >= text.vocab_size or args.image_token_id >= text.vocab_size:
+        raise ConfigError("vision.enabled", f"true on a random model of vocabulary {text.vocab_size}: the image "
+                          f"placeholder ids ({args.image_token_id}...) need a real-shape preset (vocabulary 248320)")
+    return args
+
+
+def build_vision(config, factory, world: int, text):
+    """The vision tower (weights loaded, or random for a random model) and the request side, or
+    (None, None): ``vision.enabled`` auto takes the checkpoint's tower where it has one and the
+    engine runs on one rank; true requires one rank, and a tower or a real-shape random model.
+    ``text``: the text model's ModelArgs."""
     from bi_core.errors import ConfigError
     from bi_core.models.loader import read_config
-    from bi_core.models.vision_tower import VisionTower, load_vision_weights
+    from bi_core.models.vision_tower import VisionTower, init_random_vision, load_vision_weights
 
     want = config.vision.enabled
     if want is False:
         return None, None
-    args = None if config.model.path is None else VisionArgs.from_hf_config(read_config(config.model.path))
+    random = config.model.random is not None
+    if random:
+        args = _random_args(config, text) if want is True else None
+    else:
+        args = VisionArgs.from_hf_config(read_config(config.model.path))
     if args is None or world > 1:
         if want is True:
-            why = ("the model has no vision tower (config.json has no vision_config; a random model has none)"
-                   if args is None else f"the vision tower runs on one rank; parallel.tensor_parallel_size is {world}")
+            why = ("the checkpoint has no vision tower (config.json has no vision_config)" if args is None
+                   else f"the vision tower runs on one rank; parallel.tensor_parallel_size is {world}")
             raise ConfigError("vision.enabled", f"true, but {why}")
         return None, None
     base = factory.base
     tower = VisionTower(args, factory, base["dtype"], base["device"])
-    if not factory.plan_only:
+    if random and not factory.plan_only:
+        init_random_vision(tower, config.model.random.seed)
+    elif not factory.plan_only:
         load_vision_weights(tower, config.model.path)
     tower.eval()
     return tower, VisionInputs(args, config.vision, config.model.path)

@@ -129,7 +129,7 @@ async def chat_completions(server: Server, req: ChatCompletionRequest, request: 
     # ignore_eos ignores it too
     ends = () if params.ignore_eos else turn_end
     jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends))]
-    images, videos = chat_media([m.content for m in req.messages], server.media_root)
+    images, videos = chat_media([m.content for m in req.messages], server.media_root, server.takes_images)
     if images or videos:
         jobs = [(*jobs[0], {"images": images or None, "videos": videos or None})]
 

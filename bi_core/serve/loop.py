@@ -343,7 +343,8 @@ def engine_main(config, channel) -> None:
         return
     try:
         channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
-                                      config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size)))
+                                      config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size,
+                                      takes_images=engine.runner.vision is not None)))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests,
                    weight_sync_timeout_s=config.serve.weight_sync_timeout_s).run()
     finally:

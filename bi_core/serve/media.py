@@ -119,12 +119,17 @@ def check_part(part: Any) -> None:
                      "\"image_url\": {\"url\": ...}} or {\"type\": \"video\", \"video\": [frame, ...]}")
 
 
-def chat_media(contents: list, root: str | None) -> tuple[list, list]:
+NO_IMAGES = "this server takes no images: its checkpoint has no vision tower, or vision.enabled is false"
+
+
+def chat_media(contents: list, root: str | None, takes_images: bool = True) -> tuple[list, list]:
     """The decoded images and videos of a conversation's messages (each message's content), in order."""
     images, videos = [], []
     for m, content in enumerate(contents):
         if not isinstance(content, list):
             continue
+        if not takes_images and any(p.get("type") != "text" for p in content):
+            raise ApiError(400, NO_IMAGES, param=f"messages[{m}].content")
         for i, part in enumerate(content):
             param = f"messages[{m}].content[{i}]"
             if part.get("type") == "image_url":
@@ -136,13 +141,16 @@ def chat_media(contents: list, root: str | None) -> tuple[list, list]:
     return images, videos
 
 
-def sglang_media(image_data: Any, video_data: Any, num_prompts: int, root: str | None) -> list[dict]:
+def sglang_media(image_data: Any, video_data: Any, num_prompts: int, root: str | None,
+                 takes_images: bool = True) -> list[dict]:
     """SGLang's ``image_data`` / ``video_data``: for one prompt an image or a list of them, for a
     batch one entry (an image, a list, or null) per prompt; as ``{"images", "videos"}`` per prompt."""
     out = [{"images": None, "videos": None} for _ in range(num_prompts)]
     for data, key in ((image_data, "images"), (video_data, "videos")):
         if data is None:
             continue
+        if not takes_images:
+            raise ApiError(400, NO_IMAGES, param=f"{key[:-1]}_data")
         per = [data] if num_prompts == 1 else data
         if num_prompts > 1 and (not isinstance(data, list) or len(data) != num_prompts):
             raise ApiError(400, f"a batch of {num_prompts} prompts takes one {key[:-1]}_data entry per prompt",

@@ -168,7 +168,7 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
     start_len = _per_prompt(req.logprob_start_len, num, "logprob_start_len", -1)
     top_num = _per_prompt(req.top_logprobs_num, num, "top_logprobs_num", 0)
     jobs, options, unused = [], [], []
-    media = sglang_media(req.image_data, req.video_data, num, server.media_root)
+    media = sglang_media(req.image_data, req.video_data, num, server.media_root, server.takes_images)
     for j, (ids, sp) in enumerate(zip(prompts, sps)):
         room = server.max_model_len - len(ids)
         where = "sampling_params" if not isinstance(req.sampling_params, list) else f"sampling_params[{j}]"

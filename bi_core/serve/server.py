@@ -49,6 +49,7 @@ class Server:
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
         self.vocab_size, self.max_num_seqs = info.vocab_size, info.max_num_seqs
         self.tensor_parallel_size = info.tensor_parallel_size
+        self.takes_images = info.takes_images
         self.shutting_down = False
         self.created = int(time.time())
         self.requests: dict[str, list[Choice]] = {}  # unfinished requests by the ids clients know them by

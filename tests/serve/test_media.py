@@ -94,3 +94,13 @@ def test_sglang_image_data_per_prompt():
         media.sglang_media([url], None, 2, None)
     vid = media.sglang_media(None, [url, url], 1, None)
     assert len(vid[0]["videos"]) == 1 and len(vid[0]["videos"][0]) == 2
+
+
+def test_a_server_without_a_tower_refuses_images_before_decoding():
+    with pytest.raises(ApiError, match="takes no images") as e:
+        media.sglang_media("not even base64", None, 1, None, takes_images=False)
+    assert e.value.body["error"]["param"] == "image_data"
+    with pytest.raises(ApiError, match="takes no images") as e:
+        media.chat_media(["x", [{"type": "image_url", "image_url": "junk"}]], None, takes_images=False)
+    assert e.value.body["error"]["param"] == "messages[1].content"
+    assert media.chat_media([[{"type": "text", "text": "only text"}]], None, takes_images=False) == ([], [])

@@ -161,5 +161,5 @@ def test_enabled_true_without_a_tower_is_refused(tmp_path):
 
     cfg = {"model": {"random": {"preset": "tiny-dense"}, "dtype": "float32", "device": "cpu"},
            "backend": "reference", "vision": {"enabled": True}}
-    with pytest.raises(ConfigError, match="vision.enabled: true, but the model has no vision tower"):
+    with pytest.raises(ConfigError, match="vision.enabled: true on a random model of vocabulary 260"):
         build_engine(EngineConfig.from_dict(cfg))
