@@ -79,3 +79,24 @@ def save_with_mtp(hf, path: Path) -> Path:
     cfg["text_config"]["mtp_num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+SPECIAL = {"<|image_pad|>": IDS["image_token_id"], "<|video_pad|>": IDS["video_token_id"],
+           "<|vision_start|>": IDS["vision_start_token_id"], "<|vision_end|>": IDS["vision_end_token_id"], "<|im_start|>": 294, "<|im_end|>": 295, "<unk>": 296}
+WORDS = ["what", "is", "this", "a", "cat", "user", "assistant", "system"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+            "<|im_start|>assistant")
+
+
+def save_tokenizer(path) -> None:
+    """A word-level tokenizer with the placeholder tokens at the tiny ids and a ChatML-like template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(WORDS)} | SPECIAL
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   additional_special_tokens=[k for k in SPECIAL if k not in ("<unk>", "<|im_end|>")])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(path))

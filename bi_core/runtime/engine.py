@@ -42,7 +42,7 @@ from bi_core.runtime.sequence import (
     request_output,
 )
 from bi_core.runtime.threads import size_gpu_engine_threads
-from bi_core.runtime.vision_inputs import build_vision, per_prompt
+from bi_core.runtime.vision_inputs import build_vision, conversation, per_prompt
 from bi_core.runtime.warmup import wants_warmup, warm_up
 
 log = logging.getLogger(__name__)
@@ -254,6 +254,27 @@ class LLMEngine(RolloutAPI):
                 seqs.append((ids_or_empty(prompt), str(e)))
         self._run_all(sum(len(s.group) for s in seqs if isinstance(s, Sequence)), "generate", progress)
         return [self.output_of(s) for s in seqs]
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: SamplingParams | None = None, *,
+             progress: bool = False) -> list[RequestOutput]:
+        """Conversations through the checkpoint's chat template, one result each: ``messages`` is
+        one conversation (a list of ``{"role", "content"}``) or a list of them; a content may be a
+        list of text, image and video parts (``vision_inputs.conversation``; docs/vision.md). The
+        template's turn end stops a request (unless ``ignore_eos``)."""
+        if self.tokenizer is None:
+            raise RequestError("chat needs a tokenizer; this checkpoint has none")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = params or SamplingParams()
+        prompts, images, videos, per = [], [], [], []
+        for conv in convs:
+            template, imgs, vids = conversation(conv)
+            ids, ends = self.tokenizer.chat(template)
+            prompts.append(ids)
+            images.append(imgs or None)
+            videos.append(vids or None)
+            per.append(params if params.ignore_eos else
+                       attrs.evolve(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(ends)))
+        return self.generate(prompts, per, progress=progress, images=images, videos=videos)
 
     def score(self, prompts: Seq[Prompt], continuations: Seq[Prompt], *, exact: bool = True, logprobs: int = 0,
               progress: bool = False, images=None, videos=None) -> list[ScoreOutput]:

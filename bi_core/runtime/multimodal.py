@@ -16,6 +16,22 @@ import torch
 
 from bi_core.errors import RequestError
 
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # what Qwen's chat template writes for an image
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+FRAME_FPS = 2.0  # a video given as frames is taken at qwen-vl-utils' default sampling rate for frame lists
+
+
+def _timestamps(num_frames: int, merge: int = 2) -> list[float]:
+    """The Qwen3-VL processor's timestamp of each group of ``merge`` frames (their mean time)."""
+    times = [i / FRAME_FPS for i in range(num_frames)]
+    times += [times[-1]] * (-len(times) % merge)
+    return [(times[i] + times[i + merge - 1]) / 2 for i in range(0, len(times), merge)]
+
+
+def video_text(num_frames: int) -> str:
+    """A video's prompt text as the Qwen3-VL processor writes it: a timestamp, then the frame group's placeholder."""
+    return "".join(f"<{t:.1f} seconds>{VIDEO_PLACEHOLDER}" for t in _timestamps(num_frames))
+
 
 @attrs.frozen(kw_only=True)
 class VisionItem:

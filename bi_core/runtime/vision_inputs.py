@@ -17,7 +17,14 @@ import torch
 from bi_core.config import VisionConfig
 from bi_core.errors import RequestError
 from bi_core.models.vision_tower import VisionArgs
-from bi_core.runtime.multimodal import MultimodalPrompt, VisionItem, VisionTokens, build
+from bi_core.runtime.multimodal import (
+    IMAGE_PLACEHOLDER,
+    MultimodalPrompt,
+    VisionItem,
+    VisionTokens,
+    build,
+    video_text,
+)
 
 
 def _image_processor(path: str | None, args: VisionArgs):
@@ -197,3 +204,34 @@ def per_prompt(media, one: bool, num_prompts: int, name: str) -> list:
     if len(media) != num_prompts:
         raise RequestError(f"{num_prompts} prompts but {len(media)} entries in {name} (one list, or None, per prompt)")
     return [None if m is None else list(m) for m in media]
+
+
+def conversation(messages: Seq[dict]) -> tuple[list[dict], list, list]:
+    """A chat conversation whose contents may be lists of parts: text ``{"type": "text", "text"}``,
+    an image ``{"type": "image", "image": ...}`` (anything ``images`` takes), a video
+    ``{"type": "video", "video": [frame, ...]}``; as template messages (each image or video part
+    its placeholder text, as Qwen's template and processor write it) and the images and videos in order."""
+    out, images, videos = [], [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise RequestError(f"messages[{i}] must be a dict with role and content")
+        content = m["content"]
+        if isinstance(content, list):
+            text = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    text.append(part["text"])
+                elif kind == "image" and "image" in part:
+                    images.append(part["image"])
+                    text.append(IMAGE_PLACEHOLDER)
+                elif kind == "video" and isinstance(part.get("video"), (list, dict)):
+                    videos.append(part["video"])
+                    frames = part["video"]["grid_thw"][0] * 2 if isinstance(part["video"], dict) else len(part["video"])
+                    text.append(video_text(frames))
+                else:
+                    raise RequestError(f"messages[{i}].content[{j}]: a part is {{'type': 'text', 'text'}}, "
+                                       "{'type': 'image', 'image'} or {'type': 'video', 'video': [frames]}")
+            content = "".join(text)
+        out.append({**m, "content": content})
+    return out, images, videos

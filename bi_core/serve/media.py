@@ -17,11 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from bi_core.runtime.multimodal import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, video_text  # noqa: F401 (re-exported)
 from bi_core.serve.api_errors import ApiError
 
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # what Qwen's chat template writes for an image
-VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
-FRAME_FPS = 2.0  # a video given as frames is taken at qwen-vl-utils' default sampling rate for frame lists
 MAX_IMAGE_BYTES = 64 << 20  # one encoded image (a decompression bomb is PIL's MAX_IMAGE_PIXELS' to stop)
 _DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(.*)$", re.DOTALL)
 _NETWORK = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -82,18 +80,6 @@ def decode_video(frames: Any, root: str | None, param: str) -> list[np.ndarray]:
     if not isinstance(frames, list) or not frames:
         raise ApiError(400, "a video is a non-empty list of frames (images)", param=param)
     return [decode_image(f, root, f"{param}[{i}]") for i, f in enumerate(frames)]
-
-
-def _timestamps(num_frames: int, merge: int = 2) -> list[float]:
-    """The Qwen3-VL processor's timestamp of each group of ``merge`` frames (their mean time)."""
-    times = [i / FRAME_FPS for i in range(num_frames)]
-    times += [times[-1]] * (-len(times) % merge)
-    return [(times[i] + times[i + merge - 1]) / 2 for i in range(0, len(times), merge)]
-
-
-def video_text(num_frames: int) -> str:
-    """A video's prompt text as the Qwen3-VL processor writes it: a timestamp, then the frame group's placeholder."""
-    return "".join(f"<{t:.1f} seconds>{VIDEO_PLACEHOLDER}" for t in _timestamps(num_frames))
 
 
 def part_text(part: dict) -> str:

@@ -16,32 +16,12 @@ import yaml
 
 pytest.importorskip("PIL")
 from serve_helpers import ServerProcess, httpx  # noqa: E402
-from vl_fixtures import IDS, make_hf_vl_model  # noqa: E402
+from vl_fixtures import IDS, make_hf_vl_model, save_tokenizer  # noqa: E402
 
 from bi_core import EngineConfig, SamplingParams, build_engine  # noqa: E402
 
 IMG, VS, VE = IDS["image_token_id"], IDS["vision_start_token_id"], IDS["vision_end_token_id"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-SPECIAL = {"<|image_pad|>": IMG, "<|video_pad|>": IDS["video_token_id"], "<|vision_start|>": VS,
-           "<|vision_end|>": VE, "<|im_start|>": 294, "<|im_end|>": 295, "<unk>": 296}
-WORDS = ["what", "is", "this", "a", "cat", "user", "assistant", "system"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
-            "<|im_start|>assistant")
-
-
-def save_tokenizer(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(WORDS)} | SPECIAL
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   additional_special_tokens=[k for k in SPECIAL if k not in ("<unk>", "<|im_end|>")])
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(str(path))
-
-
 def png(seed: int = 0) -> bytes:
     from PIL import Image
 
