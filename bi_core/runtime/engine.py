@@ -76,6 +76,8 @@ class LLMEngine(RolloutAPI):
             atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
         # Triton compiles from a recorded manifest, in a thread pool while the weights are built
         self.compile_ahead = compile_ahead.start(config, self.registry, self.policy, self.args, self.device)
+        # the vision tower first: its weights are on the device before the KV cache is sized by what is left
+        vision, vision_inputs = build_vision(config, self.factory, self.tp.world, self.args)
         parts = build_parts(config, self.registry, self.policy, self.factory, self.args, index, self.tp)
         self.model, self.runner, self.scheduler, self.strategy = parts.model, parts.runner, parts.scheduler, parts.strategy
         self.cache, self.max_model_len = self.runner.cache, parts.max_model_len
@@ -84,7 +86,7 @@ class LLMEngine(RolloutAPI):
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                              seed=config.seed, eos_ids=self.args.eos_token_ids)
         self.intake.routed_experts = self.runner.routing is not None
-        self.runner.vision, self.intake.vision = build_vision(config, self.factory, self.tp.world, self.args)
+        self.runner.vision, self.intake.vision = vision, vision_inputs
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self.rollout, self.weight_sync = RolloutControl(self), WeightSync(self)  # bi_core/rl: pause, sync from a trainer
