@@ -159,11 +159,12 @@ def _random_args(config, text) -> VisionArgs:
     return args
 
 
-def build_vision(config, factory, world: int, text):
+def build_vision(config, factory, world: int, text, device=None):
     """The vision tower (weights loaded, or random for a random model) and the request side, or
     (None, None): ``vision.enabled`` auto takes the checkpoint's tower where it has one and the
     engine runs on one rank; true requires one rank, and a tower or a real-shape random model.
-    ``text``: the text model's ModelArgs."""
+    ``text``: the text model's ModelArgs; ``device``: where its parameters go (default the factory's;
+    ``explain`` builds it on the meta device)."""
     from bi_core.errors import ConfigError
     from bi_core.models.loader import read_config
     from bi_core.models.vision_tower import VisionTower, init_random_vision, load_vision_weights
@@ -183,7 +184,7 @@ def build_vision(config, factory, world: int, text):
             raise ConfigError("vision.enabled", f"true, but {why}")
         return None, None
     base = factory.base
-    tower = VisionTower(args, factory, base["dtype"], base["device"])
+    tower = VisionTower(args, factory, base["dtype"], base["device"] if device is None else device)
     if random and not factory.plan_only:
         init_random_vision(tower, config.model.random.seed)
     elif not factory.plan_only:

@@ -163,3 +163,14 @@ def test_enabled_true_without_a_tower_is_refused(tmp_path):
            "backend": "reference", "vision": {"enabled": True}}
     with pytest.raises(ConfigError, match="vision.enabled: true on a random model of vocabulary 260"):
         build_engine(EngineConfig.from_dict(cfg))
+
+
+def test_explain_lists_the_towers_ops(checkpoint):
+    from bi_core.runtime.build import explain
+
+    _, path = checkpoint
+    cfg = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "backend": "reference"}
+    text = explain(EngineConfig.from_dict(cfg))
+    assert "layer_norm" in text and "vision_attention" in text
+    off = explain(EngineConfig.from_dict({**cfg, "vision": {"enabled": False}}))
+    assert "vision_attention" not in off
