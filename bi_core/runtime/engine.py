@@ -84,7 +84,7 @@ class LLMEngine(RolloutAPI):
         self.tokenizer = tokenizer_for(config.model)
         self.intake = Intake(tokenizer=self.tokenizer, vocab_size=self.args.vocab_size,
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-                             seed=config.seed, eos_ids=self.args.eos_token_ids)
+                             seed=config.seed, eos_ids=self.args.eos_token_ids, compile_async=self.tp.world == 1)
         self.intake.routed_experts = self.runner.routing is not None
         self.runner.vision, self.intake.vision = vision, vision_inputs
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
@@ -206,15 +206,23 @@ class LLMEngine(RolloutAPI):
             self._driver.send_now(lockstep.Step(self.lockstep_check()))
         self.num_steps += 1
         with torch.inference_mode(), applied(self.policy):
+            failed = self._settle_grammars()
             ahead = self.overlap.take()
             if ahead is not None:
                 plan, out = ahead
             else:
                 scheduled = self.scheduler.schedule()
+                while not scheduled and self.intake.pending:  # only requests whose grammar compiles: wait for one
+                    failed += self._settle_grammars(wait=True)
+                    scheduled = self.scheduler.schedule()
+                if not scheduled and failed:
+                    return failed
                 if not scheduled:
                     raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
                 plan = self.strategy.plan(scheduled)
                 out = self.runner.execute(plan.forward)
+            if self.strategy.masks_device_samples:  # grammar masks filled while the device runs the step
+                out = self.runner.mask_samples(plan.forward, out)
             landed = self.overlap.launch_next(plan, out)  # the next step, when it can be planned now
             commit = self.strategy.commit(plan, out, landed.wait() if landed is not None else None)
             self.scheduler.update(commit)
@@ -222,10 +230,21 @@ class LLMEngine(RolloutAPI):
             forked = self.scheduler.fork(commit.forks) if commit.forks else []
             if forked:
                 self.strategy.after_fork(commit.forks, plan, out)
-        done = [s for s in [c.seq for c in commit.seqs] + forked if s.status is Status.FINISHED]
+        done = [s for s in [c.seq for c in commit.seqs] + forked if s.status is Status.FINISHED] + failed
         for seq in done:
             self.scheduler.finish(seq)
             self.strategy.forget(seq)
+            self.requests.pop(seq.request_id, None)
+        return done
+
+    def _settle_grammars(self, wait: bool = False, wait_all: bool = False) -> list[Sequence]:
+        """Queued requests whose grammar compiled may be admitted now; those whose grammar failed
+        to compile leave the queue, finished with the error (returned, their samples too)."""
+        done = []
+        for seq in self.intake.settle(wait, wait_all):
+            self.scheduler.abort(seq)
+            done += seq.group
+        for seq in done:
             self.requests.pop(seq.request_id, None)
         return done
 
@@ -254,6 +273,9 @@ class LLMEngine(RolloutAPI):
                 seqs.append(self.add_request(prompt, p, images=media[0][i], videos=media[1][i]))
             except RequestError as e:
                 seqs.append((ids_or_empty(prompt), str(e)))
+        # a batch starts once its grammars compiled (on the compile threads, together): the same
+        # steps whatever their compile times (a request added alone waits without holding up steps)
+        self._settle_grammars(wait_all=True)
         self._run_all(sum(len(s.group) for s in seqs if isinstance(s, Sequence)), "generate", progress)
         return [self.output_of(s) for s in seqs]
 
@@ -270,7 +292,8 @@ class LLMEngine(RolloutAPI):
         prompts, images, videos, per = [], [], [], []
         for conv in convs:
             template, imgs, vids = conversation(conv)
-            ids, ends = self.tokenizer.chat(template)
+            rendered = self.tokenizer.chat(template)
+            ids, ends = rendered.ids, rendered.stop_token_ids
             prompts.append(ids)
             images.append(imgs or None)
             videos.append(vids or None)

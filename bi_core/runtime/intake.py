@@ -1,23 +1,31 @@
 """Request intake: prompts tokenized and checked, request ids and seeds given, a prompt's n
 samples grouped under their leader, each with a grammar state of its own for a structured
-output. Pure bookkeeping: nothing here touches the caches."""
+output (a new grammar compiles on ``Grammars``' threads while its request waits in the queue:
+``settle``). Pure bookkeeping: nothing here touches the caches."""
 
 from __future__ import annotations
+
+from concurrent import futures
 
 from bi_core.errors import PromptTooLongError, RequestError
 from bi_core.ops.sampling import mix_seed, sample_seed
 from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.prompts import Prompt, as_ints
-from bi_core.runtime.sequence import SamplingParams, Sequence
+from bi_core.runtime.sequence import SamplingParams, Sequence, Status
 from bi_core.structured.grammars import Grammars
 
 
 class Intake:
     def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, seed: int,
-                 eos_ids: tuple[int, ...] = ()) -> None:
+                 eos_ids: tuple[int, ...] = (), compile_async: bool = True) -> None:
+        """``compile_async``: a request's grammar compiles off the caller's thread while the
+        request waits (False: in ``request``; tensor-parallel ranks, which must admit it at the
+        same step)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.max_num_seqs, self.seed = max_model_len, max_num_seqs, seed
         self.grammars = Grammars(tokenizer, vocab_size, eos_ids)  # compiles at the first structured request
+        self.compile_async = compile_async
+        self.pending: list[Sequence] = []  # requests queued while their grammar compiles
         self.next_id = 0  # the next request id (every tensor-parallel rank agrees on it)
         self.routed_experts = False  # whether the model logs its routing (model.enable_return_routed_experts)
         self.vision = None  # VisionInputs (runtime/vision_inputs.py) where the engine takes images
@@ -66,8 +74,11 @@ class Intake:
         if params.n > self.max_num_seqs:  # the samples of a prompt are admitted together
             raise RequestError(f"n={params.n} samples exceed scheduler.max_num_seqs={self.max_num_seqs} (the "
                                "samples of a prompt run together); lower n or raise scheduler.max_num_seqs")
-        if params.structured is not None:  # a grammar that does not compile fails before the request gets an id
-            self.grammars.compiled(params.structured)
+        compiling = None
+        if params.structured is not None:  # a grammar that does not parse fails before the request gets an id
+            compiling = self.grammars.prepare(params.structured)
+            if not self.compile_async or compiling.done():
+                compiling.result()  # (and one that does not compile, where it is known now)
         max_total = min(len(ids) + params.max_new_tokens, self.max_model_len)
         seq = self._new(ids, params, max_total, weight_version, score_top=params.prompt_logprobs or 0)
         seq.group = [seq]
@@ -78,14 +89,52 @@ class Intake:
             seq.group.append(f)
         for member in seq.group:  # the samples share the images, and their embeddings once computed
             member.mm = mm
-        if params.structured is not None:
-            for member in seq.group:
-                member.grammar = self.grammars.state(params.structured, params.stop_token_ids)
+        if compiling is not None and compiling.done():
+            self._attach(seq)
+        elif compiling is not None:  # queued now, admitted once its grammar compiled (``settle``)
+            seq.grammar_ready = compiling
+            self.pending.append(seq)
         if (text or params.stop) and self.tokenizer is not None:
             for member in seq.group:
                 member.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,
                                          **params.decode_options)
         return seq
+
+    def _attach(self, seq: Sequence) -> None:
+        """Each of the request's samples its own grammar state."""
+        p = seq.params
+        for member in seq.group:
+            member.grammar = self.grammars.state(p.structured, p.stop_token_ids)
+
+    def settle(self, wait: bool = False, wait_all: bool = False) -> list[Sequence]:
+        """Give the queued requests whose grammar compiled meanwhile their grammar states (the
+        scheduler admits them from then on); ``wait``: first wait until one has (``wait_all``:
+        all). Returns the ones whose grammar failed to compile, finished with the error (their
+        samples too)."""
+        if not self.pending:
+            return []
+        if wait or wait_all:
+            futures.wait([s.grammar_ready for s in self.pending],
+                         return_when=futures.ALL_COMPLETED if wait_all else futures.FIRST_COMPLETED)
+        failed, still = [], []
+        for seq in self.pending:
+            ready = seq.grammar_ready
+            if seq.status is Status.FINISHED:  # aborted while it compiled
+                continue
+            if not ready.done():
+                still.append(seq)
+                continue
+            seq.grammar_ready = None
+            try:
+                ready.result()
+            except RequestError as e:
+                for member in seq.group:
+                    member.finish("error", str(e))
+                failed.append(seq)
+                continue
+            self._attach(seq)
+        self.pending = still
+        return failed
 
     def score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool, logprobs: int,
                       weight_version: int, images=None, videos=None) -> Sequence:

@@ -18,6 +18,7 @@ from bi_core.ops.sampling import device_sampled, mix_seed
 from bi_core.runtime import gc_heap
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.grammar_masks import DeviceMasks
 from bi_core.runtime.graphs import GraphRunnerSpec, graph_runner
 from bi_core.runtime.host_buffer import HostBuffer
 from bi_core.runtime.multimodal import encode, mrope_axes
@@ -72,6 +73,7 @@ class ModelRunner:
         self.vision = None  # the vision tower (models/vision_tower.py), where the engine takes images
         args = model.args
         self.mrope_axes = mrope_axes(args.mrope_section, args.mrope_interleaved, args.rotary_dim // 2)
+        self._masks: DeviceMasks | None = None  # structured outputs' mask buffers, at the first constrained step
 
     def record_routing(self, max_tokens: int) -> None:
         """Have every MoE layer log its top-k expert ids (routing replay): before graphs are captured."""
@@ -317,18 +319,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling and scoring
 
+    def mask_samples(self, fwd: Forward, out: StepOutput) -> StepOutput:
+        """``out`` with its constrained rows' device samples drawn again with their grammar
+        masks, filled on the host now (while the device runs the step), ``masked`` set; ``out``
+        where its samples would not serve its rows anyway (``runtime/grammar_masks.py``)."""
+        if out.samples is None or not any(r.seq.grammar is not None for r in fwd.rows):
+            return out
+        if self._masks is None:
+            rows = max(self.spec.max_batch_size, len([r for r in fwd.rows if r.sample]))
+            self._masks = DeviceMasks(self.model.sampler, self.device, rows, out.logits.shape[-1])
+        return self._masks.apply(fwd, out)
+
+    @property
+    def num_masked_rows(self) -> int:
+        """Constrained rows whose device samples were drawn with their masks so far."""
+        return self._masks.num_rows if self._masks is not None else 0
+
     def sample(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
-               samples: torch.Tensor | None = None, before: list[list[int]] | None = None) -> list[Sampled]:
+               samples: torch.Tensor | None = None, before: list[list[int]] | None = None,
+               masked: bool = False) -> list[Sampled]:
         """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
         ``positions[i]`` (its randomness is keyed by that request's seed and that position).
         ``samples``: the step's own device samples of these rows (used unless a request wants
         filtering, adjusted logits or top-N logprobs, which the sampler does row by row).
         ``before[i]``: tokens between the sequence's known ones and ``positions[i]`` (MTP's
-        drafts before a verify row), which its penalties count."""
+        drafts before a verify row), which its penalties count. ``masked``: ``samples``' constrained
+        rows were drawn with their masks (``mask_samples``)."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        if samples is not None and device_sampled(seqs):
+        if samples is not None and device_sampled(seqs, masked):
             packed = samples.cpu()
         else:
             batch = sampling_batch(seqs, positions, n, self.model.args.eos_token_ids, logits.shape[-1], before)

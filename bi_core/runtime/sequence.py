@@ -12,6 +12,8 @@ from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from bi_core.runtime.multimodal import MultimodalPrompt
     from bi_core.structured.grammars import GrammarState
 
@@ -113,6 +115,8 @@ class Sequence:
     num_routed: int = 0  # positions they cover, from 0
     # structured outputs: its own grammar matcher, derived from its output tokens (never shared)
     grammar: GrammarState | None = None
+    # its grammar's compile while it runs (the request waits in the queue, never admitted before)
+    grammar_ready: Future | None = None
     # images and videos (runtime/multimodal.py's MultimodalPrompt): positions, embeddings, cache keys
     mm: MultimodalPrompt | None = None
 

@@ -84,8 +84,8 @@ def chat(server, content, **extra):
 
 def test_chat_image_url_data_and_file(setup):
     server, engine, _ = setup
-    ids, _ = engine.tokenizer.chat([{"role": "user", "content": "what is <|vision_start|><|image_pad|>"
-                                                                 "<|vision_end|> this"}])
+    ids = engine.tokenizer.chat([{"role": "user", "content": "what is <|vision_start|><|image_pad|>"
+                                                                 "<|vision_end|> this"}]).ids
     assert ids.count(IMG) == 1
     want = engine.generate(ids, PARAMS, images=[decoded(png(1))])[0]
     for url in (data_url(png(1)), "cat.png", "file://" + str(setup[2] / "media" / "cat.png")):

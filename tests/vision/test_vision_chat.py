@@ -30,7 +30,8 @@ def test_chat_with_an_image_equals_generate(engine):
     params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=0)
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image", "image": img},
                                              {"type": "text", "text": " this"}]}]
-    ids, _ = eng.tokenizer.chat([{"role": "user", "content": "what is <|vision_start|><|image_pad|><|vision_end|> this"}])
+    rendered = "what is <|vision_start|><|image_pad|><|vision_end|> this"
+    ids = eng.tokenizer.chat([{"role": "user", "content": rendered}]).ids
     want = eng.generate(ids, params, images=[img])[0]
     got = eng.chat(messages, params)[0]
     assert got.prompt_token_ids == want.prompt_token_ids and got.prompt_token_ids.count(IMG) == 4
