@@ -28,6 +28,18 @@ class Intake:
         self.pending: list[Sequence] = []  # requests queued while their grammar compiles
         self.next_id = 0  # the next request id (every tensor-parallel rank agrees on it)
         self.routed_experts = False  # whether the model logs its routing (model.enable_return_routed_experts)
+        self.vision = None  # VisionInputs (runtime/vision_inputs.py) where the engine takes images
+
+    def with_vision(self, ids: list[int], images, videos) -> tuple[list[int], object]:
+        """The prompt with its placeholders expanded and its MultimodalPrompt (None: no images)."""
+        if not images and not videos:
+            if self.vision is not None and (self.vision.tokens.image in ids or self.vision.tokens.video in ids):
+                raise RequestError("the prompt has image or video placeholder tokens but no images or videos")
+            return ids, None
+        if self.vision is None:
+            raise RequestError("this engine takes no images: its checkpoint has no vision tower, or "
+                               "vision.enabled is false")
+        return self.vision.prepare(ids, images, videos)
 
     def token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -43,9 +55,11 @@ class Intake:
             raise RequestError(f"{what} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return ids
 
-    def request(self, prompt: Prompt, params: SamplingParams, *, text: bool, weight_version: int) -> Sequence:
-        """A generation request's leader (its n samples in ``group``); raises for a bad one."""
-        ids = self.token_ids(prompt)
+    def request(self, prompt: Prompt, params: SamplingParams, *, text: bool, weight_version: int,
+                images=None, videos=None) -> Sequence:
+        """A generation request's leader (its n samples in ``group``); raises for a bad one.
+        ``images`` / ``videos``: what the prompt's placeholders stand for (runtime/vision_inputs.py)."""
+        ids, mm = self.with_vision(self.token_ids(prompt), images, videos)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's limit (max_model_len) is "
                                      f"{self.max_model_len} including at least one generated token")
@@ -73,6 +87,8 @@ class Intake:
                           leader=seq, score_top=seq.score_top)
             seq.followers.append(f)
             seq.group.append(f)
+        for member in seq.group:  # the samples share the images, and their embeddings once computed
+            member.mm = mm
         if compiling is not None and compiling.done():
             self._attach(seq)
         elif compiling is not None:  # queued now, admitted once its grammar compiled (``settle``)
@@ -121,17 +137,22 @@ class Intake:
         return failed
 
     def score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool, logprobs: int,
-                      weight_version: int) -> Sequence:
-        """A scoring request: prompt + continuation, the continuation's logprobs wanted."""
+                      weight_version: int, images=None, videos=None) -> Sequence:
+        """A scoring request: prompt + continuation, the continuation's logprobs wanted (the
+        prompt's placeholders standing for ``images`` / ``videos``)."""
         ids, cont = self.token_ids(prompt), self.token_ids(continuation, "continuation")
+        whole, mm = self.with_vision(ids + cont, images, videos)  # (the continuation's positions follow the prompt's)
+        ids = whole[:len(whole) - len(cont)]
         if not 0 <= logprobs <= 20:
             raise RequestError(f"logprobs must be in 0..20, got {logprobs!r}")
         total = len(ids) + len(cont)
         if total > self.max_model_len:
             raise PromptTooLongError(f"prompt + continuation have {total} tokens; the model's limit (max_model_len) "
                                      f"is {self.max_model_len}")
-        return self._new(ids + cont, SamplingParams(max_new_tokens=1), total, weight_version, score_from=len(ids),
-                         exact=exact, score_top=logprobs)
+        seq = self._new(ids + cont, SamplingParams(max_new_tokens=1), total, weight_version, score_from=len(ids),
+                        exact=exact, score_top=logprobs)
+        seq.mm = mm
+        return seq
 
     def _new(self, ids: list[int], params: SamplingParams, max_total_len: int, weight_version: int,
              seed: int | None = None, **fields) -> Sequence:

@@ -21,6 +21,7 @@ from bi_core.runtime.cache import CacheManager
 from bi_core.runtime.grammar_masks import DeviceMasks
 from bi_core.runtime.graphs import GraphRunnerSpec, graph_runner
 from bi_core.runtime.host_buffer import HostBuffer
+from bi_core.runtime.multimodal import encode, mrope_axes
 from bi_core.runtime.sampling_batch import sampling_batch
 from bi_core.runtime.sequence import Sequence
 from bi_core.runtime.step import Forward, Landing, Sampled, SeqRows, StepOutput
@@ -69,6 +70,9 @@ class ModelRunner:
         self._turn = 0
         self.routing: torch.Tensor | None = None  # [moe layers, max tokens, k]: the step's expert ids
         self._mtp_last = None  # (input ids, context, host batch) of the MTP head's last step (advance_mtp)
+        self.vision = None  # the vision tower (models/vision_tower.py), where the engine takes images
+        args = model.args
+        self.mrope_axes = mrope_axes(args.mrope_section, args.mrope_interleaved, args.rotary_dim // 2)
         self._masks: DeviceMasks | None = None  # structured outputs' mask buffers, at the first constrained step
 
     def record_routing(self, max_tokens: int) -> None:
@@ -187,10 +191,17 @@ class ModelRunner:
             keys = [mix_seed(r.seq.seed, p) for r in rows if r.sample for p in r.sample_positions]
             temps = [r.seq.params.temperature for r in rows if r.sample for _ in r.logits_rows]
             assert len(sampled) == len([r for r in rows if r.logits_rows]), "a step samples all its logits rows or none"
+        mm = {}
+        if any(r.seq.mm is not None for r in rows):
+            encode(self.vision, [r.seq.mm for r in rows], self.device)  # once per request
+            mm = {"mm": [r.seq.mm for r in rows], "mrope_axes": self.mrope_axes,
+                  "embed_shift": 1 if fwd.head == "mtp" else 0}
         return plan_batch([r.tokens for r in rows], [r.start for r in rows], [r.seq.blocks for r in rows],
                           [r.seq.state_slot for r in rows], [r.recurrent for r in rows],
                           block_size=self.cache.block_size, ring=self.cache.state_ring,
-                          logits_rows=[list(r.logits_rows) for r in rows], sample_keys=keys, temperatures=temps)
+                          logits_rows=[list(r.logits_rows) for r in rows], sample_keys=keys, temperatures=temps,
+                          **mm)
+
 
     def _model_step(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
         """(hidden, logits[, samples]): with ``ctx.sample_keys`` the step samples its logits rows on

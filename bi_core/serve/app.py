@@ -33,10 +33,11 @@ INVARIANT_HEADER = "X-Batch-Invariant"
 
 
 def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
-               metrics: Metrics, model_path: str | None = None) -> FastAPI:
+               metrics: Metrics, model_path: str | None = None, media_root: str | None = None) -> FastAPI:
     """The app over a started engine process; stopping the app stops the engine process.
-    ``model_path``: the checkpoint directory (None for a random preset), as routers read it."""
-    server = Server(core, config, model_name, tokenizer, metrics, model_path)
+    ``model_path``: the checkpoint directory (None for a random preset), as routers read it.
+    ``media_root``: ``vision.media_root``, the directory requests' local image files may be read from."""
+    server = Server(core, config, model_name, tokenizer, metrics, model_path, media_root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

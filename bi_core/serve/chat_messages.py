@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from bi_core.serve import media
+
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
@@ -69,9 +71,9 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, v):
-        if isinstance(v, list) and any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
-            raise ValueError("only text content parts are supported ([{\"type\": \"text\", \"text\": ...}])")
+    def _parts(cls, v):
+        for part in v if isinstance(v, list) else ():
+            media.check_part(part)  # text, image_url, video
         return v
 
     @model_validator(mode="after")
@@ -85,8 +87,9 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(part["text"] for part in self.content)
+        """The content as text; an image or video part as its placeholders (serve/media.py)."""
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}, ...]
+            return "".join(media.part_text(part) for part in self.content)
         return self.content or ""
 
     def as_template_message(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from bi_core.serve import formats
 from bi_core.serve.api_errors import ApiError, output_failure
 from bi_core.serve.chat import ChatTurn, chat_prompt
 from bi_core.serve.client import Delta
+from bi_core.serve.media import chat_media
 from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ def chat_jobs(server: Server, req: ChatCompletionRequest) -> tuple[ChatTurn, lis
     # ignore_eos ignores it too
     ends = () if params.ignore_eos else turn.prompt.stop_token_ids
     params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends, structured=structured)
+    images, videos = chat_media([m.content for m in req.messages], server.media_root, server.takes_images)
+    if images or videos:
+        return turn, [(ids, params, {"images": images or None, "videos": videos or None})]
     return turn, [(ids, params)]
 
 

@@ -124,7 +124,7 @@ def install(app: FastAPI, server) -> None:
     @app.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest):
         _, jobs = chat_jobs(server, req)
-        ids, params = jobs[0]
+        ids, params = jobs[0][:2]  # (a third item: the decoded images, not rendered)
         return {"request_id": uuid.uuid4().hex, "token_ids": ids, "features": None,
                 "sampling_params": vllm_sampling_params(params), "model": server.model_name, "stream": req.stream,
                 "stream_options": req.stream_options.model_dump() if req.stream_options else None,

@@ -17,5 +17,6 @@ def bi_register_backends(register) -> None:
     register(Backend(name=NAME, description="fastest CUDA path; no batch invariance",
                      builders=(b.DefaultAttentionBuilder(), b.DefaultLinearBuilder(), b.DefaultNormBuilder(),
                                b.DefaultTopKBuilder(), b.DefaultMoEBuilder(), b.DefaultGdnBuilder(),
-                               b.DefaultSamplingBuilder(), b.DefaultAllReduceBuilder(), b.DefaultAllGatherBuilder()),
+                               b.DefaultSamplingBuilder(), b.DefaultAllReduceBuilder(), b.DefaultAllGatherBuilder(),
+                               b.DefaultLayerNormBuilder(), b.DefaultVisionAttentionBuilder()),
                      compile_manifests=COMPILE_MANIFESTS))

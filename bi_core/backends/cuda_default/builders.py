@@ -17,6 +17,7 @@ from bi_core.ops import (
     TopKBuilder,
 )
 from bi_core.ops.base import require_hopper, require_module
+from bi_core.ops.vision import LayerNormBuilder, VisionAttentionBuilder
 
 BF16_FP32 = (torch.bfloat16, torch.float32)
 
@@ -150,3 +151,23 @@ class DefaultAllReduceBuilder(ReferenceAllReduceBuilder):
 class DefaultAllGatherBuilder(ReferenceAllGatherBuilder):
     def check(self, spec, policy):
         return cuda_reasons(spec, dtypes=BF16_FP32, modules=()) + super().check(spec, policy)
+
+
+class DefaultLayerNormBuilder(LayerNormBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.vision import TorchLayerNormImpl
+
+        return TorchLayerNormImpl(spec)
+
+
+class DefaultVisionAttentionBuilder(VisionAttentionBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.vision import SdpaVisionAttentionImpl
+
+        return SdpaVisionAttentionImpl(spec)
