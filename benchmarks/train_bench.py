@@ -8,11 +8,17 @@ decode arithmetic: GDN's recurrent form is sequential in time).
 
 Both sides compute the completion tokens' logprobs in blocks of rows (never batch x vocabulary
 logits at once) and both checkpoint every layer for the backward (transformers'
-``gradient_checkpointing_enable``). Times are the median of ``--steps`` after one warm-up."""
+``gradient_checkpointing_enable``). Times are the median of ``--steps`` after one warm-up.
+
+transformers' forward + backward runs its own torch chunked GDN by default (``--hf-train-gdn torch``):
+fla 0.6's chunked backward refuses Hopper under Triton < 3.7.1 (fla #640), the Triton the GPU image
+ships; ``--hf-train-gdn fla`` asks for fla's backward where it runs. Its forward uses fla where
+installed. Each row names what ran."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -32,6 +38,42 @@ from bi_core.train import PolicyModel  # noqa: E402
 from bi_core.train.hf import to_transformers  # noqa: E402
 
 BLOCK = 512
+
+
+def _innermost(fn):
+    """The function under transformers' wrappers: ``functools.wraps`` layers, and the ``kernels``
+    package's module (a ``Func`` whose forward closes over the wrapped function) where installed."""
+    while True:
+        if hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        elif isinstance(fn, torch.nn.Module):
+            fwd = type(fn).forward
+            cells = dict(zip(fwd.__code__.co_freevars, fwd.__closure__ or ()))
+            fn = cells["func"].cell_contents
+        else:
+            return fn
+
+
+@contextlib.contextmanager
+def hf_gdn(model, which: str):
+    """transformers' chunked GDN as ``which`` says: "fla" (what it resolved, fla where installed) or
+    "torch" (its own implementation). Releases differ in where the choice lives (a module global
+    behind a kernel wrapper, a global imported from fla, each GDN module's attribute), so "torch"
+    replaces every one of them for the block: the module's globals named ``chunk_gated_delta_rule``
+    or ``torch_chunk_gated_delta_rule`` and any module attribute of those names."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    names = ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule")
+    saved = [(m, n, getattr(m, n)) for n in names if hasattr(m, n)]
+    saved += [(mod, n, getattr(mod, n)) for mod in model.modules() for n in names if hasattr(mod, n)]
+    if which == "torch":
+        torch_fn = _innermost(m.torch_chunk_gated_delta_rule)
+        for owner, n, _ in saved:
+            setattr(owner, n, torch_fn)
+    try:
+        yield
+    finally:
+        for owner, n, fn in saved:
+            setattr(owner, n, fn)
 
 
 def timed(fn, steps: int) -> float:
@@ -59,7 +101,8 @@ def hf_logprobs(model, ids: torch.Tensor, prompt_len: int, grad: bool) -> torch.
     return torch.cat(parts)
 
 
-def measure(policy, hf, prompts, completions, ids, prompt_len: int, steps: int, tokens: int) -> dict:
+def measure(policy, hf, prompts, completions, ids, prompt_len: int, steps: int, tokens: int,
+            hf_train_gdn: str) -> dict:
     """Each side's forward and forward + backward, timed."""
     def ours_forward():
         with torch.no_grad():
@@ -75,7 +118,8 @@ def measure(policy, hf, prompts, completions, ids, prompt_len: int, steps: int, 
 
     def hf_train():
         hf.train()
-        (-hf_logprobs(hf, ids, prompt_len, grad=True).mean()).backward()
+        with hf_gdn(hf, hf_train_gdn):
+            (-hf_logprobs(hf, ids, prompt_len, grad=True).mean()).backward()
         hf.zero_grad(set_to_none=True)
         hf.eval()
     row = {}
@@ -95,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--completions", default="256,1024,4095")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hf-train-gdn", choices=("torch", "fla"), default="torch",
+                    help="transformers' chunked GDN in its forward + backward (see the module docstring)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     config = EngineConfig.from_yaml(a.config)
@@ -106,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     vocab, tokens = policy.args.vocab_size, a.batch * a.seq_len
     report = {"config": a.config, "layers": a.layers, "batch": a.batch, "seq_len": a.seq_len,
-              "gpu": torch.cuda.get_device_name(), "rows": []}
+              "gpu": torch.cuda.get_device_name(), "transformers_train_gdn": a.hf_train_gdn, "rows": []}
     for c in (int(x) for x in a.completions.split(",")):
         p = a.seq_len - c
         seqs = torch.randint(0, vocab, (a.batch, a.seq_len), generator=gen)
         prompts, completions = [s[:p].tolist() for s in seqs], [s[p:].tolist() for s in seqs]
 
         row = {"completion": c, "prompt": p, **measure(policy, hf, prompts, completions, seqs.cuda(), p, a.steps,
-                                                        tokens)}
+                                                        tokens, a.hf_train_gdn)}
         row["forward_ratio"] = round(row["ours_forward"]["seconds"] / row["transformers_forward"]["seconds"], 3)
         row["forward_backward_ratio"] = round(row["ours_forward_backward"]["seconds"]
                                               / row["transformers_forward_backward"]["seconds"], 3)

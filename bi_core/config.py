@@ -22,7 +22,8 @@ from bi_core.errors import ConfigError
 Parser = Callable[[Any, str], Any]
 
 DTYPES = ("float32", "bfloat16")
-OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather", "lora")
+OP_NAMES = ("attention", "linear", "norm", "topk", "moe", "gdn", "sampling", "all_reduce", "all_gather", "layer_norm",
+            "vision_attention", "lora")
 # names that were ops once: what took their place (a config or a plugin naming one gets this, not "unknown op")
 RETIRED_OPS = {"graph_runner": "no longer an op: the runtime launches steps itself (CUDA graphs are graph.enabled, "
                                "their capture graph.capture)"}
@@ -399,6 +400,23 @@ class LoraConfig:
 
 
 @attrs.frozen(kw_only=True)
+class VisionConfig:
+    """Images and videos in (a checkpoint with a vision tower; docs/vision.md)."""
+
+    enabled: bool | str = _field(_auto_or(_bool), "auto", doc="load the checkpoint's vision tower (model.visual.*) "
+                                 "and take images; auto: when config.json has a vision_config")
+    max_images_per_request: int = _field(_int(0), 16, doc="images plus videos one request may carry")
+    max_pixels_per_request: int = _field(_int(1), 16 * 1024 * 1024, doc="pixels of all its images and video "
+                                         "frames after the processor's resize")
+    max_vision_tokens_per_request: int = _field(_int(1), 16384, doc="placeholder tokens of all its images and "
+                                                "videos (after the 2x2 merge)")
+    media_root: str | None = _field(_optional(_str), None, doc="the directory local image files (file: URLs and "
+                                    "paths in requests) may be read from; none: local files are refused")
+    random_depth: int | None = _field(_optional(_int(1)), None, doc="a random model's tower (vision.enabled: true "
+                                      "with model.random): its blocks; default the published 27")
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """The whole engine, as in the YAML file."""
 
@@ -416,6 +434,7 @@ class EngineConfig:
     sampling: SamplingConfig = _field(_section(SamplingConfig), factory=SamplingConfig)
     serve: ServeConfig = _field(_section(ServeConfig), factory=ServeConfig)
     lora: LoraConfig = _field(_section(LoraConfig), factory=LoraConfig)
+    vision: VisionConfig = _field(_section(VisionConfig), factory=VisionConfig)
     prompts: tuple = _field(_prompts, factory=tuple)
     seed: int = _field(_seed, 0, doc="seeds requests that have no seed of their own")
 

@@ -44,5 +44,6 @@ class TritonAnywhere:
             _anywhere(inv.InvariantAttentionBuilder), _anywhere(inv.InvariantLinearBuilder),
             _anywhere(inv.InvariantNormBuilder), _anywhere(inv.InvariantTopKBuilder),
             _anywhere(inv.InvariantMoEBuilder), _anywhere(inv.InvariantSamplingBuilder),
-            _anywhere(inv.InvariantLoraBuilder), DecodeKernelGdnBuilder()),
+            _anywhere(inv.InvariantLoraBuilder), _anywhere(inv.InvariantLayerNormBuilder),
+            _anywhere(inv.InvariantVisionAttentionBuilder), DecodeKernelGdnBuilder()),
             graph_capture_refusal="its GDN prefill runs the reference impl, which reads the step's host lists"))

@@ -41,6 +41,9 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = ()
     quantization: Fp8Scheme | None = None  # FP8 projections (bi_core.quant.scheme); None: all in the model dtype
     kv_cache_dtype: str = "auto"  # the attention layers' KV cache: auto (the model dtype) | fp8_e4m3 (cache.kv_cache_dtype)
+    # M-RoPE (vision tokens' 3-D positions): rotary frequencies per axis t, h, w, and whether interleaved
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    mrope_interleaved: bool = True
 
     @property
     def kv_scales(self) -> bool:
@@ -141,6 +144,8 @@ class ModelArgs:
             tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0) or 0,
             eos_token_ids=eos_ids,
+            mrope_section=tuple(rope.get("mrope_section") or (11, 11, 10)),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
         )
 
     def to_hf_text_config(self) -> dict[str, Any]:

@@ -430,7 +430,7 @@ class Qwen35Model(nn.Module):
         """Flat batch of token ids ``[T]`` -> (hidden states after the final norm ``[T, H]``, logits of
         the rows ``ctx.logits_indices``)."""
         ctx.step_tensors = {}  # derived anew by this forward (a graph's warm-up and capture share a context)
-        x, residual = self.embed(input_ids), None
+        x, residual = self.embed_with_vision(input_ids, ctx), None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx, caches)
         hidden = self.norm(x, residual)[0]
@@ -458,6 +458,13 @@ class Qwen35Model(nn.Module):
         x = self.embed_tokens[local.clamp(0, rows - 1)].masked_fill(~inside[:, None], 0)
         return self.par.reduce(x)
 
+    def embed_with_vision(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Token embeddings, the rows ``ctx.embed_rows`` replaced by the vision tower's ``ctx.embeds``."""
+        x = self.embed(input_ids)
+        if ctx.embed_rows is not None:
+            x[ctx.embed_rows] = ctx.embeds.to(x.dtype)
+        return x
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (vocabulary-parallel: each rank's columns, gathered)."""
         if self.lm_head is not None:
@@ -469,7 +476,7 @@ class Qwen35Model(nn.Module):
         """The MTP head on rows (next token, main hidden of the previous position): (its output
         ``[T, H]``, the greedy draft token of each ``ctx.logits_indices`` row)."""
         ctx.step_tensors = {}
-        m = self.mtp(self.embed(input_ids), hidden, ctx, caches)
+        m = self.mtp(self.embed_with_vision(input_ids, ctx), hidden, ctx, caches)
         rows = _logits_rows(m, ctx)
         if self.draft_ids is None:
             return m, torch.argmax(self.compute_logits(rows), dim=-1)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from bi_core.errors import CheckpointError, ConfigError
+from bi_core.models import chat_template as templates
+from bi_core.models.chat_template import ChatPrompt
 from bi_core.models.presets import BYTE_EOS
 
 
@@ -27,18 +30,29 @@ class Tokenizer(Protocol):
     def special_ids(self) -> set[int]:
         """The ids of the special tokens (those ``skip_special_tokens`` drops from the text)."""
 
-    def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
-        """A conversation as prompt ids ending in the assistant's turn, and the token ids that end
-        a turn; raises CheckpointError when the tokenizer has no chat template."""
+    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+        """A conversation rendered by the chat template (``tools`` in it, ``template_kwargs`` such as
+        ``enable_thinking``) and tokenized, with the token ids that end a turn; raises CheckpointError
+        when the tokenizer has no chat template, ChatTemplateError when the template refuses it."""
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a chat template's text: special tokens' names in it are those tokens."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template, or None when the tokenizer has none."""
 
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; 256 = <|endoftext|>, 257/258 = im_start/im_end, 259 = pad.
 
-    Its chat template is plain ChatML, the format of Qwen's own: for each message
-    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``; a turn ends at
-    ``<|im_end|>``. Decoding follows transformers' slow tokenizers: special tokens are skipped, or
-    kept as their names, each a piece of its own joined to the text around it by a space unless
+    Its chat template is Qwen3.5's own (``chat_template.qwen3_5_template``: thinking, tools in its
+    XML form); ``<think>``, ``<tool_call>`` and the other tags it writes are plain text here (bytes),
+    which keeps the presets' vocabulary at 260. A turn ends at ``<|im_end|>``.
+    Decoding follows transformers' slow tokenizers: special tokens are skipped, or kept as their
+    names, each a piece of its own joined to the text around it by a space unless
     ``spaces_between_special_tokens`` is off."""
 
     eos_token_id = BYTE_EOS
@@ -75,11 +89,25 @@ class ByteTokenizer:
     def special_ids(self) -> set[int]:
         return set(self.special_tokens)
 
-    def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
+    @property
+    def chat_template(self) -> str:
+        return templates.qwen3_5_template()
+
+    def encode_rendered(self, text: str) -> list[int]:
         ids: list[int] = []
-        for m in messages:
-            ids += [self.im_start, *self.encode(f"{m['role']}\n{m['content']}"), self.im_end, *self.encode("\n")]
-        return ids + [self.im_start, *self.encode("assistant\n")], (self.im_end,)
+        for piece in _SPECIAL_SPLIT.split(text):
+            ids += [_SPECIAL_IDS[piece]] if piece in _SPECIAL_IDS else self.encode(piece)
+        return ids
+
+    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+        text = templates.render(self.chat_template, messages, tools=tools,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    template_kwargs=template_kwargs or {},
+                                    defaults={"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"})
+        return ChatPrompt(self.encode_rendered(text), text, (self.im_end,))
 
 
 class HFTokenizer:
@@ -117,13 +145,31 @@ class HFTokenizer:
         decoder = getattr(self._tok, "added_tokens_decoder", {}) or {}
         return {i for i, t in decoder.items() if getattr(t, "special", False)} | set(self._tok.all_special_ids)
 
-    def chat(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
-        if not getattr(self._tok, "chat_template", None):
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one renders conversations
+            template = template.get("default")
+        return template or None
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode(text)  # transformers splits special tokens out of the text first
+
+    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+        if (template := self.chat_template) is None:
             raise CheckpointError("this checkpoint's tokenizer has no chat template; use /v1/completions")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = templates.render(template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    template_kwargs=template_kwargs or {}, defaults=self._tok.special_tokens_map)
         end = self._tok.convert_tokens_to_ids("<|im_end|>")
         stops = tuple(i for i in (end, self._tok.eos_token_id) if isinstance(i, int) and i != self._tok.unk_token_id)
-        return self.encode(text), stops
+        return ChatPrompt(self.encode(text), text, stops)
+
+
+_SPECIAL_IDS = {name: i for i, name in ByteTokenizer.special_tokens.items()}
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(name) for name in _SPECIAL_IDS) + ")")
 
 
 def name_of(raw: bytes) -> str:

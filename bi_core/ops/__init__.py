@@ -11,11 +11,13 @@ from bi_core.ops.moe import MoEBuilder, MoESpec
 from bi_core.ops.norm import NormBuilder, NormSpec
 from bi_core.ops.sampling import SamplingBatch, SamplingBuilder, SamplingSpec
 from bi_core.ops.topk import TopKBuilder, TopKSpec
+from bi_core.ops.vision import LayerNormBuilder, LayerNormSpec, VisionAttentionBuilder, VisionAttentionSpec
 
 __all__ = [
     "AllGatherBuilder", "AllReduceBuilder", "CollectiveSpec",
     "AttentionBuilder", "AttentionSpec", "ForwardContext", "GdnBuilder", "GdnSpec",
     "LinearBuilder", "LinearSpec", "LoraBuilder", "LoraSpec", "MoEBuilder", "MoESpec",
     "NormBuilder", "NormSpec", "OpBuilder", "OpSpec", "SamplingBatch", "SamplingBuilder",
-    "SamplingSpec", "TopKBuilder", "TopKSpec",
+    "SamplingSpec", "TopKBuilder", "TopKSpec", "LayerNormBuilder", "LayerNormSpec", "VisionAttentionBuilder",
+    "VisionAttentionSpec",
 ]

@@ -79,6 +79,12 @@ class ForwardContext:
     step_tensors: dict = attrs.field(factory=dict)
     # [T] int64: the LoRA slot of each row's adapter (-1 = none), when the engine serves adapters
     lora_slots: torch.Tensor | None = None
+    # M-RoPE (a step with images): [T, rotary_dim / 2] int64, the position each rotary frequency of
+    # each token reads (runtime/multimodal.py); None: ``positions`` for every frequency (text only)
+    rope_positions: torch.Tensor | None = None
+    # vision embeddings: rows ``embed_rows`` [E] of the token embeddings replaced by ``embeds`` [E, H]
+    embed_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -120,6 +126,16 @@ class HostBatch:
     temperatures: list[float] = attrs.field(factory=list)
     valid_tokens: list[int] | None = None  # [B] real tokens per sequence, when a graph pads one (else all)
     lora_slots: list[int] = attrs.field(factory=list)  # [T] LoRA slot per row (-1 none), when adapters are served
+    # a step with images (runtime/multimodal.py): per token, the position each rotary frequency
+    # reads ([T][rotary_dim / 2]); and the rows whose embeddings the vision tower gives, with them
+    rope_positions: list[list[int]] | None = None
+    embed_rows: list[int] = attrs.field(factory=list)
+    embeds: list[torch.Tensor] = attrs.field(factory=list)
+    mrope_axes: list[int] = attrs.field(factory=list)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.rope_positions is not None
 
     @property
     def num_seqs(self) -> int:

@@ -42,6 +42,12 @@ class LogitsAdjust:
     # int32 [ceil(V / 32)] on the host, bit t % 32 of word t // 32 set where token t is allowed; None: all
     allowed: torch.Tensor | None = None
 
+    @property
+    def only_masks(self) -> bool:
+        """Whether the grammar's mask is all it changes (no ban, no penalty)."""
+        return (not self.banned and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0)
+
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
     """A grammar's bitmask (``LogitsAdjust.allowed``) as ``[vocab]`` booleans on ``device``."""
@@ -91,6 +97,16 @@ class SamplingBatch:
         """Whether row i is sampled by the step's own arithmetic (no filter, no adjustment)."""
         return not self.needs_filter(i) and self.adjust_of(i) is None
 
+    def mask_only(self, i: int) -> bool:
+        """Whether row i's only change is its grammar's mask (no filter, penalty or ban): the
+        batched sampler draws it with the mask (``grammar_masks``), as a step's device samples do."""
+        a = self.adjust_of(i)
+        return a is not None and a.allowed is not None and a.only_masks and not self.needs_filter(i)
+
+    def grammar_masks(self, rows: list[int]) -> torch.Tensor:
+        """The masks of ``rows`` (mask-only rows) stacked, int32 ``[len(rows), ceil(V / 32)]`` on the host."""
+        return torch.stack([self.adjust_of(i).allowed for i in rows])
+
 
 def needs_filter(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> bool:
     """Whether a row's sample needs min-p / top-k / top-p filtering (the row-by-row sampler, not
@@ -105,11 +121,22 @@ def adjusts_logits(seq) -> bool:
     return p.has_penalties or p.structured is not None or len(seq.output_ids) < p.min_tokens
 
 
-def device_sampled(seqs) -> bool:
+def masks_only(seq) -> bool:
+    """Whether a sequence's next samples change its logits by its grammar's mask alone (no
+    penalty, no min_tokens ban) and report the raw distribution's logprobs: its device sample can
+    be drawn with the mask (``ModelRunner.mask_samples``)."""
+    p = seq.params
+    return (p.structured is not None and not p.has_penalties and len(seq.output_ids) >= p.min_tokens
+            and not p.masked_logprobs)
+
+
+def device_sampled(seqs, masked: bool = False) -> bool:
     """Whether a step's own device samples (greedy or plain temperature, token and its raw logprob)
-    serve these requests: none wants filtering, adjusted logits (a grammar's mask too), top-N
-    logprobs or logprobs at its temperature."""
-    return not any(s.params.logprobs or adjusts_logits(s) or s.params.logprob_temperature != 1.0
+    serve these requests: none wants filtering, adjusted logits, top-N logprobs or logprobs at its
+    temperature. ``masked``: the samples of the rows whose only change is a grammar's mask were
+    drawn with it (``ModelRunner.mask_samples``), so those rows are served too."""
+    return not any(s.params.logprobs or (adjusts_logits(s) and not (masked and masks_only(s)))
+                   or s.params.logprob_temperature != 1.0
                    or needs_filter(s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p)
                    for s in seqs)
 
@@ -170,10 +197,13 @@ class SamplerImpl(Protocol):
         scored token's logprob equals, bitwise, the one reported when it was sampled from the same
         logits), plus the top-N of each row."""
 
-    def sample_device(self, logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    def sample_device(self, logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor,
+                      masks: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy / plain-temperature sampling with per-row keys and temperatures already on the
         device (capturable in a CUDA graph): ``[B, 2]`` float64 rows (token, logprob), the same
-        values ``forward`` gives for those rows without top-k/top-p or top-N logprobs."""
+        values ``forward`` gives for those rows without top-k/top-p or top-N logprobs. ``masks``:
+        int32 ``[B, ceil(V / 32)]`` on the device, row i's grammar bitmask (token and raw logprob
+        then as ``forward`` gives a mask-only row)."""
 
 
 class SamplingBuilder(OpBuilder[SamplingSpec]):

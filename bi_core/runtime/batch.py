@@ -25,6 +25,9 @@ def plan_batch(
     sample_keys: list[int] | None = None,
     temperatures: list[float] | None = None,
     lora_slots: list[int] | None = None,
+    mm: list | None = None,
+    mrope_axes: list[int] | None = None,
+    embed_shift: int = 0,
 ) -> HostBatch:
     """``logits_rows[i]``: rows of sequence i (offsets into its tokens) whose logits are needed;
     default its last row. ``sample_keys`` / ``temperatures`` (one per logits row, flat): the step
@@ -32,7 +35,11 @@ def plan_batch(
     consecutive state slots; at past length L it reads slot ``L % ring`` and the state after its
     t-th new token goes to slot ``(L + t + 1) % ring``, so rejecting drafts is just a shorter
     length, never a copy. ``lora_slots``: per sequence, its adapter's slot (-1 none), given to
-    each of its rows (an engine serving adapters passes it always, so the field is never absent)."""
+    each of its rows (an engine serving adapters passes it always, so the field is never absent).
+    ``mm``: per sequence its MultimodalPrompt or None (runtime/multimodal.py);
+    a step with one gets M-RoPE positions (read through ``mrope_axes``) and the vision embedding
+    rows; ``embed_shift`` 1: row r takes the embedding of the token after position r (the MTP
+    head's rows pair a position with the next token)."""
     flat, positions, slots, token_states, rows = [], [], [], [], []
     offset = 0
     for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
@@ -55,13 +62,40 @@ def plan_batch(
             rows += [offset + r for r in logits_rows[i]]
         offset += n
     query_lens = [len(t) for t in token_ids]
+    extra = {} if mm is None or all(m is None for m in mm) else _multimodal(token_ids, past_lens, mm, embed_shift)
+    if extra:
+        extra["mrope_axes"] = list(mrope_axes)
     return HostBatch(
         token_ids=flat, positions=positions, slot_mapping=slots, token_state_slots=token_states,
         query_lens=query_lens, context_lens=[p + q for p, q in zip(past_lens, query_lens)],
         state_slots=[base * ring + past % ring for base, past in zip(state_slots, past_lens)],
         blocks=[list(b) for b in blocks], is_recurrent=list(is_recurrent), logits_rows=rows,
         block_size=block_size, ring=ring, sample_keys=list(sample_keys or []), temperatures=list(temperatures or []),
-        lora_slots=[s for s, n in zip(lora_slots, query_lens) for _ in range(n)] if lora_slots is not None else [])
+        lora_slots=[s for s, n in zip(lora_slots, query_lens) for _ in range(n)] if lora_slots is not None else [],
+        **extra)
+
+
+def _multimodal(token_ids: list[list[int]], past_lens: list[int], mm: list, shift: int) -> dict:
+    """A step's M-RoPE positions ``[3][T]`` and its vision embedding rows and values."""
+    rope: list[list[int]] = [[], [], []]
+    rows, embeds, offset = [], [], 0
+    for ids, past, m in zip(token_ids, past_lens, mm):
+        n = len(ids)
+        if m is None:
+            for axis in rope:
+                axis += range(past, past + n)
+        else:
+            for axis, part in zip(rope, m.positions(past, past + n)):
+                axis += part
+            index = m.embed_index
+            picked = [(offset + k, index[p]) for k, p in enumerate(range(past + shift, min(past + n + shift, len(index))))
+                      if index[p] >= 0]
+            if picked:
+                assert m.embeds is not None, "vision embeddings are computed before a step that needs them"
+                rows += [r for r, _ in picked]
+                embeds.append(m.embeds[torch.tensor([i for _, i in picked], device=m.embeds.device)])
+        offset += n
+    return {"rope_positions": rope, "embed_rows": rows, "embeds": embeds}
 
 
 def float_bits(values: list[float]) -> list[int]:
@@ -133,7 +167,20 @@ def upload(hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardCo
     ctx = context_from(hb, positions=pos, cu_seqlens=cu, context_lens=ctx_lens,
                        block_tables=table_t.view(hb.num_seqs, max_blocks), slot_mapping=slots, state_slots=states,
                        logits_indices=logits, token_state_slots=token_states, recurrent_ids=rec, **sampling)
+    if hb.is_multimodal:
+        add_multimodal(ctx, hb, device)
     return ids, ctx
+
+
+def add_multimodal(ctx: ForwardContext, hb: HostBatch, device: torch.device) -> None:
+    """A step with images: each token's position per rotary frequency ``[T, rotary_dim / 2]``
+    (its axis's position: ``mrope_axes``), and the vision embedding rows."""
+    three = to_device([p for axis in hb.rope_positions for p in axis], device).view(3, -1)
+    axes = torch.tensor(hb.mrope_axes, dtype=torch.int64, device=device)
+    ctx.rope_positions = three.index_select(0, axes).t().contiguous()
+    if hb.embed_rows:
+        ctx.embed_rows = to_device(hb.embed_rows, device)
+        ctx.embeds = torch.cat(hb.embeds).to(device)
 
 
 MAX_RUNS = 4  # staged ids in at most this many runs are copied run by run (else gathered)

@@ -30,6 +30,7 @@ from bi_core.runtime.graphs.mode import capture_refusals, explain_line, mixed_fi
 from bi_core.runtime.prefix_cache import PrefixCache
 from bi_core.runtime.runner import ModelRunner
 from bi_core.runtime.scheduler import Scheduler, resolve_chunk_size
+from bi_core.runtime.vision_inputs import build_vision
 from bi_core.selector import OpFactory
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     model = Qwen35Model(args, factory, factory.base["dtype"], torch.device("meta"), with_mtp=with_mtp,
                         tp=TPInfo(0, world))
     targets = _attach_lora(config, model, factory, TPInfo(0, world))  # the lora op's choice, stacks on meta
+    build_vision(config, factory, world, args, device=torch.device("meta"))  # the tower's ops, where there is one
     failures = factory.failures()
     text = factory.explain()
     if targets:

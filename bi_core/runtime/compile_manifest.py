@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 WHAT = "Triton kernels one engine start compiles, replayed ahead by bi_core.runtime.compile_ahead"
 RECORD_HOW = "python3 benchmarks/start_time.py CONFIG --record-compiles (on an empty TRITON_CACHE_DIR)"
 # ModelArgs fields (and FP8 scheme fields) that name or describe, not shape, a kernel
-_NOT_SHAPING = frozenset({"eos_token_ids", "origin", "kv_cache_dtype"})  # the last: keyed as cache.kv_cache_dtype
+# kv_cache_dtype: keyed as cache.kv_cache_dtype; the M-RoPE layout shapes no kernel (its positions are data)
+_NOT_SHAPING = frozenset({"eos_token_ids", "origin", "kv_cache_dtype", "mrope_section", "mrope_interleaved"})
 
 
 def key_fields(config: EngineConfig, policy: Policy, args: ModelArgs, *, capability: str,

@@ -43,6 +43,7 @@ from bi_core.runtime.sequence import (
     request_output,
 )
 from bi_core.runtime.threads import size_gpu_engine_threads
+from bi_core.runtime.vision_inputs import build_vision, conversation, per_prompt
 from bi_core.runtime.warmup import wants_warmup, warm_up
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,17 @@ class LLMEngine(RolloutAPI, LoraAPI):
             atexit.register(driver.close)  # also when this constructor fails: the other ranks are stopped
         # Triton compiles from a recorded manifest, in a thread pool while the weights are built
         self.compile_ahead = compile_ahead.start(config, self.registry, self.policy, self.args, self.device)
+        # the vision tower first: its weights are on the device before the KV cache is sized by what is left
+        vision, vision_inputs = build_vision(config, self.factory, self.tp.world, self.args)
         parts = build_parts(config, self.registry, self.policy, self.factory, self.args, index, self.tp)
         self.model, self.runner, self.scheduler, self.strategy = parts.model, parts.runner, parts.scheduler, parts.strategy
         self.cache, self.max_model_len = self.runner.cache, parts.max_model_len
         self.tokenizer = tokenizer_for(config.model)
         self.intake = Intake(tokenizer=self.tokenizer, vocab_size=self.args.vocab_size,
                              max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-                             seed=config.seed, eos_ids=self.args.eos_token_ids)
+                             seed=config.seed, eos_ids=self.args.eos_token_ids, compile_async=self.tp.world == 1)
         self.intake.routed_experts = self.runner.routing is not None
+        self.runner.vision, self.intake.vision = vision, vision_inputs
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self._start_lora()  # lora.adapters loaded into their slots
@@ -149,11 +153,14 @@ class LLMEngine(RolloutAPI, LoraAPI):
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False) -> Sequence:
+    def add_request(self, prompt: Prompt, params: SamplingParams, *, text: bool = False, images=None,
+                    videos=None) -> Sequence:
         """Queue one request; raises RequestError / PromptTooLongError for a bad one. With ``text``
-        (or stop strings) its text is decoded as it grows (``seq.text``), for streaming."""
+        (or stop strings) its text is decoded as it grows (``seq.text``), for streaming. ``images``
+        / ``videos``: what the prompt's placeholder tokens stand for (docs/vision.md)."""
         self.weight_sync.check_serving()
-        seq = self.intake.request(prompt, params, text=text, weight_version=self.weight_version)
+        seq = self.intake.request(prompt, params, text=text, weight_version=self.weight_version, images=images,
+                                  videos=videos)
         self._pin_lora(seq)
         self.requests.update((s.request_id, s) for s in seq.group)
         self.scheduler.add(seq)
@@ -161,12 +168,14 @@ class LLMEngine(RolloutAPI, LoraAPI):
         return seq
 
     def add_score_request(self, prompt: Prompt, continuation: Prompt, *, exact: bool = True,
-                          logprobs: int = 0, lora_name: str | None = None) -> Sequence:
+                          logprobs: int = 0, lora_name: str | None = None, images=None,
+                          videos=None) -> Sequence:
         """Queue one scoring request: the logprob of each continuation token after the prompt
         (see ``score``). Steps run it alongside generation requests."""
         self.weight_sync.check_serving()
         seq = self.intake.score_request(prompt, continuation, exact=exact, logprobs=logprobs,
-                                        weight_version=self.weight_version, lora_name=lora_name)
+                                        weight_version=self.weight_version, lora_name=lora_name, images=images,
+                                        videos=videos)
         self._pin_lora(seq)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -204,15 +213,23 @@ class LLMEngine(RolloutAPI, LoraAPI):
             self._driver.send_now(lockstep.Step(self.lockstep_check()))
         self.num_steps += 1
         with torch.inference_mode(), applied(self.policy):
+            failed = self._settle_grammars()
             ahead = self.overlap.take()
             if ahead is not None:
                 plan, out = ahead
             else:
                 scheduled = self.scheduler.schedule()
+                while not scheduled and self.intake.pending:  # only requests whose grammar compiles: wait for one
+                    failed += self._settle_grammars(wait=True)
+                    scheduled = self.scheduler.schedule()
+                if not scheduled and failed:
+                    return failed
                 if not scheduled:
                     raise BiEngineError("internal: the scheduler could not place any request (cache too small?)")
                 plan = self.strategy.plan(scheduled)
                 out = self.runner.execute(plan.forward)
+            if self.strategy.masks_device_samples:  # grammar masks filled while the device runs the step
+                out = self.runner.mask_samples(plan.forward, out)
             landed = self.overlap.launch_next(plan, out)  # the next step, when it can be planned now
             commit = self.strategy.commit(plan, out, landed.wait() if landed is not None else None)
             self.scheduler.update(commit)
@@ -220,7 +237,7 @@ class LLMEngine(RolloutAPI, LoraAPI):
             forked = self.scheduler.fork(commit.forks) if commit.forks else []
             if forked:
                 self.strategy.after_fork(commit.forks, plan, out)
-        done = [s for s in [c.seq for c in commit.seqs] + forked if s.status is Status.FINISHED]
+        done = [s for s in [c.seq for c in commit.seqs] + forked if s.status is Status.FINISHED] + failed
         for seq in done:
             self.scheduler.finish(seq)
             self.strategy.forget(seq)
@@ -229,33 +246,73 @@ class LLMEngine(RolloutAPI, LoraAPI):
             self.lora.collect(self._lora_in_use())  # old adapter versions whose last request finished
         return done
 
+    def _settle_grammars(self, wait: bool = False, wait_all: bool = False) -> list[Sequence]:
+        """Queued requests whose grammar compiled may be admitted now; those whose grammar failed
+        to compile leave the queue, finished with the error (returned, their samples too)."""
+        done = []
+        for seq in self.intake.settle(wait, wait_all):
+            self.scheduler.abort(seq)
+            done += seq.group
+        for seq in done:
+            self.requests.pop(seq.request_id, None)
+        return done
+
     # ------------------------------------------------------------------ batch API
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 *, progress: bool = False) -> list[RequestOutput]:
+                 *, progress: bool = False, images=None, videos=None) -> list[RequestOutput]:
         """Run prompts to completion; results come back in prompt order, one per prompt. A prompt
         is a str or a sequence of token ids (Python, numpy or torch integers). ``prompts`` is a
         list of prompts (``["a", "b"]``, ``[[1, 2], [3]]``, a 2-D array), or one prompt alone: a
         str, or a flat sequence of ids (``[1, 2, 3]``, a 1-D array), which gives a list of one
         result. A request that cannot be served (too long, bad ids) gets ``finish_reason='error'``
-        while the others go on."""
+        while the others go on. ``images`` / ``videos``: each prompt's list of them (for one prompt
+        alone: its list), what its placeholder tokens stand for (docs/vision.md)."""
         self.rollout.refuse_if_idle("generate")
-        prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
+        one = is_one_prompt(prompts)
+        prompts = [prompts] if one else list(prompts)
         params = params or SamplingParams()
         per_request = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_request) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(per_request)} SamplingParams")
+        media = [per_prompt(m, one, len(prompts), name) for m, name in ((images, "images"), (videos, "videos"))]
         seqs: list[Sequence | tuple[list[int], str]] = []
-        for prompt, p in zip(prompts, per_request):
+        for i, (prompt, p) in enumerate(zip(prompts, per_request)):
             try:
-                seqs.append(self.add_request(prompt, p))
+                seqs.append(self.add_request(prompt, p, images=media[0][i], videos=media[1][i]))
             except RequestError as e:
                 seqs.append((ids_or_empty(prompt), str(e)))
+        # a batch starts once its grammars compiled (on the compile threads, together): the same
+        # steps whatever their compile times (a request added alone waits without holding up steps)
+        self._settle_grammars(wait_all=True)
         self._run_all(sum(len(s.group) for s in seqs if isinstance(s, Sequence)), "generate", progress)
         return [self.output_of(s) for s in seqs]
 
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: SamplingParams | None = None, *,
+             progress: bool = False) -> list[RequestOutput]:
+        """Conversations through the checkpoint's chat template, one result each: ``messages`` is
+        one conversation (a list of ``{"role", "content"}``) or a list of them; a content may be a
+        list of text, image and video parts (``vision_inputs.conversation``; docs/vision.md). The
+        template's turn end stops a request (unless ``ignore_eos``)."""
+        if self.tokenizer is None:
+            raise RequestError("chat needs a tokenizer; this checkpoint has none")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = params or SamplingParams()
+        prompts, images, videos, per = [], [], [], []
+        for conv in convs:
+            template, imgs, vids = conversation(conv)
+            rendered = self.tokenizer.chat(template)
+            ids, ends = rendered.ids, rendered.stop_token_ids
+            prompts.append(ids)
+            images.append(imgs or None)
+            videos.append(vids or None)
+            per.append(params if params.ignore_eos else
+                       attrs.evolve(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(ends)))
+        return self.generate(prompts, per, progress=progress, images=images, videos=videos)
+
     def score(self, prompts: Seq[Prompt], continuations: Seq[Prompt], *, exact: bool = True, logprobs: int = 0,
-              progress: bool = False, lora_name: str | None = None) -> list[ScoreOutput]:
+              progress: bool = False, lora_name: str | None = None, images=None,
+              videos=None) -> list[ScoreOutput]:
         """The logprob of every continuation token given the prompt and the tokens before it.
 
         ``exact=True``: each prompt is prefilled in the chunks generation uses and the
@@ -267,14 +324,17 @@ class LLMEngine(RolloutAPI, LoraAPI):
         ``error`` set. As in ``generate``,
         a lone prompt and continuation (a str, or a flat sequence of ids each) are one pair."""
         self.rollout.refuse_if_idle("score")
-        prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
+        one = is_one_prompt(prompts)
+        prompts = [prompts] if one else list(prompts)
         continuations = [continuations] if is_one_prompt(continuations) else list(continuations)
         if len(prompts) != len(continuations):
             raise RequestError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        media = [per_prompt(m, one, len(prompts), name) for m, name in ((images, "images"), (videos, "videos"))]
         seqs: list[Sequence | str] = []
-        for prompt, cont in zip(prompts, continuations):
+        for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
             try:
-                seqs.append(self.add_score_request(prompt, cont, exact=exact, logprobs=logprobs, lora_name=lora_name))
+                seqs.append(self.add_score_request(prompt, cont, exact=exact, logprobs=logprobs, lora_name=lora_name,
+                                                   images=media[0][i], videos=media[1][i]))
             except RequestError as e:
                 seqs.append(str(e))
         self._run_all(sum(isinstance(s, Sequence) for s in seqs), "score", progress)

@@ -94,4 +94,4 @@ class Overlap:
         return (out.samples is not None and g is not None and (not g.chunk or (self.behind and g.bucket == 0))
                 and self.runner.on_logits is None
                 and all(r.sample for r in rows) and not any(r.seq.followers for r in rows)
-                and device_sampled([r.seq for r in rows]))
+                and device_sampled([r.seq for r in rows], masked=out.masked))

@@ -69,7 +69,7 @@ class PrefixCache:
     def match(self, seq: Sequence, limit: int) -> Match | None:
         """The longest cached prefix of ``seq`` of at most ``limit`` tokens that ends at a snapshot
         (counted by ``record`` once the sequence is admitted: a match may be retried)."""
-        ids, bs = seq.all_ids, self.block_size
+        ids, bs = seq.cache_ids, self.block_size
         path, best, parent = [], None, None
         for start in range(0, limit - limit % bs, bs):
             node = self.nodes.get((_parent_key(parent, seq), tuple(ids[start:start + bs])))
@@ -104,7 +104,7 @@ class PrefixCache:
         """Cache the pages of ``seq`` up to ``end`` (past those already cached for it) and the GDN
         state after ``end`` tokens, held in ``state_slot``. Call right after the step that
         computed them, while the state slot still holds that state."""
-        ids, bs = seq.all_ids, self.block_size
+        ids, bs = seq.cache_ids, self.block_size
         parent = seq.prefix_node
         for start in range(seq.prefix_end, end, bs):
             key = (_parent_key(parent, seq), tuple(ids[start:start + bs]))

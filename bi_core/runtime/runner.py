@@ -18,8 +18,10 @@ from bi_core.ops.sampling import device_sampled, mix_seed
 from bi_core.runtime import gc_heap
 from bi_core.runtime.batch import plan_batch
 from bi_core.runtime.cache import CacheManager
+from bi_core.runtime.grammar_masks import DeviceMasks
 from bi_core.runtime.graphs import GraphRunnerSpec, graph_runner
 from bi_core.runtime.host_buffer import HostBuffer
+from bi_core.runtime.multimodal import encode, mrope_axes
 from bi_core.runtime.sampling_batch import sampling_batch
 from bi_core.runtime.sequence import Sequence
 from bi_core.runtime.step import Forward, Landing, Sampled, SeqRows, StepOutput
@@ -68,6 +70,10 @@ class ModelRunner:
         self._turn = 0
         self.routing: torch.Tensor | None = None  # [moe layers, max tokens, k]: the step's expert ids
         self._mtp_last = None  # (input ids, context, host batch) of the MTP head's last step (advance_mtp)
+        self.vision = None  # the vision tower (models/vision_tower.py), where the engine takes images
+        args = model.args
+        self.mrope_axes = mrope_axes(args.mrope_section, args.mrope_interleaved, args.rotary_dim // 2)
+        self._masks: DeviceMasks | None = None  # structured outputs' mask buffers, at the first constrained step
 
     def record_routing(self, max_tokens: int) -> None:
         """Have every MoE layer log its top-k expert ids (routing replay): before graphs are captured."""
@@ -185,11 +191,17 @@ class ModelRunner:
             keys = [mix_seed(r.seq.seed, p) for r in rows if r.sample for p in r.sample_positions]
             temps = [r.seq.params.temperature for r in rows if r.sample for _ in r.logits_rows]
             assert len(sampled) == len([r for r in rows if r.logits_rows]), "a step samples all its logits rows or none"
+        mm = {}
+        if any(r.seq.mm is not None for r in rows):
+            encode(self.vision, [r.seq.mm for r in rows], self.device)  # once per request
+            mm = {"mm": [r.seq.mm for r in rows], "mrope_axes": self.mrope_axes,
+                  "embed_shift": 1 if fwd.head == "mtp" else 0}
         return plan_batch([r.tokens for r in rows], [r.start for r in rows], [r.seq.blocks for r in rows],
                           [r.seq.state_slot for r in rows], [r.recurrent for r in rows],
                           block_size=self.cache.block_size, ring=self.cache.state_ring,
                           logits_rows=[list(r.logits_rows) for r in rows], sample_keys=keys, temperatures=temps,
-                          lora_slots=[r.seq.lora_slot for r in rows] if self.spec.lora else None)
+                          lora_slots=[r.seq.lora_slot for r in rows] if self.spec.lora else None, **mm)
+
 
     def _model_step(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
         """(hidden, logits[, samples]): with ``ctx.sample_keys`` the step samples its logits rows on
@@ -307,18 +319,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling and scoring
 
+    def mask_samples(self, fwd: Forward, out: StepOutput) -> StepOutput:
+        """``out`` with its constrained rows' device samples drawn again with their grammar
+        masks, filled on the host now (while the device runs the step), ``masked`` set; ``out``
+        where its samples would not serve its rows anyway (``runtime/grammar_masks.py``)."""
+        if out.samples is None or not any(r.seq.grammar is not None for r in fwd.rows):
+            return out
+        if self._masks is None:
+            rows = max(self.spec.max_batch_size, len([r for r in fwd.rows if r.sample]))
+            self._masks = DeviceMasks(self.model.sampler, self.device, rows, out.logits.shape[-1])
+        return self._masks.apply(fwd, out)
+
+    @property
+    def num_masked_rows(self) -> int:
+        """Constrained rows whose device samples were drawn with their masks so far."""
+        return self._masks.num_rows if self._masks is not None else 0
+
     def sample(self, seqs: list[Sequence], positions: list[int], logits: torch.Tensor,
-               samples: torch.Tensor | None = None, before: list[list[int]] | None = None) -> list[Sampled]:
+               samples: torch.Tensor | None = None, before: list[list[int]] | None = None,
+               masked: bool = False) -> list[Sampled]:
         """Sample one token per logits row; row i belongs to ``seqs[i]`` and samples the token at
         ``positions[i]`` (its randomness is keyed by that request's seed and that position).
         ``samples``: the step's own device samples of these rows (used unless a request wants
         filtering, adjusted logits or top-N logprobs, which the sampler does row by row).
         ``before[i]``: tokens between the sequence's known ones and ``positions[i]`` (MTP's
-        drafts before a verify row), which its penalties count."""
+        drafts before a verify row), which its penalties count. ``masked``: ``samples``' constrained
+        rows were drawn with their masks (``mask_samples``)."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         n = max((s.params.logprobs or 0) for s in seqs)
-        if samples is not None and device_sampled(seqs):
+        if samples is not None and device_sampled(seqs, masked):
             packed = samples.cpu()
         else:
             batch = sampling_batch(seqs, positions, n, self.model.args.eos_token_ids, logits.shape[-1], before)

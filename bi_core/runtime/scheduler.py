@@ -176,6 +176,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Admit a waiting request (with its n-sample group) if its first chunk fits in ``budget``:
         the chunk's tokens; 0 if it must wait for budget; None if it must wait for a slot or pages."""
+        if seq.grammar_ready is not None:  # its grammar still compiles: the ones behind it go on
+            return 0
         group = [seq, *seq.followers]
         if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self.cache.slots.num_free:
             return None

@@ -12,6 +12,9 @@ from bi_core.runtime.detokenize import TextStream
 from bi_core.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from bi_core.runtime.multimodal import MultimodalPrompt
     from bi_core.structured.grammars import GrammarState
 
 __all__ = ["RequestOutput", "SamplingParams", "ScoreOutput", "Sequence", "Status", "request_output"]
@@ -115,6 +118,10 @@ class Sequence:
     # LoRA: the adapter version pinned at admission (its slot and engine-unique id; -1 / 0: none)
     lora_slot: int = -1
     lora_uid: int = 0
+    # its grammar's compile while it runs (the request waits in the queue, never admitted before)
+    grammar_ready: Future | None = None
+    # images and videos (runtime/multimodal.py's MultimodalPrompt): positions, embeddings, cache keys
+    mm: MultimodalPrompt | None = None
 
     def record_routing(self, start: int, rows: np.ndarray) -> None:
         """The expert ids of positions ``start...`` (a recompute after preemption replaces what
@@ -129,6 +136,12 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list:
+        """``all_ids`` as the prefix cache keys them: a vision token as its image's content hash
+        and place (placeholder ids alone would match any image of that size)."""
+        return self.all_ids if self.mm is None else self.mm.key_ids + self.output_ids
 
     def ids(self, start: int, end: int) -> list[int]:
         """``all_ids[start:end]`` without building ``all_ids`` (a decode step reads one token)."""

@@ -95,6 +95,8 @@ class StepOutput:
     graph: GraphShape | None = None
     routed: torch.Tensor | None = None  # [moe layers, tokens, k] expert ids, when a row asked for them
     input_ids: torch.Tensor | None = None  # the step's token ids on the device (staged ones gathered)
+    # its constrained rows' device samples were drawn again with their grammar masks (ModelRunner.mask_samples)
+    masked: bool = False
 
 
 @attrs.define

@@ -6,7 +6,8 @@ throughput run's time (dev/benchmarks-history.md). Triton specializes integer
 arguments by value (== 1, divisible by 16), so the dummy prompts below give first steps of each
 kind: one sequence over a whole chunk, sixteen sequences filling a chunk (the default backend's
 fla kernels compiled new variants for 16 x 512 after the other waves), sixteen short ones, a few
-odd-sized ones, and a mixed step (a short prompt decoding while a long one still prefills)."""
+odd-sized ones, and a mixed step (a short prompt decoding while a long one still prefills); then
+one masked draw (structured outputs' device masks: ``warm_masked_sampler``)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def capture_graphs(engine) -> int:
     return engine.runner.capture_graphs() + engine.strategy.capture_graphs()
 
 
+def warm_masked_sampler(engine) -> torch.Tensor:
+    """One masked draw (structured outputs' device masks, an all-allowed mask) over a logits row
+    as the model makes them, so the sampler's masked variant is compiled before the first
+    constrained request; returns its sample. Every tensor-parallel rank runs it (the logits'
+    gather)."""
+    vocab, dev = engine.args.vocab_size, engine.device
+    hidden = torch.zeros((1, engine.args.hidden_size), dtype=engine.dtype, device=dev)
+    logits = engine.model.compute_logits(hidden)
+    masks = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)
+    return engine.model.sampler.sample_device(logits, torch.zeros(1, dtype=torch.int64, device=dev),
+                                              torch.ones(1, dtype=torch.float64, device=dev), masks)
+
+
 def warm_up(engine) -> WarmupReport:
     """Capture the strategy's graphs, then run the dummy prompts and forget them (results,
     counters, prefix cache). Call it on an idle engine."""
@@ -73,6 +87,8 @@ def warm_up(engine) -> WarmupReport:
     for lengths in waves:
         engine.generate([torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in lengths],
                         params)
+    with torch.inference_mode(), applied(engine.policy):
+        warm_masked_sampler(engine)
     sync()
     engine.reset_counters()  # the first user request is request 0, as without a warm-up
     gc_heap.freeze()  # what the start built lives as long as the engine

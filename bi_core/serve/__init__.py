@@ -105,7 +105,8 @@ def run_server(config: EngineConfig) -> int:
     metrics = Metrics(model_name_for(config), config.model.max_model_len)
     core = EngineClient(config, metrics)  # returns once the engine is built and warmed up
     try:
-        app = create_app(core, s, model_name_for(config), tokenizer_for(config.model), metrics, config.model.path)
+        app = create_app(core, s, model_name_for(config), tokenizer_for(config.model), metrics, config.model.path,
+                         media_root=config.vision.media_root)
         server = app.state.server
 
         class Uvicorn(uvicorn.Server):

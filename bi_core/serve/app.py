@@ -26,16 +26,18 @@ from bi_core.serve.auth import OPEN_PATHS, Guard
 from bi_core.serve.client import EngineClient
 from bi_core.serve.metrics import Metrics
 from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from bi_core.serve.responses import ResponsesRequest, create_response
 from bi_core.serve.server import Server
 
 INVARIANT_HEADER = "X-Batch-Invariant"
 
 
 def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
-               metrics: Metrics, model_path: str | None = None) -> FastAPI:
+               metrics: Metrics, model_path: str | None = None, media_root: str | None = None) -> FastAPI:
     """The app over a started engine process; stopping the app stops the engine process.
-    ``model_path``: the checkpoint directory (None for a random preset), as routers read it."""
-    server = Server(core, config, model_name, tokenizer, metrics, model_path)
+    ``model_path``: the checkpoint directory (None for a random preset), as routers read it.
+    ``media_root``: ``vision.media_root``, the directory requests' local image files may be read from."""
+    server = Server(core, config, model_name, tokenizer, metrics, model_path, media_root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,6 +49,7 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     app.state.server = server
     _install_middleware(app, server)
     install_error_handlers(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                 "/v1/responses": ResponsesRequest,
                                  **native.REQUEST_MODELS, **info.REQUEST_MODELS, **control_routes.REQUEST_MODELS,
                                  **lora_routes.REQUEST_MODELS, **dev.REQUEST_MODELS}, success_style=control_routes.SUCCESS_STYLE | lora_routes.SUCCESS_STYLE)
     native.install(app, server)
@@ -83,6 +86,10 @@ def create_app(core: EngineClient, config: ServeConfig, model_name: str, tokeniz
     @app.post("/v1/chat/completions")
     async def post_chat(req: ChatCompletionRequest, request: Request):
         return await completions.chat_completions(server, req, request)
+
+    @app.post("/v1/responses")
+    async def post_responses(req: ResponsesRequest, request: Request):
+        return await create_response(server, req, request)
 
     return app
 

@@ -14,10 +14,11 @@ import attrs
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from bi_core.errors import CheckpointError
 from bi_core.serve import formats
 from bi_core.serve.api_errors import ApiError, output_failure
+from bi_core.serve.chat import ChatTurn, chat_prompt
 from bi_core.serve.client import Delta
+from bi_core.serve.media import chat_media
 from bi_core.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -104,51 +105,64 @@ async def completions(server: Server, req: CompletionRequest, request: Request):
             body["prompt_logprobs"] = formats.prompt_logprobs(tokenizer, o, req.prompt_logprobs, num_computed)
         return body
 
-    return await _respond(server, req, request, jobs, choice, chat=False, drop_generated=req.max_tokens == 0)
+    return await _respond(server, req, request, jobs, choice, turn=None, drop_generated=req.max_tokens == 0)
 
 
-async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):
+def chat_jobs(server: Server, req: ChatCompletionRequest) -> tuple[ChatTurn, list]:
+    """A chat request's turn (its prompt) and the one job it runs; what ``/v1/chat/completions/render``
+    answers without running it. ``model`` may name a LoRA adapter: the job runs under it."""
     adapter = server.check_model(req.model)
-    tokenizer = server.tokenizer
-    if tokenizer is None:
-        raise ApiError(400, "chat needs a tokenizer; this checkpoint has none", param="messages")
     try:
         num_logprobs = req.num_logprobs()
     except ValueError as e:
         raise ApiError(400, str(e), param="top_logprobs") from None
     server.check_size(1, req.n, "messages")
-    try:
-        ids, turn_end = tokenizer.chat(req.conversation())
-    except (ValueError, CheckpointError) as e:
-        raise ApiError(400, str(e), param="messages") from None
+    turn = ChatTurn(req, chat_prompt(server, req))
+    structured = turn.constraint()  # before the prompt's length: a request's own conflicts come first
+    ids = turn.prompt.ids
     limit = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     new_tokens = _max_new_tokens(server, ids, limit, param, "messages")
     params = req.sampling_params(new_tokens, num_logprobs)
     # the template's turn end is an EOS as vLLM counts it (generation_config's eos ids), so
     # ignore_eos ignores it too
-    ends = () if params.ignore_eos else turn_end
-    jobs = [(ids, attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends, lora_name=adapter))]
+    ends = () if params.ignore_eos else turn.prompt.stop_token_ids
+    params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + ends, structured=structured,
+                          lora_name=adapter)
+    images, videos = chat_media([m.content for m in req.messages], server.media_root, server.takes_images)
+    if images or videos:
+        return turn, [(ids, params, {"images": images or None, "videos": videos or None})]
+    return turn, [(ids, params)]
+
+
+async def chat_completions(server: Server, req: ChatCompletionRequest, request: Request):
+    tokenizer = server.tokenizer
+    turn, jobs = chat_jobs(server, req)
 
     def choice(c: Choice) -> dict:
         o = c.output
         lp = (formats.chat_logprobs(tokenizer, o.token_ids, o.token_logprobs, o.logprobs or [],
                                     req.top_logprobs or 0, req.return_tokens_as_token_ids) if req.logprobs else None)
-        return {"index": c.index, "message": {"role": "assistant", "content": o.text or ""}, "logprobs": lp,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        message, finish = turn.message(o)
+        body = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": o.stop_reason}
+        if req.return_token_ids:
+            body["token_ids"] = o.token_ids
+        return body
 
-    return await _respond(server, req, request, jobs, choice, chat=True)
+    return await _respond(server, req, request, jobs, choice, turn=turn)
 
 
-async def _respond(server: Server, req, request: Request, jobs: list, choice, *, chat: bool,
+async def _respond(server: Server, req, request: Request, jobs: list, choice, *, turn: ChatTurn | None,
                    drop_generated: bool = False):
     """Run the jobs; a stream of chunks, or one response whose choices ``choice`` formats.
-    ``drop_generated``: the jobs ran for their prompts alone (``formats.without_generated``)."""
-    queue, choices = await server.start(jobs, "messages" if chat else "prompt")
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    ``turn``: a chat request's (None: a completion). ``drop_generated``: the jobs ran for their
+    prompts alone (``formats.without_generated``)."""
+    queue, choices = await server.start(jobs, "messages" if turn else "prompt")
+    rid = f"{'chatcmpl' if turn else 'cmpl'}-{uuid.uuid4().hex}"
     server.track({rid: choices})
     if req.stream:
-        return _stream(server, queue, choices, req, rid, chat=chat)
+        return _stream(server, queue, choices, req, rid, turn)
     try:
         await server.wait(queue, choices, request)
     finally:
@@ -156,31 +170,31 @@ async def _respond(server: Server, req, request: Request, jobs: list, choice, *,
     if drop_generated:
         for c in choices:
             c.output = formats.without_generated(c.output)
-    return formats.envelope("chat.completion" if chat else "text_completion", rid, req.model,
+    return formats.envelope("chat.completion" if turn else "text_completion", rid, req.model,
                             [choice(c) for c in choices], usage=_usage(choices, req.n),
-                            metadata=weight_metadata(choices))
+                            metadata=weight_metadata(choices), **(turn.top_fields() if turn else {}))
 
 
-def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, rid: str, chat: bool):
+def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, rid: str, turn: ChatTurn | None):
+    chat = turn is not None
     kind = "chat.completion.chunk" if chat else "text_completion"
     tok, as_ids = server.tokenizer, req.return_tokens_as_token_ids
+    chat_stream = turn.stream(len(choices), tok) if chat else None
 
     def running_usage(c: Choice) -> dict:
         """vLLM's continuous usage: the choice's prompt and its tokens so far."""
         return formats.usage(c.prompt_tokens, c.tokens_sent)
 
-    def chunk(c: Choice, delta: Delta | None, text: str, finish: str | None) -> dict:
-        if chat:
-            lp = (formats.chat_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, req.top_logprobs or 0,
-                                        as_ids) if req.logprobs and delta is not None and delta.token_ids else None)
-            body = {"index": c.index, "delta": {"content": text} if text or delta is None else {}, "logprobs": lp,
-                    "finish_reason": finish}
-        else:
-            lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, c.text_sent,
-                                              as_ids)
-                  if req.logprobs is not None and delta is not None and delta.token_ids else None)
-            body = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
-        extra = {"metadata": weight_metadata([c])} if finish is not None else {}
+    def completion_body(c: Choice, delta: Delta) -> dict | None:
+        if not (delta.text or delta.finished or (delta.token_ids and req.logprobs)):
+            return None
+        lp = (formats.completion_logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, c.text_sent, as_ids)
+              if req.logprobs is not None and delta.token_ids else None)
+        return {"index": c.index, "text": delta.text, "logprobs": lp,
+                "finish_reason": c.output.finish_reason if delta.finished else None}
+
+    def chunk(c: Choice, body: dict, finished: bool) -> dict:
+        extra = {"metadata": weight_metadata([c])} if finished else {}
         if req.continuous_usage:
             extra["usage"] = running_usage(c)
         return formats.envelope(kind, rid, req.model, [body], **extra)
@@ -190,6 +204,8 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, ri
             if chat:
                 for c in choices:
                     extra = {"usage": running_usage(c)} if req.continuous_usage else {}
+                    if c.index == 0:
+                        extra.update(turn.top_fields())  # vLLM: prompt_token_ids in the first chunk
                     yield formats.sse(formats.envelope(kind, rid, req.model, [
                         {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}], **extra))
@@ -203,8 +219,9 @@ def _stream(server: Server, queue: asyncio.Queue, choices: list[Choice], req, ri
                     if (failure := output_failure(c.output, server.shutting_down)) is not None:
                         yield formats.sse(failure.body)
                         break
-                if delta.text or delta.finished or (delta.token_ids and req.logprobs):
-                    yield formats.sse(chunk(c, delta, delta.text, c.output.finish_reason if c.output else None))
+                body = chat_stream.choice(c.index, c.output, delta) if chat else completion_body(c, delta)
+                if body is not None:
+                    yield formats.sse(chunk(c, body, delta.finished))
                     c.text_sent += len(delta.text)
             else:
                 if req.include_usage:

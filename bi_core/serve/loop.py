@@ -203,8 +203,8 @@ class EngineLoop(ControlCalls):
                                              f"too many waiting requests ({self.max_waiting}); retry later"))
         seqs: list[Sequence] = []
         try:
-            for prompt, params in jobs:
-                seqs.append(self.engine.add_request(prompt, params, text=True))
+            for prompt, params, *media in jobs:  # media: {"images", "videos"} decoded on the HTTP side
+                seqs.append(self.engine.add_request(prompt, params, text=True, **(media[0] if media else {})))
         except BiEngineError as e:
             for seq in seqs:  # not one step has run: the request leaves no trace
                 self.engine.abort(seq.request_id)
@@ -349,7 +349,8 @@ def engine_main(config, channel) -> None:
     try:
         channel.send(Ready(EngineInfo(engine.max_model_len, engine.policy.batch_invariant, engine.args.vocab_size,
                                       config.scheduler.max_num_seqs, config.parallel.tensor_parallel_size,
-                                      tuple((x.name, x.source) for x in engine.lora_adapters()))))
+                                      tuple((x.name, x.source) for x in engine.lora_adapters()),
+                                      takes_images=engine.runner.vision is not None)))
         EngineLoop(engine, channel, max_waiting=config.serve.max_waiting_requests,
                    weight_sync_timeout_s=config.serve.weight_sync_timeout_s).run()
     finally:

@@ -55,6 +55,7 @@ class EngineInfo:
     max_num_seqs: int
     tensor_parallel_size: int = 1
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, source) of the LoRA adapters loaded at start
+    takes_images: bool = False  # the engine has a vision tower (docs/vision.md)
 
 
 # ---------------------------------------------------------------------- HTTP process -> engine process
@@ -62,10 +63,10 @@ class EngineInfo:
 
 @attrs.frozen
 class Add:
-    """HTTP -> engine, per HTTP request: its (prompt ids, params) jobs, to add together before the next step, or none."""
+    """HTTP -> engine, per HTTP request: its (prompt ids, params[, decoded images]) jobs, to add together before the next step, or none."""
 
     key: int  # the HTTP side's id of the request, echoed in Added / Refused and in each WireDelta
-    jobs: list[tuple[list[int], SamplingParams]]
+    jobs: list[tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, dict]]
 
 
 @attrs.frozen

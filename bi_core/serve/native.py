@@ -44,6 +44,7 @@ from bi_core.runtime.sequence import RequestOutput, SamplingParams
 from bi_core.serve import formats
 from bi_core.serve.api_errors import ApiError, output_failure, validation_error
 from bi_core.serve.client import Delta
+from bi_core.serve.media import sglang_media
 from bi_core.serve.native_protocol import REQUEST_MODELS, GenerateRequest, GenerateSamplingParams
 from bi_core.serve.structured_fields import sglang_spec
 
@@ -181,6 +182,7 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
     top_num = _per_prompt(req.top_logprobs_num, num, "top_logprobs_num", 0)
     adapters = _adapters(server, req, num)
     jobs, options, unused = [], [], []
+    media = sglang_media(req.image_data, req.video_data, num, server.media_root, server.takes_images)
     for j, (ids, sp) in enumerate(zip(prompts, sps)):
         room = server.max_model_len - len(ids)
         where = "sampling_params" if not isinstance(req.sampling_params, list) else f"sampling_params[{j}]"
@@ -226,7 +228,7 @@ def build_jobs(server, req: GenerateRequest) -> Plan:
             presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
             include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, **extra)
-        jobs.append((ids, params))
+        jobs.append((ids, params, media[j]) if media[j]["images"] or media[j]["videos"] else (ids, params))
         options.append(_Options(names[j], lp, start_len[j], top_num[j], prompt_only=sp.max_new_tokens == 0))
         unused += [f"{where}.{name}" for name in sp.unused() if f"{where}.{name}" not in unused]
     return Plan(jobs, options, single, field, unused)

@@ -111,10 +111,10 @@ class GenerateRequest(TextBody):
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0)
     log_metrics: bool = True
+    image_data: Any = None  # per prompt an image or a list (serve/media.py)
+    video_data: Any = None  # per prompt a video (a list of frames) or a list of them
     # SGLang inputs the engine does not take: accepted only absent (null)
     input_embeds: Any = None
-    image_data: Any = None
-    video_data: Any = None
     audio_data: Any = None
     custom_logit_processor: Any = None
     # SGLang's: the LoRA adapter (a loaded adapter's name) of the request, or one per prompt (null: the base model)
@@ -130,12 +130,11 @@ class GenerateRequest(TextBody):
     return_bytes: bool = False
     return_entropy: bool = False
 
-    @field_validator("input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
-                     "session_params")
+    @field_validator("input_embeds", "audio_data", "token_ids_logprob", "session_params")
     @classmethod
     def _absent(cls, v):
         if v is not None:
-            raise ValueError("not supported by this engine (text-only); leave it out (null)")
+            raise ValueError("not supported by this engine; leave it out (null)")
         return v
 
     @field_validator("custom_logit_processor")

@@ -11,12 +11,13 @@ default) and refused with a reason at any other; types are strict as OpenAI's ar
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from bi_core.runtime.sequence import SamplingParams
 from bi_core.serve.api_errors import ApiError
+from bi_core.serve.chat_messages import ChatMessage, check_tool_choice, check_tools
 from bi_core.serve.structured_fields import request_spec
 from bi_core.structured.specs import StructuredSpec
 
@@ -173,6 +174,11 @@ class _Common(TextBody):
         return self
 
     @property
+    def structured_spec(self) -> StructuredSpec | None:
+        """The structured output the request's own fields ask for (``structured_fields.request_spec``)."""
+        return self._structured
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -249,33 +255,6 @@ class CompletionRequest(_Common):
         return max(wanted) if wanted else None
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = ""
-    name: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_parts(cls, v):
-        if isinstance(v, list) and any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
-            raise ValueError("only text content parts are supported ([{\"type\": \"text\", \"text\": ...}])")
-        return v
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(part["text"] for part in self.content)
-        return self.content or ""
-
-    def as_template_message(self) -> dict[str, str]:
-        """The message as the chat template reads it: role and content, and ``name`` when given
-        (templates that know it render it; Qwen's ignores it)."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -284,28 +263,64 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict | None = None  # text, json_object or json_schema (structured_fields.py)
     # OpenAI's and vLLM's chat parameters the engine does not implement: their no-op values
+    echo: bool = False
+    # tools (tool_calls in the answer; required and a named function are constrained decoding's:
+    # chat.ChatTurn.constraint),
+    # the chat template's inputs (chat_template_kwargs: variables the template reads, such as
+    # enable_thinking), reasoning (vLLM's include_reasoning and reasoning_effort, SGLang's
+    # separate_reasoning), vLLM's return_token_ids, and an episode's exact ids (previous_token_ids)
     tools: list | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # no tools: either value changes nothing
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
-    echo: bool = False
-    chat_template_kwargs: dict | None = None
-    # sglang-router's additions to a chat request: no reasoning parser runs here, so separating
-    # reasoning (or streaming it apart) changes nothing; continuing the last message is not supported
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    return_token_ids: bool | None = None
+    previous_token_ids: list[int] | None = Field(None, min_length=1, description=(
+        "an episode's ids so far (the previous answer's prompt_token_ids, then its token_ids); messages then "
+        "holds only the new messages, rendered as the template renders what follows that turn"))
 
-    _no_continue = field_validator("continue_final_message")(only(
-        False, why="continuing the final assistant message is not supported"))
-    _no_tools = field_validator("tools")(only(None, [], why=f"tool calling is {_NOT_IMPLEMENTED}"))
-    _no_tool_choice = field_validator("tool_choice")(only(None, "none", "auto", why=f"tool calling is {_NOT_IMPLEMENTED}"))
-    _generation_prompt = field_validator("add_generation_prompt")(only(
-        True, why="the prompt always ends with the assistant's turn"))
     _no_echo = field_validator("echo")(only(False, why="echoing the last message is not supported"))
-    _no_template_kwargs = field_validator("chat_template_kwargs")(lambda cls, v: _empty(v, "chat_template_kwargs"))
+    _checked_tools = field_validator("tools")(lambda cls, v: check_tools(v))
+    _streamed_reasoning = field_validator("stream_reasoning")(only(
+        True, why="reasoning streams as it is generated (reasoning_content deltas)"))
 
-    def conversation(self) -> list[dict[str, str]]:
+    @model_validator(mode="after")
+    def _tool_choice_and_turns(self):
+        try:
+            self.tool_choice = check_tool_choice(self.tool_choice, self.tools)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
+        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
+            self.add_generation_prompt = False  # continuing the last message starts no new turn
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (as vLLM): "
+                                "set add_generation_prompt: false to continue the last message",
+                           param="continue_final_message")
+        if self.previous_token_ids is not None and self.continue_final_message:
+            raise ApiError(400, "previous_token_ids continues an episode with new messages; to continue the last "
+                                "turn's text, append to its ids and use /generate or a completion",
+                           param="previous_token_ids")
+        return self
+
+    def template_kwargs(self) -> dict:
+        """The chat template's variables this request sets: ``chat_template_kwargs``, and
+        ``reasoning_effort`` when given (vLLM passes it the same way; a template that does not read it
+        refuses it)."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        return out
+
+    def parsed_tools(self) -> list[dict] | None:
+        """The tools whose calls the answer is parsed for: none with tool_choice none."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
+
+    def conversation(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]
 
     def num_logprobs(self) -> int | None:

@@ -41,8 +41,9 @@ class Server:
     mode, the settings."""
 
     def __init__(self, core: EngineClient, config: ServeConfig, model_name: str, tokenizer: Tokenizer | None,
-                 metrics: Metrics, model_path: str | None = None) -> None:
+                 metrics: Metrics, model_path: str | None = None, media_root: str | None = None) -> None:
         self.core, self.config, self.model_name, self.model_path = core, config, model_name, model_path
+        self.media_root = media_root  # vision.media_root: where requests' local image files may be read
         self.tokenizer, self.metrics = tokenizer, metrics
         info = core.info
         self.max_model_len, self.invariant = info.max_model_len, info.batch_invariant
@@ -50,6 +51,7 @@ class Server:
         self.tensor_parallel_size = info.tensor_parallel_size
         # the loaded LoRA adapters, name -> where each came from; kept by the LoRA routes (serve/lora_routes.py)
         self.lora_names: dict[str, str] = dict(info.lora_adapters)
+        self.takes_images = info.takes_images
         self.shutting_down = False
         self.created = int(time.time())
         self.requests: dict[str, list[Choice]] = {}  # unfinished requests by the ids clients know them by

@@ -20,6 +20,7 @@ from bi_core.strategies.base import Strategy
 class ARStrategy(Strategy):
     name = "ar"
     plans_ahead = True
+    masks_device_samples = True
 
     def plan(self, scheduled: list[Scheduled]) -> StepPlan:
         rows = []
@@ -46,7 +47,7 @@ class ARStrategy(Strategy):
         elif sampling:
             seqs = [rows[i].seq for i in sampling]
             drawn = self.runner.sample(seqs, [r.sample_positions[0] for r in (rows[i] for i in sampling)],
-                                       out.logits, out.samples)
+                                       out.logits, out.samples, masked=out.masked)
             sampled = dict(zip(sampling, drawn))
         else:
             sampled = {}

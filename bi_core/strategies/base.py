@@ -26,6 +26,9 @@ class Strategy(abc.ABC):
     uses_mtp_head: ClassVar[bool] = False  # the runner builds a graph runner for the MTP head
     plans_ahead: ClassVar[bool] = False  # ``plan_ahead`` can plan a step before the last one's tokens are known
     launches_behind: ClassVar[bool] = False  # ``launch_behind`` runs its draft model before the step's commit
+    # a step's constrained rows are drawn with their grammar masks on the device before its commit
+    # (``ModelRunner.mask_samples``); otherwise they take the row-by-row sampler at the commit
+    masks_device_samples: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.config, self.runner = config, runner

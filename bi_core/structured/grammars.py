@@ -2,7 +2,8 @@
 
 ``check(spec)`` compiles a spec's grammar without a vocabulary (the HTTP side's 400s). ``Grammars``
 is the engine's: the vocabulary as xgrammar reads it (each token's bytes; special tokens are
-never allowed, EOS only where the grammar may end), compiled grammars cached by spec,
+never allowed, EOS only where the grammar may end), compiled grammars cached by spec (compiled
+on a small thread pool: ``prepare``),
 and a ``GrammarState`` per sequence. A state is derived from the sequence's own output tokens
 alone: it replays them into a matcher of its own (never shared between sequences, n samples
 included), and catches up with whatever tokens came since, so a preempted or forked sequence has
@@ -14,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -25,6 +28,7 @@ from bi_core.structured.tool_calls import structural_tag
 
 EXTRA = "structured"
 MAX_CACHED = 256  # compiled grammars kept (least recently used dropped first)
+COMPILE_THREADS = 2  # grammars compiled at once, off the engine's thread (each compile uses xgrammar's threads too)
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -61,14 +65,17 @@ def grammar_of(xgr, spec: StructuredSpec):
     return G.from_structural_tag(structural_tag(xgr, value))
 
 
+def _compile_error(spec: StructuredSpec, e: Exception) -> RequestError:
+    return RequestError(f"structured outputs: the {spec.kind.replace('_', ' ')} does not compile: {_reason(e)}")
+
+
 def check(spec: StructuredSpec) -> None:
     """Raise one RequestError naming the problem if the spec's grammar does not compile."""
     xgr = xgrammar()
     try:
         grammar_of(xgr, spec)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise RequestError(f"structured outputs: the {spec.kind.replace('_', ' ')} does not compile: {_reason(e)}") \
-            from None
+        raise _compile_error(spec, e) from None
 
 
 def vocabulary(tokenizer, vocab_size: int) -> list[bytes]:
@@ -94,37 +101,74 @@ class Grammars:
         self.max_cached = max_cached
         self._xgr = self._compiler = None
         self._cache: OrderedDict[StructuredSpec, object] = OrderedDict()
+        self._compiling: dict[StructuredSpec, Future] = {}
+        self._lock = threading.Lock()  # the cache is written on the compile threads
+        self._build_lock = threading.Lock()  # the compiler is built once, on the first compile's thread
+        self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # grammars compiled so far (cache misses)
 
+    def _module(self):
+        """xgrammar, or the RequestError of a missing package or tokenizer."""
+        xgr = xgrammar()
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need a tokenizer (each token's bytes); this checkpoint has none")
+        return xgr
+
     def _ready(self):
-        if self._compiler is None:
-            xgr = xgrammar()
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need a tokenizer (each token's bytes); this checkpoint has "
-                                   "none")
-            info = xgr.TokenizerInfo(vocabulary(self.tokenizer, self.vocab_size), xgr.VocabType.RAW,
-                                     vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids) or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)),
-                                                 cache_enabled=False)
-            self._xgr = xgr
+        """(xgrammar, the compiler over this vocabulary): built at the first compile, on its thread."""
+        with self._build_lock:
+            if self._compiler is None:
+                xgr = self._module()
+                info = xgr.TokenizerInfo(vocabulary(self.tokenizer, self.vocab_size), xgr.VocabType.RAW,
+                                         vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids) or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)),
+                                                     cache_enabled=False)
+                self._xgr = xgr
         return self._xgr, self._compiler
 
-    def compiled(self, spec: StructuredSpec):
-        """The spec's compiled grammar, from the cache when an equal spec was compiled before."""
-        xgr, compiler = self._ready()
-        if spec in self._cache:
-            self._cache.move_to_end(spec)
-            return self._cache[spec]
+    def prepare(self, spec: StructuredSpec) -> Future:
+        """The spec's compiled grammar as a Future: done at once when cached, else compiling on
+        the compiler's threads (``COMPILE_THREADS``), not the caller's. The spec is parsed here
+        first, so a grammar that does not parse raises its RequestError now; one that fails to
+        compile raises it from the Future."""
+        xgr = self._module()
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                done: Future = Future()
+                done.set_result(self._cache[spec])
+                return done
+            if spec in self._compiling:  # an equal spec is compiling: wait for the same one
+                return self._compiling[spec]
         try:
-            out = compiler.compile_grammar(grammar_of(xgr, spec))
+            parsed = grammar_of(xgr, spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise RequestError(f"structured outputs: the {spec.kind.replace('_', ' ')} does not compile: "
-                               f"{_reason(e)}") from None
-        self.num_compiled += 1
-        self._cache[spec] = out
-        if len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)
+            raise _compile_error(spec, e) from None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="bi-grammar")
+        with self._lock:
+            future = self._compiling[spec] = self._pool.submit(self._compile, spec, parsed)
+        return future
+
+    def _compile(self, spec: StructuredSpec, parsed):
+        try:
+            out = self._ready()[1].compile_grammar(parsed)
+        except (RuntimeError, ValueError, TypeError) as e:
+            with self._lock:
+                self._compiling.pop(spec, None)
+            raise _compile_error(spec, e) from None
+        with self._lock:  # cached before it stops compiling: an equal spec finds one or the other
+            self.num_compiled += 1
+            self._cache[spec] = out
+            if len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+            self._compiling.pop(spec, None)
         return out
+
+    def compiled(self, spec: StructuredSpec):
+        """The spec's compiled grammar (waiting for its compile), from the cache when an equal
+        spec was compiled before."""
+        return self.prepare(spec).result()
 
     def state(self, spec: StructuredSpec, stop_ids: Seq[int] = ()) -> GrammarState:
         """A new sequence's grammar state; ``stop_ids``: its stop tokens besides EOS, which the
@@ -187,16 +231,43 @@ class GrammarState:
         self._draft = (key, drafts, copy, mask)
         return mask
 
-    def _fill(self, matcher) -> torch.Tensor:
+    def _fill(self, matcher, out: torch.Tensor | None = None, row: int = 0) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
+        if out is None:
+            out = torch.empty((1, words), dtype=torch.int32)
         if matcher.is_terminated():  # nothing follows; allow the stop tokens (the row is never kept)
-            mask = torch.zeros(words, dtype=torch.int32)
+            out[row] = 0
             for t in self.stop_ids:
-                mask[t // 32] |= _bit(t % 32)
-            return mask
-        out = torch.empty((1, words), dtype=torch.int32)
-        matcher.fill_next_token_bitmask(out)
-        return out[0]
+                out[row, t // 32] |= _bit(t % 32)
+        else:
+            matcher.fill_next_token_bitmask(out, index=row)
+        return out[row]
+
+
+_BATCH: dict[int, object] = {}  # a BatchGrammarMatcher per xgrammar module (its thread pool)
+
+
+def fill_rows(rows: Seq[tuple[GrammarState, Seq[int]]], out: torch.Tensor, threads: int = 0) -> None:
+    """Row k of the host int32 buffer ``out`` := ``rows[k]``'s state's mask after its output ids
+    (``GrammarState.mask``), the live matchers' rows filled together on xgrammar's threads
+    (``BatchGrammarMatcher``: each row's bits are its own matcher's, whatever fills the others)."""
+    if not rows:
+        return
+    live, at = [], []
+    for k, (state, ids) in enumerate(rows):
+        matcher = state._synced(ids)
+        if matcher.is_terminated():
+            state._fill(matcher, out, k)
+        else:
+            live.append(matcher)
+            at.append(k)
+    if not live:
+        return
+    xgr = rows[0][0]._xgr
+    batch = _BATCH.get(id(xgr))
+    if batch is None:
+        batch = _BATCH[id(xgr)] = xgr.BatchGrammarMatcher(threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+    batch.batch_fill_next_token_bitmask(live, out, at)
 
 
 def _bit(i: int) -> int:

@@ -40,15 +40,15 @@ def test_tokenize_a_prompt_and_a_chat_as_the_generation_routes_do(client_server)
     done = send(client_server, ("POST", "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 1}))
     assert chat.json()["count"] == done.json()["usage"]["prompt_tokens"] == len(chat.json()["tokens"])
     back = send(client_server, ("POST", "/detokenize", {"model": "tiny", "tokens": chat.json()["tokens"]}))
-    assert back.status_code == 200 and back.json()["prompt"].endswith("assistant\n"), back.text
+    assert back.status_code == 200 and back.json()["prompt"].endswith("assistant\n<think>\n"), back.text
 
 
 @pytest.mark.parametrize("path,body,param", [
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/tokenize", {}, "messages"),
     ("/tokenize", {"prompt": "x", "return_token_strs": True}, "return_token_strs"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
-     "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"nope": 1}},
+     "chat_template_kwargs.nope"),
     ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
     ("/detokenize", {"tokens": [100000]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
@@ -100,7 +100,8 @@ def test_completion_fields_at_their_no_op_values_are_accepted(client_server, fie
     {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True},
     {"tools": None, "tool_choice": "auto", "add_generation_prompt": True, "echo": False, "chat_template_kwargs": {}},
     {"continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True, "logprobs": False},
-], ids=["openai-tools", "vllm", "sglang-router"])
+    {"include_reasoning": True, "return_token_ids": False, "reasoning_effort": None, "previous_token_ids": None},
+], ids=["openai-tools", "vllm", "sglang-router", "reasoning-and-ids"])
 def test_chat_fields_at_their_no_op_values_are_accepted(client_server, fields):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **fields}
     r = send(client_server, ("POST", "/v1/chat/completions", body))
@@ -117,9 +118,13 @@ def test_chat_fields_at_their_no_op_values_are_accepted(client_server, fields):
     ("/v1/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"logprobs_typo": 1}, "logprobs_typo"),
     ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format.type"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),  # without tools
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tool_choice"),  # two constraints
+    ("/v1/chat/completions", {"chat_template_kwargs": {"no_such_variable": 1}}, "chat_template_kwargs.no_such_variable"),
+    ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"stream_reasoning": False}, "stream_reasoning"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_fields_not_implemented_are_one_clear_400(client_server, path, fields, param):

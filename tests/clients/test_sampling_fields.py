@@ -12,7 +12,9 @@ from bi_core import SamplingParams
 from bi_core.models.tokenizer import ByteTokenizer
 
 BASE = dict(max_new_tokens=16, temperature=1.0, seed=7, logprobs=0)
-NO = ByteTokenizer().chat([{"role": "user", "content": "no"}])[0]  # its greedy reply starts with <|endoftext|>
+NO_THINKING = {"enable_thinking": False}
+NO = ByteTokenizer().chat([{"role": "user", "content": "no"}], template_kwargs=NO_THINKING).ids  # its greedy reply
+# starts with <|endoftext|>
 # (OpenAI / vLLM field, SGLang field, value, SamplingParams field)
 FIELDS = [("min_p", "min_p", 0.3, "min_p"), ("repetition_penalty", "repetition_penalty", 1.8, "repetition_penalty"),
           ("presence_penalty", "presence_penalty", 1.5, "presence_penalty"),
@@ -45,7 +47,7 @@ def test_min_tokens_and_min_new_tokens_hold_off_the_end(client_server, engine):
     assert len(ref.token_ids) >= 4 and len(_reference(engine, NO, temperature=0).token_ids) == 1  # EOS first
     chat = send(client_server, ("POST", "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "no"}], "max_tokens": 6, "temperature": 0,
-        "min_tokens": 4}))
+        "min_tokens": 4, "chat_template_kwargs": NO_THINKING}))
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == len(ref.token_ids), chat.text
     assert chat.json()["choices"][0]["message"]["content"] == ref.text
     g = send(client_server, ("POST", "/generate", {"input_ids": NO, "sampling_params": {

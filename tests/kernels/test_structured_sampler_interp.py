@@ -4,7 +4,8 @@ with masked logprobs) beside plain rows draw only allowed tokens, and a row's to
 top-N are the same bits alone, in the batch and permuted. Negative controls: one mask for the whole
 batch (the first masked row's) makes a row follow its batch, and the same check sees it; a mask
 not applied draws forbidden tokens. Then the whole Triton engine: a JSON-schema needle alone and
-among unconstrained and other-constrained requests (G1), and its negative control."""
+among unconstrained and other-constrained requests (G1), drawn by the row-by-row sampler (top-N
+logprobs) and with its masks on the device, the same bits both ways, and a negative control."""
 
 from __future__ import annotations
 
@@ -158,18 +159,23 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
                                            "tag": {"enum": ["ab", "cd", "ef"]}}, "required": ["n", "tag"]}
 
 
-def _needle_runs(device):
+def _needle_runs(device, logprobs: int | None = 2, masked_rows: list | None = None):
+    """The needle alone and among others; ``logprobs=None`` (and the others without top-N
+    logprobs): its rows are drawn on the device with their masks (``masked_rows`` gets each
+    engine's count), else by the row-by-row sampler."""
     gen = torch.Generator().manual_seed(23)
     needle, *others = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (20, 9, 30, 4)]
-    hot = SamplingParams(max_new_tokens=40, temperature=0.8, seed=41, logprobs=2,
+    hot = SamplingParams(max_new_tokens=40, temperature=0.8, seed=41, logprobs=logprobs,
                          structured=json_schema(SCHEMA, any_whitespace=False))
-    rest = [SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=1),
+    rest = [SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=1 if logprobs else None),
             SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, structured=regex(r"[a-z]{3,9}")),
             SamplingParams(max_new_tokens=24, temperature=0.8, seed=7, structured=json_schema(SCHEMA))]
     registry = load_registry(extra_plugins=(TritonAnywhere(),))
-    (alone,) = build_engine(needle_config(device, 32), registry).generate([needle], [hot])
-    batch = build_engine(needle_config(device, 32), registry).generate([others[0], others[1], needle, others[2]],
-                                                                      [rest[0], rest[1], hot, rest[2]])
+    engines = [build_engine(needle_config(device, 32), registry) for _ in range(2)]
+    (alone,) = engines[0].generate([needle], [hot])
+    batch = engines[1].generate([others[0], others[1], needle, others[2]], [rest[0], rest[1], hot, rest[2]])
+    if masked_rows is not None:
+        masked_rows += [e.runner.num_masked_rows for e in engines]
     return alone, batch[2]
 
 
@@ -200,3 +206,17 @@ def test_json_schema_needle_alone_and_in_a_batch_bitwise(device, monkeypatch):
     monkeypatch.setattr(runner_module, "sampling_batch", one_mask_a_step)
     leaky_alone, leaky = _needle_runs(device)
     assert leaky_alone.token_ids == alone.token_ids and leaky.token_ids != alone.token_ids
+
+
+@pytest.mark.usefixtures("ordered_dot")
+def test_json_schema_needle_masked_on_the_device_alone_and_in_a_batch_bitwise(device):
+    """The needle without top-N logprobs, beside requests without them: its rows are drawn on
+    the device with their masks (the batched sampler, after the step's graph), the same tokens
+    and logprobs alone and in the batch, and the same as the row-by-row sampler's (the needle with
+    top-N logprobs: the test above). Negative control: that test's leaky run."""
+    counts: list[int] = []
+    alone, needle = _needle_runs(device, logprobs=None, masked_rows=counts)
+    assert min(counts) >= len(alone.token_ids)
+    assert needle.token_ids == alone.token_ids and needle.token_logprobs == alone.token_logprobs
+    row_by_row, _ = _needle_runs(device)
+    assert row_by_row.token_ids == alone.token_ids and row_by_row.token_logprobs == alone.token_logprobs

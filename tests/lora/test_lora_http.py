@@ -1,7 +1,7 @@
 """vLLM's LoRA routes and request fields on a real server: /v1/load_lora_adapter and
 /v1/unload_lora_adapter (paths only under serve.weights_root, load_inplace as a new version,
-every slot taken: a 400), a request naming its adapter by ``model`` (vLLM) or ``lora_path``
-(SGLang's /generate), /v1/models listing adapters."""
+every slot taken: a 400), a request naming its adapter by ``model`` (vLLM; completions, chat and
+/v1/responses) or ``lora_path`` (SGLang's /generate), /v1/models listing adapters."""
 
 from __future__ import annotations
 
@@ -111,3 +111,33 @@ def test_sglang_routes_and_adapter_sync_by_handle(server, tmp_path):
     bad = post(server, "/load_lora_adapter_from_tensors", {"lora_name": "s", "config_dict": config,
                                                            "serialized_tensors": "bm90IGEgcGlja2xl"})
     assert bad.status_code == 400 and bad.json()["success"] is False
+
+
+def test_chat_and_responses_run_on_the_adapter_model_names(server):
+    """/v1/chat/completions and /v1/responses with ``model`` an adapter's name: the tokens are the
+    adapter's (those of the rendered prompt completed under it), not the base model's."""
+    for card in list(httpx.get(f"{server.url}/v1/models").json()["data"])[1:]:
+        assert post(server, "/v1/unload_lora_adapter", {"lora_name": card["id"]}).status_code == 200
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "adapters/a"}).status_code == 200
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def chat(model):
+        r = post(server, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 6,
+                                                  "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["model"] == model, r.text
+        return r.json()["choices"][0]
+
+    def respond(model):
+        r = post(server, "/v1/responses", {"model": model, "input": "Hi", "max_output_tokens": 6, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == model, r.text
+        return "".join(p["text"] for item in r.json()["output"] for p in item.get("content") or [])
+
+    ids = post(server, "/v1/chat/completions/render", {"model": "a", "messages": messages}).json()["token_ids"]
+    completed = post(server, "/v1/completions", {"model": "a", "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                                 "logprobs": 0, "return_tokens_as_token_ids": True}).json()
+    completed_ids = [int(t.split(":")[1]) for t in completed["choices"][0]["logprobs"]["tokens"]]
+    on_a, on_base = chat("a"), chat("tiny")
+    assert on_a["token_ids"] == completed_ids != on_base["token_ids"]
+    text = lambda c: (c["message"].get("reasoning_content") or "") + (c["message"].get("content") or "")  # noqa: E731
+    assert respond("a") == text(on_a) != respond("tiny") == text(on_base)
+    assert post(server, "/v1/responses", {"model": "zzz", "input": "Hi"}).status_code == 404

@@ -30,8 +30,8 @@ def cache_with(num_blocks: int) -> PrefixCache:
 def cached_chain(pc: PrefixCache, tokens: list[int]) -> SimpleNamespace:
     """A sequence whose prompt ``tokens`` computed and cached, then released (only the cache holds
     its pages)."""
-    seq = SimpleNamespace(all_ids=tokens, blocks=pc.cache.blocks.allocate(len(tokens) // BS), prefix_node=None,
-                          prefix_end=0, lora_uid=0)
+    seq = SimpleNamespace(all_ids=tokens, cache_ids=tokens, blocks=pc.cache.blocks.allocate(len(tokens) // BS),
+                          prefix_node=None, prefix_end=0, lora_uid=0)
     pc.insert(seq, len(tokens), state_slot=0)
     return seq
 

@@ -171,8 +171,8 @@ def test_an_api_key_guards_the_router_and_reaches_the_replicas(tmp_path):
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"prompt": "x", "return_hidden_states": True}, 400, "return_hidden_states"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
-     "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_reasoning": False}, 400,
+     "stream_reasoning"),
     ("/generate", {"text": "x", "return_entropy": True}, 400, "return_entropy"),
     ("/generate", {"text": "x", "model": "other"}, 404, "model"),
 ])

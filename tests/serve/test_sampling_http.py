@@ -47,13 +47,16 @@ def test_completions_top_logprobs_have_exactly_n_entries(server):
 
 def test_chat_ignore_eos_ignores_the_turn_end_too(server):
     """vLLM counts the template's turn end among the EOS ids (generation_config's), which
-    ignore_eos ignores: the greedy reply to "no" past its EOS reaches <|im_end|> at its 22nd
-    token, and goes on."""
+    ignore_eos ignores: the job the render route shows stops on <|im_end|> (258) unless
+    ignore_eos; the greedy reply to "no" (thinking off) starts with its EOS, and goes on past it."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "no"}], "max_tokens": 30, "temperature": 0,
-            "logprobs": True, "return_tokens_as_token_ids": True}
+            "logprobs": True, "return_tokens_as_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}}
     r = post_raw(server, "/v1/chat/completions", json.dumps({**body, "ignore_eos": True})).json()
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 30
     tokens = [e["token"] for e in r["choices"][0]["logprobs"]["content"]]
-    assert tokens[21] == "token_id:258" and tokens[0] == "token_id:256"  # <|im_end|>, and <|endoftext|> first
+    assert tokens[0] == "token_id:256"  # <|endoftext|> first
     ends = post_raw(server, "/v1/chat/completions", json.dumps(body)).json()
     assert ends["choices"][0]["finish_reason"] == "stop" and ends["usage"]["completion_tokens"] == 1  # its EOS
+    for ignore, stops in ((False, [258]), (True, [])):
+        job = post_raw(server, "/v1/chat/completions/render", json.dumps({**body, "ignore_eos": ignore})).json()
+        assert job["sampling_params"]["stop_token_ids"] == stops and job["sampling_params"]["ignore_eos"] is ignore

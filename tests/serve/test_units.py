@@ -118,5 +118,5 @@ def test_a_chat_messages_name_reaches_the_chat_template(tmp_path):
     assert req.conversation() == [{"role": "user", "content": "hi", "name": "ann"},
                                   {"role": "system", "content": "be brief"}]
     tokenizer = _templated_tokenizer(tmp_path)
-    ids, _ = tokenizer.chat(req.conversation())
+    ids = tokenizer.chat(req.conversation()).ids
     assert ids == tokenizer.encode("user(ann):hi<|im_end|>system:be brief<|im_end|>assistant:")

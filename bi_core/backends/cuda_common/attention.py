@@ -22,8 +22,14 @@ def _qk_norm_rope(spec: AttentionSpec, inv_freq, qkv, q_norm, k_norm, k_cache, v
                   kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     from bi_core.kernels.qk_norm_rope import qk_norm_rope_write
 
+    scales = tuple(inv_scale(x) for x in kv_scales)
+    if ctx.rope_positions is not None:  # a step with images: M-RoPE
+        from bi_core.kernels.mrope import qk_norm_mrope_write
+
+        return qk_norm_mrope_write(qkv, q_norm, k_norm, inv_freq, ctx.rope_positions, ctx.slot_mapping, k_cache,
+                                   v_cache, spec.num_heads, spec.norm_eps, spec.rotary_dim, scales)
     return qk_norm_rope_write(qkv, q_norm, k_norm, inv_freq, ctx.positions, ctx.slot_mapping, k_cache, v_cache,
-                              spec.num_heads, spec.norm_eps, spec.rotary_dim, tuple(inv_scale(x) for x in kv_scales))
+                              spec.num_heads, spec.norm_eps, spec.rotary_dim, scales)
 
 
 @attrs.frozen

@@ -1,7 +1,8 @@
 """GPU sampler: one Triton program per (row, vocabulary chunk) then one per row (greedy or
-Gumbel-max with Philox keyed by the row's key, reading the logits in their own dtype); rows with
-a grammar's mask, penalties, min_tokens' mask or min-p/top-k/top-p get their logits prepared row
-by row first (``prepared_row``) and drawn again by the same kernel. Without top-N logprobs the
+Gumbel-max with Philox keyed by the row's key, reading the logits in their own dtype, over the
+tokens the row's grammar mask allows where it has one: a structured output's rows ride the same
+launch); rows with penalties, min_tokens' mask or min-p/top-k/top-p (a grammar's mask too, then)
+get their logits prepared row by row first (``prepared_row``) and drawn again by the same kernel. Without top-N logprobs the
 kernel writes the (token, logprob) pairs the host reads back in one transfer."""
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from bi_core.ops.sampling import SamplerOutput, SamplingBatch, with_logprob_temp
 
 
 class CudaSamplerImpl:
-    def sample_device(self, logits, keys, temperatures) -> torch.Tensor:
+    def sample_device(self, logits, keys, temperatures, masks=None) -> torch.Tensor:
         from bi_core.kernels.sampling import sample
 
-        return sample(logits, keys, temperatures.float())[2]
+        return sample(logits, keys, temperatures.float(), masks)[2]
 
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
         from bi_core.kernels.sampling import sample
@@ -36,8 +37,16 @@ class CudaSamplerImpl:
         dev = logits.device
         keys = torch.tensor(batch.keys, dtype=torch.int64).to(dev, non_blocking=True)
         temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
-        tokens, lse, packed = sample(logits, keys, temps)
-        prepared = [i for i in range(logits.shape[0]) if not batch.is_plain(i)]
+        masks = mask_rows = None
+        only = [i for i in range(logits.shape[0]) if batch.mask_only(i)]
+        if only:  # rows whose only change is their grammar's mask: drawn with it by the same kernel
+            masks = batch.grammar_masks(only).to(dev, non_blocking=True)
+            at = [-1] * logits.shape[0]
+            for k, i in enumerate(only):
+                at[i] = k
+            mask_rows = torch.tensor(at, dtype=torch.int32).to(dev, non_blocking=True)
+        tokens, lse, packed = sample(logits, keys, temps, masks, mask_rows)
+        prepared = [i for i in range(logits.shape[0]) if not batch.is_plain(i) and not batch.mask_only(i)]
         n = batch.num_logprobs
         if not prepared and n == 0 and batch.logprob_temperatures is None and batch.masked_logprobs is None:
             empty = torch.empty((logits.shape[0], 0), device=dev)

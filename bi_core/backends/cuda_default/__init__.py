@@ -18,5 +18,5 @@ def bi_register_backends(register) -> None:
                      builders=(b.DefaultAttentionBuilder(), b.DefaultLinearBuilder(), b.DefaultNormBuilder(),
                                b.DefaultTopKBuilder(), b.DefaultMoEBuilder(), b.DefaultGdnBuilder(),
                                b.DefaultSamplingBuilder(), b.DefaultAllReduceBuilder(), b.DefaultAllGatherBuilder(),
-                               b.DefaultLoraBuilder()),
+                               b.DefaultLoraBuilder(), b.DefaultLayerNormBuilder(), b.DefaultVisionAttentionBuilder()),
                      compile_manifests=COMPILE_MANIFESTS))

@@ -18,6 +18,7 @@ from bi_core.ops import (
     TopKBuilder,
 )
 from bi_core.ops.base import require_hopper, require_module
+from bi_core.ops.vision import LayerNormBuilder, VisionAttentionBuilder
 
 BF16_FP32 = (torch.bfloat16, torch.float32)
 
@@ -161,3 +162,23 @@ class DefaultLoraBuilder(LoraBuilder):
 
     def build(self, spec):
         return kernel_calls.TritonLoraImpl(spec.silu_mul, spec.part_rank)
+
+
+class DefaultLayerNormBuilder(LayerNormBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.vision import TorchLayerNormImpl
+
+        return TorchLayerNormImpl(spec)
+
+
+class DefaultVisionAttentionBuilder(VisionAttentionBuilder):
+    def check(self, spec, policy):
+        return cuda_reasons(spec, dtypes=BF16_FP32, modules=())
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.vision import SdpaVisionAttentionImpl
+
+        return SdpaVisionAttentionImpl(spec)

@@ -19,5 +19,6 @@ def bi_register_backends(register) -> None:
                      builders=(b.InvariantAttentionBuilder(), b.InvariantLinearBuilder(), b.InvariantNormBuilder(),
                                b.InvariantTopKBuilder(), b.InvariantMoEBuilder(), b.InvariantGdnBuilder(),
                                b.InvariantSamplingBuilder(), b.InvariantAllReduceBuilder(),
-                               b.InvariantAllGatherBuilder(), b.InvariantLoraBuilder()),
+                               b.InvariantAllGatherBuilder(), b.InvariantLoraBuilder(), b.InvariantLayerNormBuilder(),
+                               b.InvariantVisionAttentionBuilder()),
                      compile_manifests=COMPILE_MANIFESTS))

@@ -8,6 +8,7 @@ from bi_core.backends.cuda_common.reasons import cuda_reasons
 from bi_core.backends.cuda_default import builders as d
 from bi_core.ops import AllReduceBuilder, AttentionBuilder, LinearBuilder
 from bi_core.ops.collective import FixedOrderAllReduce, PairAllReduce, distributed_reasons, nvls_off
+from bi_core.ops.vision import LayerNormBuilder, VisionAttentionBuilder
 
 
 def _hopper(spec) -> list[str]:
@@ -101,3 +102,34 @@ class InvariantLoraBuilder(d.DefaultLoraBuilder):
 
     def check(self, spec, policy):
         return _hopper(spec)
+
+
+class InvariantLayerNormBuilder(LayerNormBuilder):
+    """Row-wise Triton LayerNorm: a row's result depends on that row alone."""
+
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        return _hopper(spec)
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.vision import TritonLayerNormImpl
+
+        return TritonLayerNormImpl(spec)
+
+
+class InvariantVisionAttentionBuilder(VisionAttentionBuilder):
+    """Triton attention within each image, fixed tiles from the image's first row."""
+
+    is_batch_invariant = True
+
+    def check(self, spec, policy):
+        reasons = _hopper(spec)
+        if spec.head_dim > 256:
+            reasons.append(f"head_dim must be <= 256, not {spec.head_dim}")
+        return reasons
+
+    def build(self, spec):
+        from bi_core.backends.cuda_common.vision import TritonVisionAttentionImpl
+
+        return TritonVisionAttentionImpl(spec)

@@ -23,6 +23,7 @@ def bi_register_backends(register) -> None:
     from bi_core.backends.reference.norm import ReferenceNormBuilder
     from bi_core.backends.reference.sampling import ReferenceSamplingBuilder
     from bi_core.backends.reference.topk import ReferenceTopKBuilder
+    from bi_core.backends.reference.vision import ReferenceLayerNormBuilder, ReferenceVisionAttentionBuilder
 
     register(
         Backend(
@@ -33,6 +34,7 @@ def bi_register_backends(register) -> None:
                 ReferenceTopKBuilder(), ReferenceMoEBuilder(), ReferenceGdnBuilder(),
                 ReferenceSamplingBuilder(), ReferenceAllReduceBuilder(), ReferenceAllGatherBuilder(),
                 ReferenceLoraBuilder(),
+                ReferenceLayerNormBuilder(), ReferenceVisionAttentionBuilder(),
             ),
             invariance_refusal="its PyTorch ops (matmul, softmax, conv) pick kernels by shape, so a row's "
             "bits can change with the batch; use cuda_hopper_invariant on an SM90 GPU",

@@ -48,8 +48,14 @@ class Rope:
         self.dim = rotary_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, rope_positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_positions`` [T, dim / 2] (M-RoPE: each frequency's own position; the same product
+        as the 1-D one where the three axes agree)."""
+        if rope_positions is not None:
+            freqs = rope_positions.float() * self.inv_freq[None, :]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
@@ -90,7 +96,7 @@ class ReferenceAttentionImpl:
         k_scale, v_scale = kv_scales
         q, gate, k, v = split_qkv(qkv, s)
         q, k = rms_norm_1p(q.contiguous(), q_norm, s.norm_eps), rms_norm_1p(k.contiguous(), k_norm, s.norm_eps)
-        cos, sin = self.rope.cos_sin(ctx.positions, qkv.dtype)
+        cos, sin = self.rope.cos_sin(ctx.positions, qkv.dtype, ctx.rope_positions)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         write_kv(k, v.contiguous(), k_cache, v_cache, ctx.slot_mapping, kv_scales)
         out = torch.empty_like(q)

@@ -77,10 +77,11 @@ def gumbel_noise(key: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 class ReferenceSamplerImpl:
-    def sample_device(self, logits, keys, temperatures) -> torch.Tensor:
+    def sample_device(self, logits, keys, temperatures, masks=None) -> torch.Tensor:
         n = logits.shape[0]
+        adjust = [LogitsAdjust(allowed=m) for m in masks.cpu()] if masks is not None else None
         batch = SamplingBatch(temperatures=temperatures.tolist(), top_ks=[0] * n, top_ps=[1.0] * n,
-                              keys=keys.tolist(), num_logprobs=0)
+                              keys=keys.tolist(), num_logprobs=0, adjust=adjust)
         return self.forward(logits, batch).to_host().to(logits.device)
 
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:

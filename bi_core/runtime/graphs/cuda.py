@@ -154,7 +154,8 @@ class CudaGraphRunner:
         return self.statics[key]
 
     def make_context(self, hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
-        key = self.graph_key(hb)
+        # a step with images runs eagerly: its M-RoPE positions and vision rows have no static buffers
+        key = None if hb.is_multimodal else self.graph_key(hb)
         if key is None:
             return upload(hb, device)
         static = self._static(key, hb.block_size, device)
