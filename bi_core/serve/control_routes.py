@@ -104,21 +104,27 @@ def weights_root(config, model_path: str | None) -> Path | None:
 
 
 def checkpoint_path(model_path: str, root: Path | None) -> Path:
-    """The checkpoint directory a disk update names, inside ``root`` (a relative path is taken
-    from there; links are followed first, so none leads out). ApiError otherwise: 403 outside the
-    root (or with none), 400 for no such directory."""
+    """The checkpoint directory a disk update names, inside ``root`` (see ``dir_under_root``)."""
+    return dir_under_root(model_path, root, param="model_path", route="update_weights_from_disk",
+                          reads="checkpoints", kind="checkpoint")
+
+
+def dir_under_root(given: str, root: Path | None, *, param: str, route: str, reads: str, kind: str) -> Path:
+    """The directory ``given`` names, inside ``root`` (a relative path is taken from there; links
+    are followed first, so none leads out). ApiError otherwise: 403 outside the root (or with
+    none), 400 for no such directory."""
     if root is None:
-        raise ApiError(403, "update_weights_from_disk reads checkpoints under serve.weights_root, which is not set "
-                            "(and this model was not loaded from a directory): set serve.weights_root",
-                       "permission_error", param="model_path", code="outside_weights_root")
-    path = (root / model_path).resolve()  # an absolute model_path replaces the root
+        raise ApiError(403, f"{route} reads {reads} under serve.weights_root, which is not set (and this model was "
+                            "not loaded from a directory): set serve.weights_root", "permission_error", param=param,
+                       code="outside_weights_root")
+    path = (root / given).resolve()  # an absolute path replaces the root
     if not path.is_relative_to(root):
-        raise ApiError(403, f"model_path {model_path!r} is outside the directory disk updates may read ({root}: "
+        raise ApiError(403, f"{param} {given!r} is outside the directory {route} may read ({root}: "
                             "serve.weights_root, default the served checkpoint's parent)", "permission_error",
-                       param="model_path", code="outside_weights_root")
+                       param=param, code="outside_weights_root")
     if not path.is_dir():
-        raise ApiError(400, f"model_path {model_path!r} is not a checkpoint directory ({path} "
-                            f"{'is not a directory' if path.exists() else 'does not exist'})", param="model_path")
+        raise ApiError(400, f"{param} {given!r} is not a{'n' if kind[0] in 'aeiou' else ''} {kind} directory ({path} "
+                            f"{'is not a directory' if path.exists() else 'does not exist'})", param=param)
     return path
 
 

@@ -26,7 +26,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from bi_core.serve.api_errors import ApiError
-from bi_core.serve.control_routes import weights_root
+from bi_core.serve.control_routes import dir_under_root, weights_root
 from bi_core.serve.messages import LoadLoraAdapter, LoadLoraAdapterFromTensor, UnloadLoraAdapter
 from bi_core.serve.openai_protocol import STRICT
 
@@ -85,21 +85,9 @@ SUCCESS_STYLE = frozenset({"/load_lora_adapter", "/unload_lora_adapter", "/load_
 
 
 def adapter_path(lora_path: str, root: Path | None) -> Path:
-    """The adapter directory ``lora_path`` names, inside ``root`` (links followed first); 403
-    outside it (or with no root), 400 for no such directory."""
-    if root is None:
-        raise ApiError(403, "load_lora_adapter reads adapters under serve.weights_root, which is not set (and this "
-                            "model was not loaded from a directory): set serve.weights_root", "permission_error",
-                       param="lora_path", code="outside_weights_root")
-    path = (root / lora_path).resolve()
-    if not path.is_relative_to(root):
-        raise ApiError(403, f"lora_path {lora_path!r} is outside the directory adapters may be read from ({root}: "
-                            "serve.weights_root, default the served checkpoint's parent)", "permission_error",
-                       param="lora_path", code="outside_weights_root")
-    if not path.is_dir():
-        raise ApiError(400, f"lora_path {lora_path!r} is not an adapter directory ({path} "
-                            f"{'is not a directory' if path.exists() else 'does not exist'})", param="lora_path")
-    return path
+    """The adapter directory ``lora_path`` names, inside ``root`` (see ``dir_under_root``)."""
+    return dir_under_root(lora_path, root, param="lora_path", route="load_lora_adapter", reads="adapters",
+                          kind="adapter")
 
 
 def _not_base(server, name: str) -> None:
