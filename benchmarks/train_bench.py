@@ -54,6 +54,9 @@ def _innermost(fn):
             return fn
 
 
+_said: list[bool] = []
+
+
 @contextlib.contextmanager
 def hf_gdn(model, which: str):
     """transformers' chunked GDN as ``which`` says: "fla" (what it resolved, fla where installed) or
@@ -69,6 +72,10 @@ def hf_gdn(model, which: str):
         torch_fn = _innermost(m.torch_chunk_gated_delta_rule)
         for owner, n, _ in saved:
             setattr(owner, n, torch_fn)
+        if not _said:  # once: the log names what transformers' backward ran
+            _said.append(True)
+            print(f"transformers' forward + backward GDN: {torch_fn.__module__}.{torch_fn.__qualname__} "
+                  f"(in place of {sorted({n for _, n, _ in saved})} on {len(saved)} owners)", flush=True)
     try:
         yield
     finally:
