@@ -69,12 +69,13 @@ def test_encoder_runs_once_per_request_across_chunks(checkpoint):
                                rtol=0)
 
 
-def test_two_requests_encode_in_one_batch(checkpoint):
+def test_two_requests_encode_image_by_image(checkpoint):
+    """One tower call an image (its rows never depend on the images encoded beside it)."""
     hf, path = checkpoint
     eng = engine_for(path, chunk=128)
     calls = count_tower_calls(eng)
     eng.generate([PROMPT, PROMPT], PARAMS, images=[[image(hf, 1)], [image(hf, 2)]])
-    assert calls == [[GRID, GRID]]
+    assert calls == [[GRID], [GRID]]
 
 
 def test_prefix_cache_hits_a_repeated_image_and_never_another(checkpoint):
