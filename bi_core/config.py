@@ -410,6 +410,9 @@ class VisionConfig:
                                          "frames after the processor's resize")
     max_vision_tokens_per_request: int = _field(_int(1), 16384, doc="placeholder tokens of all its images and "
                                                 "videos (after the 2x2 merge)")
+    max_num_encoder_input_tokens: int = _field(_int(1), 2048, doc="vision tokens (after the merge) the tower "
+                                               "encodes between two steps, image by image, while other requests "
+                                               "run (vLLM's name); an image larger than that is encoded alone")
     media_root: str | None = _field(_optional(_str), None, doc="the directory local image files (file: URLs and "
                                     "paths in requests) may be read from; none: local files are refused")
     random_depth: int | None = _field(_optional(_int(1)), None, doc="a random model's tower (vision.enabled: true "

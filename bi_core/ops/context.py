@@ -40,7 +40,9 @@ class GraphShape:
 class ForwardContext:
     """A flat (ragged) batch: the tokens of B sequences laid end to end, T tokens in all."""
 
-    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    # [T] int64, each token's rotary position: its index in its sequence, plus the request's M-RoPE
+    # delta past an image prompt's vision tokens (runtime/batch.py); KV slots never derive from it
+    positions: torch.Tensor
     cu_seqlens_q: torch.Tensor  # [B+1] token offsets of each sequence in the flat batch
     context_lens: torch.Tensor  # [B] KV length after this step (past + new tokens)
     block_tables: torch.Tensor  # [B, max_blocks] KV pages of each sequence (-1 = none)

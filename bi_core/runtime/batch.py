@@ -39,7 +39,11 @@ def plan_batch(
     ``mm``: per sequence its MultimodalPrompt or None (runtime/multimodal.py);
     a step with one gets M-RoPE positions (read through ``mrope_axes``) and the vision embedding
     rows; ``embed_shift`` 1: row r takes the embedding of the token after position r (the MTP
-    head's rows pair a position with the next token)."""
+    head's rows pair a position with the next token). A step whose image rows need no embedding
+    and whose three axes agree on every row (decode, MTP verify and head rows past the prompt:
+    ``p + delta`` on each axis, as transformers' incremental positions) is a text step at those
+    positions: ``positions`` are then the shifted 1-D ones (the same rotary bits:
+    ``kernels/mrope.py``), and the step takes the graphed path."""
     flat, positions, slots, token_states, rows = [], [], [], [], []
     offset = 0
     for i, (ids, past, blk, base) in enumerate(zip(token_ids, past_lens, blocks, state_slots)):
@@ -63,7 +67,9 @@ def plan_batch(
         offset += n
     query_lens = [len(t) for t in token_ids]
     extra = {} if mm is None or all(m is None for m in mm) else _multimodal(token_ids, past_lens, mm, embed_shift)
-    if extra:
+    if "flat" in extra:  # every row's axes agree: the 1-D rotary at those positions
+        positions = extra.pop("flat")
+    elif extra:
         extra["mrope_axes"] = list(mrope_axes)
     return HostBatch(
         token_ids=flat, positions=positions, slot_mapping=slots, token_state_slots=token_states,
@@ -76,7 +82,8 @@ def plan_batch(
 
 
 def _multimodal(token_ids: list[list[int]], past_lens: list[int], mm: list, shift: int) -> dict:
-    """A step's M-RoPE positions ``[3][T]`` and its vision embedding rows and values."""
+    """A step's M-RoPE positions ``[3][T]`` and its vision embedding rows and values; or, where
+    no row takes an embedding and the three axes agree on every row, ``flat``: those positions."""
     rope: list[list[int]] = [[], [], []]
     rows, embeds, offset = [], [], 0
     for ids, past, m in zip(token_ids, past_lens, mm):
@@ -95,6 +102,8 @@ def _multimodal(token_ids: list[list[int]], past_lens: list[int], mm: list, shif
                 rows += [r for r, _ in picked]
                 embeds.append(m.embeds[torch.tensor([i for _, i in picked], device=m.embeds.device)])
         offset += n
+    if not rows and rope[0] == rope[1] == rope[2]:
+        return {"flat": rope[0]}
     return {"rope_positions": rope, "embed_rows": rows, "embeds": embeds}
 
 

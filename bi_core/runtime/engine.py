@@ -43,6 +43,7 @@ from bi_core.runtime.sequence import (
     request_output,
 )
 from bi_core.runtime.threads import size_gpu_engine_threads
+from bi_core.runtime.vision_encode import VisionEncoder
 from bi_core.runtime.vision_inputs import build_vision, conversation, per_prompt
 from bi_core.runtime.warmup import wants_warmup, warm_up
 
@@ -89,6 +90,7 @@ class LLMEngine(RolloutAPI, LoraAPI):
                              seed=config.seed, eos_ids=self.args.eos_token_ids, compile_async=self.tp.world == 1)
         self.intake.routed_experts = self.runner.routing is not None
         self.runner.vision, self.intake.vision = vision, vision_inputs
+        self.encoder = VisionEncoder(vision, self.device, config.vision.max_num_encoder_input_tokens)
         self.requests: dict[int, Sequence] = {}  # unfinished requests by id
         self.weight_version = 0  # update_weights calls so far; every result says which weights made it
         self._start_lora()  # lora.adapters loaded into their slots
@@ -214,11 +216,14 @@ class LLMEngine(RolloutAPI, LoraAPI):
         self.num_steps += 1
         with torch.inference_mode(), applied(self.policy):
             failed = self._settle_grammars()
+            self.encoder.step(self.scheduler)  # queued requests' images, a budget a step
             ahead = self.overlap.take()
             if ahead is not None:
                 plan, out = ahead
             else:
                 scheduled = self.scheduler.schedule()
+                while not scheduled and self.encoder.step(self.scheduler):  # nothing runs: nothing waits for them
+                    scheduled = self.scheduler.schedule()
                 while not scheduled and self.intake.pending:  # only requests whose grammar compiles: wait for one
                     failed += self._settle_grammars(wait=True)
                     scheduled = self.scheduler.schedule()

@@ -60,7 +60,8 @@ class MultimodalPrompt:
     """What a sequence with images carries: its items, the M-RoPE positions of its prompt
     (``rope[axis][p]``; past the prompt, token ``p`` is at ``p + delta`` on every axis), the
     embedding row each prompt token takes (-1: its token embedding), the prompt's prefix-cache
-    key ids, and the tower's output once computed (``embeds``, once per request)."""
+    key ids, and the tower's output once computed (``embeds``, once per request; ``parts``: the
+    items encoded so far, one tower call each, between steps)."""
 
     items: list[VisionItem]
     rope: list[list[int]]
@@ -68,6 +69,11 @@ class MultimodalPrompt:
     embed_index: list[int]
     key_ids: list
     embeds: torch.Tensor | None = None
+    parts: list = attrs.field(factory=list)  # the rows of the items encoded so far, until all are
+
+    def next_tokens(self, merge_unit: int) -> int:
+        """Vision tokens of the next item to encode."""
+        return self.items[len(self.parts)].pixels.shape[0] // merge_unit
 
     def positions(self, start: int, end: int) -> tuple[list[int], list[int], list[int]]:
         """The (t, h, w) positions of tokens ``start..end``."""
@@ -183,24 +189,26 @@ def mrope_axes(section: tuple[int, ...], interleaved: bool, num_freqs: int) -> l
     return (axes + [0] * num_freqs)[:num_freqs]
 
 
-def encode(tower, prompts: list[MultimodalPrompt | None], device: torch.device) -> None:
-    """The vision tower over the items of every prompt of ``prompts`` whose embeddings are not
-    computed yet, in one batch; each keeps its rows (``embeds``: once per request, through
-    preemption). On an invariant backend an image's rows do not depend on the others."""
-    todo, seen = [], set()
-    for m in prompts:
-        if m is not None and m.embeds is None and id(m) not in seen:
-            seen.add(id(m))
-            todo.append(m)
-    if not todo:
-        return
+def encode_next(tower, m: MultimodalPrompt, device: torch.device) -> int:
+    """The tower over the next item of ``m`` not encoded yet, alone (one call per image or video:
+    its rows never depend on what else is encoded or when, on any backend); once every item is,
+    ``m.embeds`` is their rows in order (computed once per request, kept through preemption).
+    Returns the item's vision tokens."""
     if tower is None:
         raise RequestError("this engine has no vision tower (model.vision.enabled is false)")
-    items = [x for m in todo for x in m.items]
+    x = m.items[len(m.parts)]
     with torch.inference_mode():
-        out = tower(torch.cat([x.pixels for x in items]).to(device), [x.grid for x in items])
-    at = 0
-    for m in todo:
-        n = sum(x.pixels.shape[0] for x in m.items) // tower.args.merge_unit
-        m.embeds = out[at:at + n]
-        at += n
+        m.parts.append(tower(x.pixels.to(device), [x.grid]))
+    if len(m.parts) == len(m.items):
+        m.embeds = m.parts[0] if len(m.parts) == 1 else torch.cat(m.parts)
+        m.parts = []
+    return x.pixels.shape[0] // tower.args.merge_unit
+
+
+def encode(tower, prompts: list[MultimodalPrompt | None], device: torch.device) -> None:
+    """Every item of ``prompts`` not encoded yet (``encode_next``), whatever the budget: a step
+    about to pack one of them (the scheduler admits a prompt once its images are encoded, so
+    normally none is left: ``runtime/vision_encode.py``)."""
+    for m in prompts:
+        while m is not None and m.embeds is None:
+            encode_next(tower, m, device)

@@ -193,7 +193,7 @@ class ModelRunner:
             assert len(sampled) == len([r for r in rows if r.logits_rows]), "a step samples all its logits rows or none"
         mm = {}
         if any(r.seq.mm is not None for r in rows):
-            encode(self.vision, [r.seq.mm for r in rows], self.device)  # once per request
+            encode(self.vision, [r.seq.mm for r in rows], self.device)  # normally done between steps (vision_encode.py)
             mm = {"mm": [r.seq.mm for r in rows], "mrope_axes": self.mrope_axes,
                   "embed_shift": 1 if fwd.head == "mtp" else 0}
         return plan_batch([r.tokens for r in rows], [r.start for r in rows], [r.seq.blocks for r in rows],

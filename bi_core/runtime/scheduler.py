@@ -178,6 +178,8 @@ class Scheduler:
         the chunk's tokens; 0 if it must wait for budget; None if it must wait for a slot or pages."""
         if seq.grammar_ready is not None:  # its grammar still compiles: the ones behind it go on
             return 0
+        if seq.mm is not None and seq.mm.embeds is None:  # its images are still encoded (runtime/vision_encode.py)
+            return 0
         group = [seq, *seq.followers]
         if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self.cache.slots.num_free:
             return None

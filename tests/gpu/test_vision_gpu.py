@@ -89,6 +89,27 @@ def test_image_request_bitwise_alone_and_among_255_and_default_is_not(mode):
     assert any(run(default, fillers(n, seed), params) != d_alone for n, seed in ((63, 2), (255, 3)))
 
 
+def test_image_requests_decode_steps_replay_graphs_with_the_eager_bits():
+    """Decode steps of image requests (beside text ones) replay the captured decode graphs, at
+    their shifted 1-D positions: the same tokens and logprobs as the eager engine's, bitwise."""
+    params = PARAMS["seeded"]
+    eng = build_engine(vision_config("cuda_hopper_invariant"))
+    steps, execute = [], eng.runner.execute
+
+    def recorded(fwd):
+        out = execute(fwd)
+        if fwd.head == "model" and all(r.seq.output_ids for r in fwd.rows) and any(r.seq.mm for r in fwd.rows):
+            steps.append(out.graph)
+        return out
+
+    eng.runner.execute = recorded
+    graphed = run(eng, fillers(7, 4), params)
+    assert steps and all(g is not None and not g.chunk for g in steps), steps
+    del eng
+    torch.cuda.empty_cache()
+    assert run(build_engine(vision_config("cuda_hopper_invariant", graphs=False)), fillers(7, 4), params) == graphed
+
+
 def test_tower_embeddings_bitwise_among_other_images_and_default_is_not():
     def mismatches(backend: str) -> int:
         eng = build_engine(vision_config(backend, graphs=False))

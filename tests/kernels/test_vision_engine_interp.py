@@ -1,9 +1,9 @@
 """G1 with images on the Triton backend (the invariant backend's kernels, under the interpreter on
 the CPU): an image request alone, and admitted in one step with another image request and text
-requests (its image encoded in one tower call with the other image, placed after it), gives the
-same tokens, logprobs and last-prompt-row logits, bitwise. Negative control: the tower's attention
-with key steps on the launch's grid (an image's reduction order then follows where it lies in the
-batch) moves the needle's logits."""
+requests (each image in its own tower call, between steps), gives the same tokens, logprobs and
+last-prompt-row logits, bitwise. Negative control: the tower's attention with key steps on the
+launch's grid and the step's images encoded in one call, the needle's after the other's (an
+image's reduction order then follows where it lies in the call), moves the needle's logits."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from vl_fixtures import IDS, make_hf_vl_model, random_pixels
 
 from bi_core import EngineConfig, SamplingParams, build_engine
 from bi_core.plugins import load_registry
+from bi_core.runtime.vision_encode import VisionEncoder
 
 IMG, VS, VE = IDS["image_token_id"], IDS["vision_start_token_id"], IDS["vision_end_token_id"]
 NEEDLE = [5, 6, VS, IMG, VE, 7, 8, 9]
@@ -38,7 +39,7 @@ def config(path, device):
         "cache": {"block_size": 16, "num_blocks": 64, "prefix_caching": False}})
 
 
-def needle_run(path, device, hf, with_others: bool):
+def needle_run(path, device, hf, with_others: bool, per_image: bool = True):
     """(tokens, logprobs, last prompt row's logits) of the needle."""
     eng = build_engine(config(path, device), load_registry(extra_plugins=(TritonAnywhere(),)))
     seen = []
@@ -57,7 +58,10 @@ def needle_run(path, device, hf, with_others: bool):
         eng.add_request([3, 4, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
     while eng.scheduler.has_work():
         eng.step()
-    assert calls == ([[OTHER_GRID, NEEDLE_GRID]] if with_others else [[NEEDLE_GRID]])
+    if per_image:
+        assert calls == ([[OTHER_GRID], [NEEDLE_GRID]] if with_others else [[NEEDLE_GRID]])
+    else:
+        assert calls == [[OTHER_GRID, NEEDLE_GRID]]
     return n.output_ids, n.token_logprobs, n.top_logprobs, seen[0]
 
 
@@ -74,5 +78,21 @@ def test_image_request_alone_and_among_others_bitwise(checkpoint, device, monkey
 
     monkeypatch.setattr(impls.TritonVisionAttentionImpl, "forward",
                         lambda self, q, k, v, cu_t, cu_h: vision_attention(q, k, v, cu_h, self.scale, key_grid=64))
-    assert torch.equal(needle_run(path, device, hf, False)[3], alone[3])  # alone: the image starts at row 0
-    assert not torch.equal(needle_run(path, device, hf, True)[3], alone[3])
+    assert torch.equal(needle_run(path, device, hf, True)[3], alone[3])  # each image alone: starts at row 0
+    monkeypatch.setattr(VisionEncoder, "step", one_call)  # and both images in one call: the needle's rows move
+    assert not torch.equal(needle_run(path, device, hf, True, per_image=False)[3], alone[3])
+
+
+def one_call(self, scheduler) -> int:
+    """The queued images of a step in one tower call, laid end to end (before they were encoded
+    one call an image)."""
+    todo = self.pending(scheduler)
+    items = [x for m in todo for x in m.items]
+    if not items:
+        return 0
+    out = self.tower(torch.cat([x.pixels for x in items]).to(self.device), [x.grid for x in items])
+    at = 0
+    for m in todo:
+        n = sum(x.pixels.shape[0] for x in m.items) // self.tower.args.merge_unit
+        m.embeds, at = out[at:at + n], at + n
+    return len(items)

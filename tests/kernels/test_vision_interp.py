@@ -187,3 +187,43 @@ def test_mrope_kernel_of_equal_axes_is_the_1d_kernel(device, dtype):
     moved = pos[:, None].expand(-1, rot // 2).contiguous().clone()
     moved[:, 1] += 3  # negative control
     assert not torch.equal(plain[0], run(moved)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_image_requests_decode_rows_on_the_1d_kernel_are_the_mrope_kernels_bits(device, dtype):
+    """Decode rows past an image prompt take the 1-D kernel at ``plan_batch``'s shifted positions
+    (the graphed path): bitwise the M-RoPE kernel at their (t, h, w) positions; negative control:
+    the unshifted index positions."""
+    from bi_core.kernels.mrope import qk_norm_mrope_write
+    from bi_core.kernels.qk_norm_rope import qk_norm_rope_write
+    from bi_core.runtime.batch import plan_batch
+    from bi_core.runtime.multimodal import VisionItem, VisionTokens, build, mrope_axes
+
+    torch.manual_seed(5)
+    img = 9
+    full, mm = build([1, 2, img, 3], [VisionItem.of("image", torch.randn(8 * 12, 4), (1, 8, 12))],
+                     VisionTokens(image=img, video=10, merge=2))
+    assert mm.delta < 0
+    hq, hkv, d, rot = 2, 1, 64, 16
+    pasts = [len(full), len(full) + 37, len(full) + 200]
+    hb = plan_batch([[5], [6], [7]], pasts, [list(range(20))] * 3, [0, 1, 2], [True] * 3, block_size=16,
+                    mm=[mm] * 3, mrope_axes=[0] * 8)
+    assert not hb.is_multimodal
+    axes = mrope_axes((3, 3, 2), True, rot // 2)
+    three = [mm.positions(p, p + 1) for p in pasts]
+    mrope = torch.tensor([[three[i][a][0] for a in axes] for i in range(3)], device=device)
+    qkv = torch.randn(3, 2 * hq * d + 2 * hkv * d, device=device).to(dtype)
+    qn, kn = (0.1 * torch.randn(d, device=device)).to(dtype), (0.1 * torch.randn(d, device=device)).to(dtype)
+    inv = 1.0 / (1e7 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+    slots = torch.arange(3, device=device)
+
+    def run(write, pos):
+        kc = torch.zeros(2, 16, hkv, d, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        return write(qkv, qn, kn, inv, pos, slots, kc, vc, hq, 1e-6, rot), kc
+
+    flat = run(qk_norm_rope_write, torch.tensor(hb.positions, device=device))
+    ref = run(qk_norm_mrope_write, mrope)
+    assert torch.equal(flat[0], ref[0]) and torch.equal(flat[1], ref[1])
+    unshifted = run(qk_norm_rope_write, torch.tensor(pasts, device=device))
+    assert not torch.equal(unshifted[0], ref[0])

@@ -66,3 +66,26 @@ def test_reference_rope_of_equal_axes_is_the_1d_rope():
     shifted = three.clone()
     shifted[:, 1::3] += 1  # negative control: the h axis moved
     assert not torch.equal(rope.cos_sin(positions, torch.float32)[0], rope.cos_sin(positions, torch.float32, shifted)[0])
+
+
+def test_rows_whose_axes_agree_are_a_text_step_at_shifted_positions():
+    """Decode and verify rows past an image prompt (and text chunks without vision rows) are 1-D
+    positions ``p + delta``, the step not multimodal (graphable); a chunk with vision rows keeps
+    M-RoPE."""
+    items = [item("image", (1, 4, 6))]
+    full, mm = build([1, 2, IMG, 3, 4], items, TOKENS)  # 6 vision tokens over 3 positions: delta -3
+    n, axes = len(full), [0, 1, 2, 0]
+    assert mm.delta == -3
+    mm.embeds = torch.zeros(6, 8)
+    decode = plan_batch([[7], [8, 9, 10], [5]], [n + 4, n, 20], [[0], [1], [2, 3]], [0, 1, 2], [True] * 3,
+                        block_size=16, mm=[mm, mm, None], mrope_axes=axes)
+    assert not decode.is_multimodal
+    assert decode.positions == [n + 4 - 3, n - 3, n - 2, n - 1, 20]
+    assert decode.slot_mapping == [n + 4, 16 + n, 16 + n + 1, 16 + n + 2, 48 + 4]  # KV slots: the token's index
+    before = plan_batch([full[:2]], [0], [[0]], [0], [False], block_size=16, mm=[mm], mrope_axes=axes)
+    assert not before.is_multimodal and before.positions == [0, 1]
+    with_image = plan_batch([full[:4]], [0], [[0]], [0], [False], block_size=16, mm=[mm], mrope_axes=axes)
+    assert with_image.is_multimodal and with_image.rope_positions[1] == [0, 1, 2, 2] and with_image.embed_rows
+    # the MTP head's row before the image's first token takes that token's embedding: M-RoPE step
+    head = plan_batch([[full[1]]], [1], [[0]], [0], [True], block_size=16, mm=[mm], mrope_axes=axes, embed_shift=1)
+    assert head.is_multimodal and head.embed_rows == [0]

@@ -24,10 +24,14 @@ def checkpoint(tmp_path_factory):
     return hf, save_with_mtp(hf, tmp_path_factory.mktemp("vl") / "ckpt")
 
 
-def engine_for(path, strategy=None, chunk=16, prefix=False):
+def engine_for(path, strategy=None, chunk=16, prefix=False, graphs=False, **over):
     cfg = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "backend": "reference",
            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "prefill_chunk_size": chunk},
            "cache": {"block_size": 16, "num_blocks": 128, "prefix_caching": prefix}}
+    if graphs:  # graph steps rerun on their static buffers (no capture off a GPU): the graph path's planning
+        cfg["graph"] = {"enabled": True, "capture": False}
+    for k, v in over.items():
+        cfg.setdefault(k, {}).update(v)
     if strategy == "mtp":
         cfg["strategy"] = {"name": "mtp", "num_speculative_tokens": 3}
     return build_engine(EngineConfig.from_dict(cfg))
@@ -65,12 +69,13 @@ def test_encoder_runs_once_per_request_across_chunks(checkpoint):
                                rtol=0)
 
 
-def test_two_requests_encode_in_one_batch(checkpoint):
+def test_two_requests_encode_image_by_image(checkpoint):
+    """One tower call an image (its rows never depend on the images encoded beside it)."""
     hf, path = checkpoint
     eng = engine_for(path, chunk=128)
     calls = count_tower_calls(eng)
     eng.generate([PROMPT, PROMPT], PARAMS, images=[[image(hf, 1)], [image(hf, 2)]])
-    assert calls == [[GRID, GRID]]
+    assert calls == [[GRID], [GRID]]
 
 
 def test_prefix_cache_hits_a_repeated_image_and_never_another(checkpoint):
@@ -130,3 +135,79 @@ def test_exact_scoring_of_an_image_prompt(checkpoint):
                                rtol=0)
     other = eng.score(PROMPT, gen.token_ids, exact=True, images=[image(hf, 2)])[0]
     assert not torch.allclose(torch.tensor(other.token_logprobs), torch.tensor(gen.token_logprobs), atol=1e-3)
+
+
+def mrope_everywhere(monkeypatch):
+    """Every step with an image request on the M-RoPE path (eager), as before its decode rows took the 1-D one."""
+    from bi_core.runtime import batch
+
+    multimodal = batch._multimodal
+
+    def forced(token_ids, past_lens, mm, shift):
+        out = multimodal(token_ids, past_lens, mm, shift)
+        if "flat" in out:
+            return {"rope_positions": [list(out["flat"]) for _ in range(3)], "embed_rows": [], "embeds": []}
+        return out
+
+    monkeypatch.setattr(batch, "_multimodal", forced)
+
+
+def graphed_steps(eng) -> list:
+    """(graph key or None, sequences' output lengths) of every main-model step."""
+    seen, execute = [], eng.runner.execute
+
+    def recorded(fwd):
+        out = execute(fwd)
+        if fwd.head == "model":
+            seen.append((out.graph.key if out.graph is not None else None, [len(r.seq.output_ids) for r in fwd.rows]))
+        return out
+
+    eng.runner.execute = recorded
+    return seen
+
+
+def chain_slots(eng) -> list:
+    """(KV slot, the slot of its row's index) of the image request's row in each head step the
+    draft chain moves on the device (``advance``)."""
+    seen, graphs = [], eng.runner.mtp_graphs
+    advance = graphs.advance
+
+    def recorded(ctx):
+        nxt = advance(ctx)
+        index, bs = nxt.context_lens_host[0] - 1, nxt.block_size
+        seen.append((int(nxt.slot_mapping[0]), nxt.block_tables_host[0][index // bs] * bs + index % bs))
+        return nxt
+
+    graphs.advance = recorded
+    return seen
+
+
+@pytest.mark.parametrize("strategy", [None, "mtp"])
+def test_image_requests_decode_steps_are_graphed_with_the_eager_mrope_bits(checkpoint, monkeypatch, strategy):
+    """Decode (AR) and verify (MTP) steps of an image request replay the uniform graphs, at the
+    shifted 1-D positions: the tokens and logprobs of eager M-RoPE steps, bitwise (one sequence:
+    no padding row beside it)."""
+    hf, path = checkpoint
+    eng = engine_for(path, strategy, chunk=128, graphs=True)
+    steps, chain = graphed_steps(eng), chain_slots(eng) if strategy else None
+    out = eng.generate(PROMPT, PARAMS, images=[image(hf, 1)])[0]
+    if chain is not None:  # the head's draft chain moved its rows on the device: KV slots at their indices
+        assert chain and all(got == want for got, want in chain), chain
+    decode = [key for key, lens in steps if lens[0] > 0]
+    q = 1 if strategy is None else 4
+    assert decode and all(key == (q, 1) for key in decode), steps
+    assert eng.runner.main_graphs.num_replays[q] == len(decode)
+    with monkeypatch.context() as m:
+        mrope_everywhere(m)
+        ref_eng = engine_for(path, strategy, chunk=128)
+        ref_steps = graphed_steps(ref_eng)
+        ref = ref_eng.generate(PROMPT, PARAMS, images=[image(hf, 1)])[0]
+        assert all(key is None for key, _ in ref_steps)
+        mrope_graphs = engine_for(path, strategy, chunk=128, graphs=True)
+        mrope_graphs.generate(PROMPT, PARAMS, images=[image(hf, 1)])
+        assert mrope_graphs.runner.main_graphs.num_replays[q] == 0  # the M-RoPE path runs eagerly
+    assert out.token_ids == ref.token_ids
+    assert torch.equal(torch.tensor(out.token_logprobs), torch.tensor(ref.token_logprobs))
+    assert (out.num_draft_tokens, out.num_accepted_draft_tokens) == (ref.num_draft_tokens, ref.num_accepted_draft_tokens)
+    other = engine_for(path, strategy, chunk=128, graphs=True).generate(PROMPT, PARAMS, images=[image(hf, 2)])[0]
+    assert other.token_logprobs != out.token_logprobs  # negative control: another image

@@ -99,10 +99,11 @@ def check_mirrors(ctx: ForwardContext) -> None:
         assert device == list(pages[:used]), f"block_tables[{i}]: device {device} != host {pages[:used]}"
 
 
-def _slots_from_positions(ctx: ForwardContext) -> None:
-    """Each row's KV slot from its position and its sequence's block table, on the device (a
-    one-token graph: row i is sequence i)."""
-    bs, pos = ctx.block_size, ctx.positions
+def _slots_from_lengths(ctx: ForwardContext) -> None:
+    """Each row's KV slot from its index (its sequence's context length - 1) and its sequence's
+    block table, on the device (a one-token graph: row i is sequence i). Not from ``positions``:
+    an image request's rows sit at rotary positions its images shift (``runtime/batch.py``)."""
+    bs, pos = ctx.block_size, ctx.context_lens - 1
     pages = ctx.block_tables.gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
     torch.add(pages * bs, pos % bs, out=ctx.slot_mapping)
 
@@ -154,7 +155,8 @@ class CudaGraphRunner:
         return self.statics[key]
 
     def make_context(self, hb: HostBatch, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
-        # a step with images runs eagerly: its M-RoPE positions and vision rows have no static buffers
+        # a step with M-RoPE rows (vision tokens) runs eagerly: its per-frequency positions and
+        # vision rows have no static buffers; image requests' other rows are text steps (plan_batch)
         key = None if hb.is_multimodal else self.graph_key(hb)
         if key is None:
             return upload(hb, device)
@@ -231,7 +233,7 @@ class CudaGraphRunner:
             return None
         ctx.positions.add_(1)
         ctx.context_lens.add_(1)
-        _slots_from_positions(ctx)
+        _slots_from_lengths(ctx)
         host = ctx.context_lens_host
         return attrs.evolve(ctx, context_lens_host=None if host is None else [n + 1 for n in host], step_tensors={})
 
@@ -248,7 +250,7 @@ class CudaGraphRunner:
         n = by.shape[0]
         ctx.positions[:n].add_(by)
         ctx.context_lens[:n].add_(by)
-        _slots_from_positions(ctx)
+        _slots_from_lengths(ctx)
         host = None
         if not by.is_cuda:
             host = [c + d for c, d in zip(ctx.context_lens_host, by.tolist())] + ctx.context_lens_host[n:]
