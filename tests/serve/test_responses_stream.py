@@ -164,3 +164,50 @@ def test_events_end_in_the_non_streamed_response_however_the_text_is_cut(answer,
     if finish == "length":
         texts = [item["status"] for item in whole["output"] if item["type"] != "function_call"]
         assert texts[-1] == "incomplete" and set(texts[:-1]) <= {"completed"}
+
+
+def test_an_engine_failure_is_an_error_event_and_the_stream_ends():
+    """The stream's last event is OpenAI's ``error`` (type, message), after the reasoning so far;
+    the request is untracked and aborted."""
+    import asyncio
+
+    from bi_core.models.chat_template import ChatPrompt
+    from bi_core.runtime.sequence import RequestOutput
+    from bi_core.serve.chat import ChatTurn
+    from bi_core.serve.client import Delta
+    from bi_core.serve.response_items import ResponseHead
+    from bi_core.serve.responses import ResponsesRequest
+    from bi_core.serve.responses_stream import stream_response
+    from bi_core.serve.server import Choice
+
+    class FakeServer:
+        shutting_down = False
+        calls: list = []
+
+        def untrack(self, ids):
+            self.calls.append(("untrack", ids))
+
+        def abort(self, choices):
+            self.calls.append(("abort", len(choices)))
+
+    req = ResponsesRequest.model_validate({"model": "tiny", "input": "Hi", "stream": True})
+    turn = ChatTurn(req.as_chat(), ChatPrompt([1, 2], "<|im_start|>assistant\n<think>\n", ()))
+    failed = RequestOutput(request_id=0, prompt_token_ids=[1, 2], token_ids=[5], text="a", token_logprobs=[],
+                           logprobs=None, finish_reason="error", error="the engine failed: boom")
+    server = FakeServer()
+
+    async def run():
+        queue = asyncio.Queue()
+        queue.put_nowait((0, Delta([5], [0.0], [], "Thinking")))
+        queue.put_nowait((0, Delta([5], [0.0], [], "a", output=failed)))
+        response = stream_response(server, queue, [Choice(0, 2, 0)], turn, ResponseHead(req, "resp_x", "tiny", 0))
+        return [chunk async for chunk in response.body_iterator]
+
+    chunks = asyncio.run(run())
+    events = [json.loads(c.split("data: ", 1)[1]) for c in chunks]
+    assert all(c.startswith(f"event: {e['type']}\n") for c, e in zip(chunks, events))
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                           "response.content_part.added", "response.reasoning_text.delta", "error"]
+    assert events[-1]["message"] == "the engine failed: boom" and events[-1]["code"] == "server_error"
+    assert [e["sequence_number"] for e in events] == list(range(6))
+    assert server.calls == [("untrack", ["resp_x"]), ("abort", 1)]
