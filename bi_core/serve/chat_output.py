@@ -41,6 +41,12 @@ class Parsed:
     reasoning: str = ""
     content: str = ""
     calls: list[ToolCall] = attrs.Factory(list)
+    content_at: int = 0  # how many of the calls came before the content (the Responses API's item order)
+
+    def add_content(self, text: str) -> None:
+        if text and not self.content:
+            self.content_at = len(self.calls)
+        self.content += text
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -93,7 +99,7 @@ class OutputParser:
                 self._content(out, self._buf)
             self._buf = ""
             if self._blank and not self._num_calls:
-                out.content += self._blank
+                out.add_content(self._blank)
             self._blank = ""
         return out
 
@@ -182,7 +188,7 @@ class OutputParser:
         # its streamed pieces agree however the text was cut
         settled = self._blank.rstrip()
         if settled:
-            out.content += settled
+            out.add_content(settled)
             self._blank = self._blank[len(settled):]
 
 

@@ -1,12 +1,12 @@
 """OpenAI's Responses API, its stateless subset: ``POST /v1/responses`` with ``input`` (a string, or
 items: messages, ``function_call``, ``function_call_output``, ``reasoning``), ``instructions``,
 function ``tools``, ``tool_choice``, ``text.format`` (structured outputs), ``reasoning.effort``
-(``"none"``: Qwen3.5's thinking off), sampling fields; not
-streamed. The request becomes the chat request it means (``as_chat``) and runs as one; the answer's
-reasoning, text and tool calls become ``reasoning``, ``message`` and ``function_call`` output items.
-Nothing is stored: ``store: true``, ``previous_response_id``, ``background`` and streaming are a
-400 naming the field, as is every field this server does not implement at another value than its
-no-op one."""
+(``"none"``: Qwen3.5's thinking off), sampling fields, ``stream`` (the Responses streaming events,
+``responses_stream``). The request becomes the chat request it means (``as_chat``) and runs as one;
+the answer's reasoning, text and tool calls become ``reasoning``, ``message`` and ``function_call``
+output items (``response_items``). Nothing is stored: ``store: true``, ``previous_response_id`` and
+``background`` are a 400 naming the field, as is every field this server does not implement at
+another value than its no-op one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from bi_core.serve.api_errors import ApiError
 from bi_core.serve.completions import chat_jobs
 from bi_core.serve.openai_protocol import STRICT, ChatCompletionRequest, TextBody, only
+from bi_core.serve.response_items import ResponseHead
+from bi_core.serve.responses_stream import stream_response, whole_response
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -38,7 +40,7 @@ class FunctionTool(BaseModel):
 
 
 class ResponsesRequest(TextBody):
-    """The Responses API request fields this server takes (stateless, not streamed)."""
+    """The Responses API request fields this server takes (stateless)."""
 
     model_config = STRICT
     model: str | None = None
@@ -66,8 +68,6 @@ class ResponsesRequest(TextBody):
     _no_store = field_validator("store")(only(None, False, why=_NOT_STORED))
     _no_previous = field_validator("previous_response_id")(only(None, why=f"{_NOT_STORED}; send the whole input"))
     _no_background = field_validator("background")(only(None, False, why=_NOT_STORED))
-    _no_stream = field_validator("stream")(only(None, False, why="Responses streaming events are not implemented; "
-                                                           "stream with /v1/chat/completions"))
     _no_include = field_validator("include")(only(None, [], why="no extra output data is returned"))
     _no_truncation = field_validator("truncation")(only(None, "disabled", why="input is never truncated"))
     _no_max_calls = field_validator("max_tool_calls")(only(None, why="use parallel_tool_calls: false for one call"))
@@ -190,46 +190,19 @@ def _format(fmt: dict) -> dict:
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
-async def create_response(server: Server, req: ResponsesRequest, request: Request) -> dict:
-    """Run the request as its chat request and answer with a Responses API ``response``."""
+async def create_response(server: Server, req: ResponsesRequest, request: Request):
+    """Run the request as its chat request; a Responses API ``response``, or with ``stream: true``
+    its stream of events (``responses_stream``)."""
     chat = req.as_chat()
     turn, jobs = chat_jobs(server, chat)
     queue, choices = await server.start(jobs, "input")
     rid = f"resp_{uuid.uuid4().hex}"
     server.track({rid: choices})
+    head = ResponseHead(req, rid, chat.model, int(time.time()))
+    if req.stream:
+        return stream_response(server, queue, choices, turn, head)
     try:
         await server.wait(queue, choices, request)
     finally:
         server.untrack([rid])
-    c = choices[0]
-    message, finish = turn.message(c.output)
-    cut = c.output.finish_reason == "length"
-    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": chat.model,
-            "status": "incomplete" if cut else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
-            "output": _items(message, cut), "instructions": req.instructions, "metadata": req.metadata or {},
-            "tools": [t.model_dump() for t in req.tools or []], "tool_choice": req.tool_choice or "auto",
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "previous_response_id": None,
-            "reasoning": req.reasoning, "store": False, "text": req.text or {"format": {"type": "text"}},
-            "truncation": "disabled", "user": req.user,
-            "usage": {"input_tokens": c.prompt_tokens, "output_tokens": len(c.output.token_ids),
-                      "total_tokens": c.prompt_tokens + len(c.output.token_ids),
-                      "input_tokens_details": {"cached_tokens": c.output.num_cached_tokens}}}
-
-
-def _items(message: dict, cut: bool) -> list[dict]:
-    """A chat answer's message as output items: reasoning, the text, each tool call."""
-    status = "incomplete" if cut else "completed"
-    out: list[dict] = []
-    if message.get("reasoning_content"):
-        out.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}], "status": status})
-    if message.get("content"):
-        out.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
-                    "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
-    for call in message.get("tool_calls") or []:
-        out.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                    "status": "completed"})
-    return out
+    return whole_response(turn, head, choices[0])

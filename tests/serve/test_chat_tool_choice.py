@@ -191,7 +191,7 @@ def test_the_responses_api_runs_as_its_chat_request(server):
     cut = client.responses.create(model="tiny", input="Hi", max_output_tokens=8)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert [o.type for o in cut.output] == ["reasoning"] and cut.output[0].content[0].text
-    for field, value in [("stream", True), ("store", True), ("previous_response_id", "resp_1"),
+    for field, value in [("store", True), ("previous_response_id", "resp_1"),
                          ("reasoning", {"effort": "high"}), ("input", [{"type": "web_search_call"}])]:
         err = _post(server, "/v1/responses", {"model": "tiny", "input": "Hi", field: value})
         want = "input[0].type" if field == "input" else field
