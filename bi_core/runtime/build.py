@@ -172,7 +172,7 @@ def _attach_lora(config: EngineConfig, model: Qwen35Model, factory: OpFactory, t
     check_lora(config, tp.world)
     from bi_core.lora.targets import attach
 
-    return attach(model, factory, config.lora.max_loras, config.lora.max_rank)
+    return attach(model, factory, config.lora.max_loras, config.lora.max_rank, config.lora.experts)
 
 
 def _capture(config: EngineConfig, registry: Registry, factory: OpFactory) -> bool:
