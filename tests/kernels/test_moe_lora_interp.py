@@ -21,7 +21,7 @@ from bi_core.plugins import load_registry
 sys.path.insert(0, str(Path(__file__).parents[1] / "lora"))
 from lora_fixtures import random_adapter  # noqa: E402
 
-E, K, H, I, R, S = 6, 2, 80, 48, 8, 3  # experts, top-k, hidden, expert width, rank, adapter slots
+E, K, H, W, R, S = 6, 2, 80, 48, 8, 3  # experts, top-k, hidden, expert width, rank, adapter slots
 
 
 def moe_case(dtype, gen, tokens: int = 13):
@@ -29,13 +29,13 @@ def moe_case(dtype, gen, tokens: int = 13):
     def rnd(*shape, fan):
         return (torch.randn(*shape, generator=gen) / fan ** 0.5).to(dtype)
 
-    w13, w2 = rnd(E + 1, 2 * I, H, fan=H), rnd(E + 1, H, I, fan=I)
+    w13, w2 = rnd(E + 1, 2 * W, H, fan=H), rnd(E + 1, H, W, fan=W)
     x = rnd(tokens, H, fan=1)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1)
     logits = rnd(tokens, fan=1)
-    routed = (rnd(S * E, R, H, fan=H), rnd(S * E, 2 * I, R, fan=R), rnd(S * E, R, I, fan=I), rnd(S * E, H, R, fan=R))
-    shared = (rnd(S, 2 * R, H, fan=H), rnd(S, 2 * I, 2 * R, fan=R), rnd(S, R, I, fan=I), rnd(S, H, R, fan=R))
+    routed = (rnd(S * E, R, H, fan=H), rnd(S * E, 2 * W, R, fan=R), rnd(S * E, R, W, fan=W), rnd(S * E, H, R, fan=R))
+    shared = (rnd(S, 2 * R, H, fan=H), rnd(S, 2 * W, 2 * R, fan=R), rnd(S, R, W, fan=W), rnd(S, H, R, fan=R))
     return x, weights, ids, w13, w2, logits, routed, shared
 
 
