@@ -88,3 +88,33 @@ def test_refusals(tmp_path):
     with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts: lora_A \(32, 10\).*are neither"):
         on.load_lora_adapter("w", save_adapter(tmp_path / "wrong", cfg | {"target_parameters": EXPERT_PARAMS}, wrong))
     assert not on.lora_adapters()
+
+
+def test_a_moe_builder_that_does_not_declare_lora_never_gets_a_lora_spec():
+    """``MoEBuilder.contract_refusals``: a builder without ``serves_lora`` (a plugin's, or
+    cuda_grouped_mm's) is refused a ``lora`` spec before its own check; the reference takes it,
+    not with FP8 experts."""
+    import torch
+
+    from bi_core.backends.cuda_grouped_mm import GroupedMMMoEBuilder
+    from bi_core.backends.reference.moe import ReferenceMoEBuilder
+    from bi_core.ops import MoEBuilder, MoESpec
+
+    class ThirdParty(MoEBuilder):
+        def check(self, spec, policy):
+            return []
+
+        def build(self, spec):
+            raise AssertionError("never built")
+
+    base = dict(device=torch.device("cpu"), dtype=torch.float32, num_experts=8, top_k=2, hidden_size=256,
+                intermediate_size=256)
+    lora = MoESpec(**base, lora=True)
+    assert ThirdParty().check(MoESpec(**base), None) == []
+    why = "MoE experts with LoRA adapters (lora.experts): this builder's impl does not apply them"
+    assert ThirdParty().check(lora, None) == [why]
+    assert why in GroupedMMMoEBuilder().check(lora, None)
+    assert ReferenceMoEBuilder().check(lora, None) == []
+    fp8 = ReferenceMoEBuilder().check(MoESpec(**base, lora=True, weight_format="fp8_block", block_size=(128, 128)),
+                                      None)
+    assert fp8 == ["MoE experts with LoRA adapters (lora.experts) on FP8 experts: not supported yet"]
