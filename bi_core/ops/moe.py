@@ -28,9 +28,10 @@ class MoESpec(WeightedSpec):
 class ExpertLora:
     """One step's expert adapters: stacks in the ``lora`` op's layout (``ops/lora.py``). Routed
     experts: row ``slot * E + expert`` of ``a13 [S*E, R, H]``, ``b13 [S*E, 2I, R]``, ``a2 [S*E, R,
-    I]``, ``b2 [S*E, H, R]``, picked per pair by ``pairs`` (one per (token, slot) in that order,
-    the shared expert's slot included: always -1 there; -1: none). The shared expert: row ``slot`` of its own stacks
-    (``shared``, None without one; gate and up own separate rank columns), picked by ``slots [T]``."""
+    I]``, ``b2 [S*E, H, R]``, picked by ``pairs`` (one per (token, slot) in that order, the shared
+    expert's slot included; -1: none, always at the shared slot). The shared expert: row ``slot``
+    of its own stacks (``shared``, None without one; gate and up own separate rank columns),
+    picked by ``slots [T]``."""
 
     a13: torch.Tensor
     b13: torch.Tensor
