@@ -118,3 +118,27 @@ def test_a_moe_builder_that_does_not_declare_lora_never_gets_a_lora_spec():
     fp8 = ReferenceMoEBuilder().check(MoESpec(**base, lora=True, weight_format="fp8_block", block_size=(128, 128)),
                                       None)
     assert fp8 == ["MoE experts with LoRA adapters (lora.experts) on FP8 experts: not supported yet"]
+
+
+def test_a_slot_reused_without_experts_holds_no_expert_delta():
+    """One slot: an adapter with expert tensors, unloaded, then one without: the slot's expert rows
+    are zeros again (and were not before), so the second adapter's requests get no stale delta."""
+    from bi_core.lora.experts import ExpertTarget
+    from bi_core.lora.synthetic import random_adapter
+
+    engine = build_engine(EngineConfig.from_dict({
+        "model": {"random": {"preset": "tiny-moe", "seed": 3, "num_hidden_layers": 2}, "device": "cpu"},
+        "lora": {"max_loras": 1, "max_rank": 8, "experts": True}}))
+    experts = [t for t in engine.model.lora_targets.values() if isinstance(t, ExpertTarget)]
+    assert experts
+
+    def expert_sum():
+        return sum(float(t.abs().sum()) for x in experts for t in (*x.routed, *x.shared))
+
+    cfg, tensors = random_adapter(engine, r=4, seed=1)
+    engine.load_lora_adapter("with", tensors=tensors, config=cfg)
+    assert expert_sum() > 0
+    engine.unload_lora_adapter("with")
+    plain = {k: v for k, v in tensors.items() if ".experts" not in k and ".shared_expert." not in k}
+    engine.load_lora_adapter("without", tensors=plain, config={"r": 4, "lora_alpha": 4})
+    assert engine.lora_adapters()[0].slot == 0 and expert_sum() == 0
