@@ -41,6 +41,7 @@ class Adapter:
     rslora: bool = False
 
     def scale(self, r: int) -> float:
+        """The scale of a rank-``r`` module (``lora_alpha / r``, or ``/ sqrt(r)`` with rslora)."""
         return self.alpha / (math.sqrt(r) if self.rslora else r)
 
 
