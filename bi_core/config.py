@@ -392,6 +392,8 @@ class LoraConfig:
     max_rank: int = _field(_int(1, 512), 64, doc="the largest adapter rank a slot holds (vLLM's max_lora_rank)")
     adapters: dict = _field(_adapters, factory=dict, doc="name -> PEFT adapter directory, loaded at start (a "
                             "request names one by model or lora_path)")
+    experts: bool = _field(_bool, False, doc="MoE models: adapters on the experts and the shared expert too "
+                           "(max_loras x experts x max_rank stacks per layer; the experts' GEMMs then run unfused)")
 
     def __attrs_post_init__(self) -> None:
         if len(self.adapters) > self.max_loras:

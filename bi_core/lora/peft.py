@@ -3,8 +3,12 @@
 ``lora_B.weight [out, r]``), read into one ``Adapter``: per Hugging Face module name (normalised as
 checkpoint names are: ``model.layers.3.self_attn.q_proj``) its A and its B with the scale folded in
 (``lora_alpha / r``, or ``/ sqrt(r)`` with rslora; ``r`` per module from its tensors, which is what
-PEFT's ``rank_pattern`` changes). What inference cannot honour is refused by name (DoRA, biases,
-modules_to_save, alpha_pattern, embedding adapters)."""
+PEFT's ``rank_pattern`` changes). Adapters on the MoE experts' fused parameters
+(``target_parameters``: ``experts.gate_up_proj``, ``experts.down_proj``; tensors
+``<layer>.mlp.experts[.base_layer].lora_A.weight [r*E, in]``, ``lora_B.weight [out, r*E]``) are
+kept raw in ``params``: their rank and scale need the number of experts (``lora/experts.py``).
+What inference cannot honour is refused by name (DoRA, biases, modules_to_save, alpha_pattern,
+embedding adapters, parameters other than the experts')."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from bi_core.errors import CheckpointError
 from bi_core.models.loader import _normalise
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+_PARAM_MODULE = re.compile(r"\.experts(?:\.base_layer)*$")  # PEFT nests one ParamWrapper per parameter
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 
 
@@ -30,6 +36,13 @@ class Adapter:
     rank: int  # the largest rank of its modules
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
     source: str  # where it came from, for errors
+    params: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.Factory(dict)  # experts: raw A, B
+    alpha: float = 0.0
+    rslora: bool = False
+
+    def scale(self, r: int) -> float:
+        """The scale of a rank-``r`` module (``lora_alpha / r``, or ``/ sqrt(r)`` with rslora)."""
+        return self.alpha / (math.sqrt(r) if self.rslora else r)
 
 
 def _refusals(cfg: dict) -> list[str]:
@@ -44,8 +57,10 @@ def _refusals(cfg: dict) -> list[str]:
         out.append(f"modules_to_save {cfg['modules_to_save']}: fully trained modules are not an adapter")
     if cfg.get("alpha_pattern"):
         out.append("alpha_pattern: per-module alphas are not supported (rank_pattern is)")
-    if cfg.get("target_parameters"):
-        out.append("target_parameters: adapters on parameters (MoE experts) are not supported yet")
+    params = cfg.get("target_parameters") or []
+    other = [p for p in params if not (isinstance(p, str) and p.endswith(_EXPERT_PARAMS))]
+    if other:
+        out.append(f"target_parameters {other}: only the MoE experts' {' and '.join(_EXPERT_PARAMS)} are supported")
     return out
 
 
@@ -65,7 +80,8 @@ def adapter_from_tensors(cfg: dict, tensors: dict[str, torch.Tensor], source: st
             raise CheckpointError(f"LoRA adapter {source}: tensor {key!r} is not a LoRA A/B weight (embedding "
                                   "adapters, DoRA magnitudes and saved modules are not supported)")
         pairs.setdefault(_normalise(m["module"]), {})[m["ab"]] = t
-    modules = {}
+    rslora = bool(cfg.get("use_rslora"))
+    modules, params = {}, {}
     for name, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise CheckpointError(f"LoRA adapter {source}: {name} has lora_{''.join(ab)} but not both A and B")
@@ -73,12 +89,24 @@ def adapter_from_tensors(cfg: dict, tensors: dict[str, torch.Tensor], source: st
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise CheckpointError(f"LoRA adapter {source}: {name} lora_A {tuple(a.shape)} and lora_B "
                                   f"{tuple(b.shape)} are not [r, in] and [out, r]")
+        if cfg.get("target_parameters") and _PARAM_MODULE.search(name):
+            params[name] = (a.float(), b.float())
+            continue
         r = a.shape[0]
-        scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
-        modules[name] = (a.float(), b.float() * scale)
-    if not modules:
+        modules[name] = (a.float(), b.float() * (alpha / (math.sqrt(r) if rslora else r)))
+    if not modules and not params:
         raise CheckpointError(f"LoRA adapter {source}: no lora_A / lora_B tensors")
-    return Adapter(rank=max(a.shape[0] for a, _ in modules.values()), modules=modules, source=source)
+    rank = max([a.shape[0] for a, _ in modules.values()] + ([_int_r(cfg, source)] if params else []))
+    return Adapter(rank=rank, modules=modules, source=source, params=params, alpha=alpha, rslora=rslora)
+
+
+def _int_r(cfg: dict, source: str) -> int:
+    """The config's ``r``: the rank of expert-parameter adapters (``lora/experts.py`` checks it
+    against their tensors)."""
+    r = cfg.get("r", 8)  # PEFT's default
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise CheckpointError(f"LoRA adapter {source}: adapter_config r must be a positive integer, got {r!r}")
+    return r
 
 
 def read_adapter(path: str | Path) -> Adapter:

@@ -3,8 +3,9 @@ layers that Hugging Face modules fill (``weight_map``: q|k|v in ``qkv_proj``, GD
 in_proj_qkv|z|b|a in ``in_proj``, gate|up in ``gate_up_proj``, o_proj, out_proj, down_proj, the MoE
 router and shared-expert gate) gets ``A [slots, R, K]`` and ``B [slots, N, R]``: each fused part
 owns ``max_rank`` columns of R and its rows of N, so one shrink and one expand serve the fused
-projection (the zero blocks add exact zeros). The MTP head keeps the base weights (its drafts are
-proposals; the main model decides every token), as do lm_head and the MoE experts."""
+projection (the zero blocks add exact zeros). With ``lora.experts`` the MoE layers' experts get
+theirs too (``lora/experts.py``, ``ExpertTarget`` entries of the same dict). The MTP head keeps the
+base weights (its drafts are proposals; the main model decides every token), as does lm_head."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import attrs
 import torch
 
 from bi_core.errors import CheckpointError
+from bi_core.lora.experts import ExpertTarget, attach_experts
 from bi_core.lora.peft import Adapter
 from bi_core.models.weight_map import weight_map
 from bi_core.ops.lora import LoraSpec
@@ -57,10 +59,11 @@ def _projections(model) -> dict[str, dict[str, tuple[int, int]]]:
     return out
 
 
-def attach(model, factory, max_loras: int, max_rank: int) -> dict[str, LoraTarget]:
+def attach(model, factory, max_loras: int, max_rank: int, experts: bool = False) -> dict[str, LoraTarget]:
     """Give every adaptable projection its stacks (zeros: no adapter) and its lora op; a fused
     ``[gate; up]`` projection's GEMM runs without SiLU-and-mul then (the lora op applies it after
-    the delta). Returns module path -> target; ``Linear.lora`` holds it too."""
+    the delta). Returns module path -> target; ``Linear.lora`` holds it too. ``experts``: the MoE
+    layers' expert stacks as well (``SparseMoE.lora``)."""
     targets, ranks = {}, None
     for module, parts in _projections(model).items():
         lin = model.get_submodule(module)
@@ -78,21 +81,33 @@ def attach(model, factory, max_loras: int, max_rank: int) -> dict[str, LoraTarge
             a=torch.zeros((max_loras, rank, k), dtype=dtype, device=device),
             b=torch.zeros((max_loras, n, rank), dtype=dtype, device=device),
             impl=factory.build("lora", spec), parts=placed, ranks=ranks)
+    if experts:
+        targets |= attach_experts(model, factory, max_loras, max_rank)
     return targets
 
 
 def check_adapter(adapter: Adapter, targets: dict[str, LoraTarget], max_rank: int) -> dict[str, tuple[str, Part]]:
     """Where each of the adapter's modules goes (module name -> (projection, part)); one error
     naming every module this engine cannot adapt or whose shapes do not fit."""
-    where = {hf: (module, part) for module, t in targets.items() for hf, part in t.parts.items()}
+    where = {hf: (module, part) for module, t in _dense(targets).items() for hf, part in t.parts.items()}
     problems = []
     if adapter.rank > max_rank:
         problems.append(f"rank {adapter.rank} exceeds lora.max_rank={max_rank}")
     placed = {}
+    for module, t in _experts(targets).items():
+        got, bad = t.claim(adapter, max_rank)
+        placed |= {name: (module, what) for name, what in got.items()}
+        problems += bad
+    experts_on = bool(_experts(targets))
+    for name in adapter.params:
+        if name not in placed:
+            problems.append(f"{name} (expert parameters: {_EXPERTS_OFF if not experts_on else 'no MoE layer here'})")
     for hf, (a, b) in adapter.modules.items():
+        if hf in placed:
+            continue
         if hf not in where:
-            problems.append(f"{hf} (no adaptable projection: LoRA serves attention, GDN and dense-MLP projections "
-                            "and the MoE router, not the MoE experts, lm_head or embeddings)")
+            why = _EXPERTS_OFF if ".mlp.shared_expert." in hf and not experts_on else _NOT_ADAPTABLE
+            problems.append(f"{hf} ({why})")
             continue
         module, part = where[hf]
         rows = part.rows[1] - part.rows[0]
@@ -108,14 +123,18 @@ def check_adapter(adapter: Adapter, targets: dict[str, LoraTarget], max_rank: in
 @torch.no_grad()
 def write_slot(targets: dict[str, LoraTarget], slot: int, adapter: Adapter | None, placed: dict) -> None:
     """Slot ``slot`` of every stack holds ``adapter`` (zeros where it has no module; None: all zeros)."""
-    for t in targets.values():
+    for t in _dense(targets).values():
         t.a[slot].zero_()
         t.b[slot].zero_()
         t.ranks[slot] = 0 if adapter is None else adapter.rank
+    for module, t in _experts(targets).items():
+        t.write(slot, adapter, {name: what for name, (m, what) in placed.items() if m == module})
     if adapter is None:
         return
     for hf, (a, b) in adapter.modules.items():
         module, part = placed[hf]
+        if isinstance(targets[module], ExpertTarget):
+            continue
         t, r = targets[module], a.shape[0]
         c0 = part.cols[0]
         t.a[slot, c0:c0 + r].copy_(a)
@@ -124,4 +143,18 @@ def write_slot(targets: dict[str, LoraTarget], slot: int, adapter: Adapter | Non
 
 def stack_bytes(targets: dict[str, LoraTarget]) -> int:
     """Device bytes of every adapter stack (what ``lora.max_loras`` x ``lora.max_rank`` costs)."""
-    return sum(t.a.numel() * t.a.element_size() + t.b.numel() * t.b.element_size() for t in targets.values())
+    return sum(t.nbytes() if isinstance(t, ExpertTarget) else t.a.numel() * t.a.element_size()
+               + t.b.numel() * t.b.element_size() for t in targets.values())
+
+
+_EXPERTS_OFF = "the MoE experts and the shared expert take adapters with lora.experts: true"
+_NOT_ADAPTABLE = ("no adaptable projection: LoRA serves attention, GDN, dense-MLP and MoE-router projections, and "
+                  "with lora.experts the MoE experts; not lm_head or embeddings")
+
+
+def _dense(targets: dict) -> dict[str, LoraTarget]:
+    return {k: t for k, t in targets.items() if isinstance(t, LoraTarget)}
+
+
+def _experts(targets: dict) -> dict[str, ExpertTarget]:
+    return {k: t for k, t in targets.items() if isinstance(t, ExpertTarget)}

@@ -310,9 +310,10 @@ class SparseMoE(nn.Module):
                 self.w2.zero_pad = lambda t: self._zero_padding(t, self.w2.shape[2], 2)
         i = self.w2.shape[2]
         self.topk = factory.build("topk", TopKSpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok))
-        self.experts = factory.build("moe", MoESpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok,
-                                                    hidden_size=h, intermediate_size=i, shared_expert=self.shared,
-                                                    **_spec_format(self.fp8)))
+        self.spec = MoESpec(**factory.base, num_experts=e, top_k=args.num_experts_per_tok, hidden_size=h,
+                            intermediate_size=i, shared_expert=self.shared, **_spec_format(self.fp8))
+        self.experts = factory.build("moe", self.spec)
+        self.lora = None  # an ExpertTarget with lora.experts (bi_core/lora/experts.py)
         self.route_log: torch.Tensor | None = None  # [max tokens, k]: this layer's expert ids land here (routing replay)
 
     @torch.no_grad()
@@ -342,6 +343,9 @@ class SparseMoE(nn.Module):
         if self.route_log is not None:
             self.route_log[: ids.shape[0]].copy_(ids)
         shared = logits[:, self.num_experts] if self.shared else None
+        if self.lora is not None:  # (dense experts only: lora/experts.py refuses FP8 ones)
+            lora = self.lora.bind(ids, lora_slots)
+            return self.par.reduce(self.experts.forward(dense(x), weights, ids, self.w13, self.w2, shared, lora=lora))
         if self.fp8 is None:
             return self.par.reduce(self.experts.forward(dense(x), weights, ids, self.w13, self.w2, shared))
         quantized = {"x_fp8": x.fp8} if isinstance(x, Fp8Activation) else {}  # the norm's copy

@@ -172,7 +172,7 @@ def _attach_lora(config: EngineConfig, model: Qwen35Model, factory: OpFactory, t
     check_lora(config, tp.world)
     from bi_core.lora.targets import attach
 
-    return attach(model, factory, config.lora.max_loras, config.lora.max_rank)
+    return attach(model, factory, config.lora.max_loras, config.lora.max_rank, config.lora.experts)
 
 
 def _capture(config: EngineConfig, registry: Registry, factory: OpFactory) -> bool:
@@ -252,9 +252,12 @@ def explain(config: EngineConfig, registry: Registry | None = None) -> str:
     failures = factory.failures()
     text = factory.explain()
     if targets:
+        from bi_core.lora.experts import ExpertTarget
         from bi_core.lora.targets import stack_bytes
 
-        text += (f"\nlora: {len(targets)} projections adapted, {stack_bytes(targets) / 2**30:.2f} GiB of adapter stacks "
+        moe = sum(isinstance(t, ExpertTarget) for t in targets.values())
+        text += (f"\nlora: {len(targets) - moe} projections" + (f" and {moe} MoE layers' experts" if moe else "")
+                 + f" adapted, {stack_bytes(targets) / 2**30:.2f} GiB of adapter stacks "
                  f"({config.lora.max_loras} slots of rank {config.lora.max_rank}; the KV cache is sized after them)")
     try:  # how steps are launched: the runtime's choice from graph.* and the device, not an op's
         capture = _capture(config, registry, factory)

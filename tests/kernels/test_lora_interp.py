@@ -78,13 +78,13 @@ def test_kernel_blocks_change_the_bits(device):
     assert not torch.equal(other, fixed)
 
 
-def lora_config(device, *, max_loras: int = 4):
+def lora_config(device, *, max_loras: int = 4, experts: bool = False):
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": "tiny-moe", "seed": 5, "num_hidden_layers": 2}, "device": device.type,
                "max_model_len": 128},
         backend="triton_anywhere", graph=RERUN_GRAPHS, strategy={"name": "ar"},
         scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32},
-        lora={"max_loras": max_loras, "max_rank": 16}))
+        lora={"max_loras": max_loras, "max_rank": 16, "experts": experts}))
 
 
 def load_adapters(engine) -> None:

@@ -32,11 +32,11 @@ def make_adapter(hf_model, path: Path, *, r: int = 8, alpha: float = 16.0, seed:
 
 
 def engine_config(ckpt: Path, adapters: dict[str, str] | None = None, *, max_loras: int = 4, max_rank: int = 16,
-                  backend: str = "reference", dtype: str = "float32", **extra) -> dict:
+                  backend: str = "reference", dtype: str = "float32", experts: bool = False, **extra) -> dict:
     cfg = {"model": {"path": str(ckpt), "dtype": dtype, "device": "cpu"}, "backend": backend,
            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 128},
            "cache": {"block_size": 16, "num_blocks": 128},
-           "lora": {"max_loras": max_loras, "max_rank": max_rank, "adapters": adapters or {}}}
+           "lora": {"max_loras": max_loras, "max_rank": max_rank, "adapters": adapters or {}, "experts": experts}}
     cfg.update(extra)
     return cfg
 

@@ -139,7 +139,11 @@ class TritonTopKImpl:
 
 class TritonMoEImpl:
     def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, w13_scale=None, w2_scale=None,
-                x_fp8=None):
+                x_fp8=None, lora=None):
+        if lora is not None:  # expert adapters (dense experts: the builder refuses FP8 with them)
+            from bi_core.kernels.moe_lora import moe_lora
+
+            return moe_lora(x, topk_weights, topk_ids, w13, w2, shared_logits, lora)
         if w13_scale is not None:  # block-FP8 experts (kernels/fp8_moe.py)
             from bi_core.kernels.fp8_moe import fp8_fused_moe
 

@@ -103,6 +103,7 @@ class DefaultTopKBuilder(TopKBuilder):
 
 class DefaultMoEBuilder(MoEBuilder):
     weight_formats = ("dense", "fp8_block")  # block-FP8 experts: the Triton kernels of kernels/fp8_moe.py
+    serves_lora = True  # expert adapters: kernels/moe_lora.py
 
     def check(self, spec, policy):
         return cuda_reasons(spec, dtypes=BF16_FP32) + fp8_reasons(spec)

@@ -4,6 +4,7 @@ import torch
 
 from bi_core.backends.reference.dtypes import check_dtype
 from bi_core.backends.reference.linear import linear, silu_and_mul
+from bi_core.backends.reference.lora import ReferenceLoraImpl
 from bi_core.ops.moe import MoEBuilder, MoESpec
 
 
@@ -23,7 +24,9 @@ class ReferenceMoEImpl:
         self.block = block
 
     def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, w13_scale=None,
-                w2_scale=None, x_fp8=None) -> torch.Tensor:
+                w2_scale=None, x_fp8=None, lora=None) -> torch.Tensor:
+        if lora is not None:
+            return with_lora(x, topk_weights, topk_ids, w13, w2, shared_logits, lora)
         def scales(e):
             return (None, None) if self.block is None else (w13_scale[e], w2_scale[e])
 
@@ -45,8 +48,44 @@ class ReferenceMoEImpl:
         return out
 
 
+def with_lora(x, topk_weights, topk_ids, w13, w2, shared_logits, lora) -> torch.Tensor:
+    """Dense experts with adapter deltas (``ops/moe.py``): every (token, slot) pair's gate|up output,
+    its delta (the reference lora op), SiLU-and-mul, the down output and its delta, then the
+    combine of ``ReferenceMoEImpl``."""
+    num_tokens, top_k = topk_ids.shape
+    ids = topk_ids if shared_logits is None else torch.cat(
+        [topk_ids, torch.full((num_tokens, 1), w13.shape[0] - 1, dtype=topk_ids.dtype, device=x.device)], 1)
+    slots = ids.shape[1]
+    flat, xp = ids.reshape(-1), x.repeat_interleave(slots, dim=0)
+    g = torch.empty(flat.shape[0], w13.shape[1], dtype=x.dtype, device=x.device)
+    for e in torch.unique(flat).tolist():
+        g[flat == e] = linear(xp[flat == e], w13[e], None, None)
+    add = ReferenceLoraImpl().forward
+    add(g, xp, lora.a13, lora.b13, lora.pairs)
+    gv = g.view(num_tokens, slots, -1)
+    if lora.shared is not None:
+        gv[:, top_k] = add(gv[:, top_k].clone(), x, lora.shared[0], lora.shared[1], lora.slots)
+    h = silu_and_mul(g)
+    y = torch.empty(flat.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    for e in torch.unique(flat).tolist():
+        y[flat == e] = linear(h[flat == e], w2[e], None, None)
+    add(y, h, lora.a2, lora.b2, lora.pairs)
+    yv, hv = y.view(num_tokens, slots, -1), h.view(num_tokens, slots, -1)
+    if lora.shared is not None:
+        yv[:, top_k] = add(yv[:, top_k].clone(), hv[:, top_k], lora.shared[2], lora.shared[3], lora.slots)
+    weights = topk_weights.to(x.dtype)
+    out = (yv[:, 0] * weights[:, 0, None]).float()
+    for j in range(1, top_k):  # slot order in fp32, as ReferenceMoEImpl
+        out = out + (yv[:, j] * weights[:, j, None]).float()
+    out = out.to(x.dtype)
+    if shared_logits is not None:
+        out = out + torch.sigmoid(shared_logits[:, None]) * yv[:, top_k]
+    return out
+
+
 class ReferenceMoEBuilder(MoEBuilder):
     weight_formats = ("dense", "fp8_block")
+    serves_lora = True
 
     def check(self, spec: MoESpec, policy) -> list[str]:
         return check_dtype(spec)
