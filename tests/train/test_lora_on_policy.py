@@ -33,11 +33,14 @@ def _config(device, preset: str) -> EngineConfig:
 PROMPTS = [[(5 * j + 3) % 250 for j in range(n)] for n in (5, 9)]  # 9: a chunk and a one-token last chunk
 
 
-def _rollout(engine, lora: str | None, seed: int = 11):
-    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed, n=2, ignore_eos=True, lora_name=lora),
-              SamplingParams(max_new_tokens=3, ignore_eos=True, lora_name=lora)]
-    outs = engine.generate(PROMPTS, params)
-    ps, cs = zip(*[(p, s.token_ids) for p, o in zip(PROMPTS, outs) for s in o.outputs])
+def _rollout(engine, lora: str):
+    """Three sequences on the adapter (n=2 seeded T=1, greedy), then one without it."""
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=11, n=2, ignore_eos=True, lora_name=lora),
+              SamplingParams(max_new_tokens=3, ignore_eos=True, lora_name=lora),
+              SamplingParams(max_new_tokens=3, temperature=1.0, seed=14, ignore_eos=True)]
+    prompts = PROMPTS + PROMPTS[:1]
+    outs = engine.generate(prompts, params)
+    ps, cs = zip(*[(p, s.token_ids) for p, o in zip(prompts, outs) for s in o.outputs])
     return list(ps), list(cs), rollout_logprobs(outs)
 
 
@@ -51,18 +54,24 @@ def _engine_on_adapter(device, preset: str, registry):
 
 def test_lora_trainer_is_on_policy_before_and_after_an_adapter_sync(device, tmp_path):
     """Dense (the MLP's gate|up without the fused SiLU epilogue when LoRA is on, GDN and attention
-    projections): bitwise in two micro-batchings; a GRPO step on A and B; the adapter saved as
-    PEFT's files and loaded as version 2; that version's rollout bitwise again."""
+    projections): bitwise in two micro-batchings; the trainer without an adapter bitwise on the
+    engine's request without one; a GRPO step on A and B; the adapter saved as PEFT's files and
+    loaded as version 2; that version's rollout bitwise again."""
     registry = load_registry(extra_plugins=(TritonAnywhere(),))
     config, engine, cfg, tensors = _engine_on_adapter(device, "tiny-dense", registry)
     ps, cs, want = _rollout(engine, "policy")
+    (ps, base_p), (cs, base_c), (want, base_want) = ((x[:3], x[3:]) for x in (ps, cs, want))
     policy = PolicyModel.from_config(config, registry, lora=cfg, lora_tensors=tensors)
     lps = policy.token_logprobs(ps, cs)
     check_on_policy(want, lps)
     split = policy.token_logprobs(ps[2:], cs[2:]) + policy.token_logprobs(ps[:2], cs[:2])  # another micro-batching
     check_on_policy(want, split[1:] + split[:1])
-    with pytest.raises(OnPolicyMismatch):  # negative control: the same trainer without the adapter
-        check_on_policy(want[:1], PolicyModel.from_config(config, registry).token_logprobs(ps[:1], cs[:1]))
+    base = PolicyModel.from_config(config, registry)  # the LoRA-on config without an adapter
+    check_on_policy(base_want, base.token_logprobs(base_p, base_c))
+    with pytest.raises(OnPolicyMismatch):  # negative controls: each trainer on the other's rows
+        check_on_policy(want[:1], base.token_logprobs(ps[:1], cs[:1]))
+    with pytest.raises(OnPolicyMismatch):
+        check_on_policy(base_want, policy.token_logprobs(base_p, base_c))
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=0.05)
     loss, stats = policy_loss(lps, want, torch.tensor([1.0, -1.0, 0.5]))
     assert stats.max_ratio_gap == 0.0
