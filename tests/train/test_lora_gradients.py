@@ -122,3 +122,7 @@ def test_adapter_config_errors_name_the_problem(tmp_path):
     assert all(torch.count_nonzero(t) == 0 for n, t in fresh.adapter_tensors().items() if "lora_B" in n)  # PEFT's init
     with pytest.raises(ValueError, match="trains no LoRA adapter"):
         PolicyModel.from_config(config).adapter_tensors()
+    from bi_core.train.hf import to_transformers
+
+    with pytest.raises(ValueError, match="trains a LoRA adapter.*PeftModel.from_pretrained"):
+        to_transformers(fresh)
