@@ -141,7 +141,13 @@ class TrainLora:
     def forward(self, y, x, a, b, slots, ranks=None):
         kernels = lambda y_, x_, a_, b_: self.impl.forward(y_.clone(), x_, a_, b_, slots, ranks)
         mathematics = lambda y_, x_, a_, b_: math.lora(y_, x_, a_, b_, slots, self.silu_mul)
-        return _call(kernels, mathematics, y, x, a, b)
+        if self.silu_mul or not y._is_view():
+            return _call(kernels, mathematics, y, x, a, b)
+        # y is columns of a wider buffer (``Linear(out=...)``: official FP8's GDN in_proj | in_proj_ba),
+        # which the caller reads: the sum goes back into it, as the engine's kernel adds in place
+        # (from a copy, so the Function's saved input is not the tensor written)
+        y.copy_(_call(kernels, mathematics, y.clone(), x, a, b))
+        return y
 
 
 class TrainNorm:

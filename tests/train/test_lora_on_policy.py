@@ -44,8 +44,10 @@ def _rollout(engine, lora: str):
     return list(ps), list(cs), rollout_logprobs(outs)
 
 
-def _engine_on_adapter(device, preset: str, registry):
+def _engine_on_adapter(device, preset: str, registry, quantization: str | None = None):
     config = _config(device, preset)
+    if quantization:
+        config = config.replace(model={"quantization": quantization})
     engine = build_engine(config, registry)
     cfg, tensors = random_adapter(engine, r=4, seed=5, scale=2.0)
     engine.load_lora_adapter("policy", tensors=tensors, config=cfg)
@@ -93,10 +95,13 @@ def test_lora_trainer_is_on_policy_before_and_after_an_adapter_sync(device, tmp_
         check_on_policy(want, old.token_logprobs(PROMPTS, cs))
 
 
-def test_moe_lora_trainer_is_on_policy(device):
-    """MoE: the router's and the shared-expert gate's adapters too (they move the routing)."""
+@pytest.mark.parametrize("preset,quantization", [("tiny-moe", None), ("tiny-moe-b128", "fp8")])
+def test_moe_lora_trainer_is_on_policy(device, preset, quantization):
+    """MoE: the router's and the shared-expert gate's adapters too (they move the routing); block
+    FP8 base weights: the delta after the FP8 GEMM, GDN's in_proj and in_proj_ba writing their
+    columns of one buffer."""
     registry = load_registry(extra_plugins=(TritonAnywhere(),))
-    config, engine, cfg, tensors = _engine_on_adapter(device, "tiny-moe", registry)
+    config, engine, cfg, tensors = _engine_on_adapter(device, preset, registry, quantization)
     assert any("mlp.gate." in k for k in tensors)
     outs = engine.generate(PROMPTS[1:], [SamplingParams(max_new_tokens=3, temperature=1.0, seed=13, ignore_eos=True,
                                                          lora_name="policy")])
