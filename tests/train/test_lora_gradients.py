@@ -126,3 +126,31 @@ def test_adapter_config_errors_name_the_problem(tmp_path):
 
     with pytest.raises(ValueError, match="trains a LoRA adapter.*PeftModel.from_pretrained"):
         to_transformers(fresh)
+
+
+def test_adapter_synced_by_handle_serves_the_trained_adapter():
+    """A trained adapter pushed by handle (``serialize_named_tensors``, shared memory on the CPU) is
+    the engine's next version; on the reference backend its rollout logprobs are the trainer's
+    (close: that backend is not batch-invariant), and far from the base model's."""
+    from helpers import tiny_config
+
+    from bi_core import SamplingParams, build_engine
+    from bi_core.rl import serialize_named_tensors
+    from bi_core.train import max_gap, rollout_logprobs
+
+    config = EngineConfig.from_dict(tiny_config(lora={"max_loras": 2, "max_rank": 8},
+                                                model={"random": {"preset": "tiny-dense", "seed": 2}}))
+    engine = build_engine(config)
+    policy = PolicyModel.from_config(config, lora={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if n.endswith("lora_B.weight"):
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(n)))
+    for version in (1, 2):
+        loaded = engine.load_lora_adapter_from_tensor("policy", serialize_named_tensors(policy.adapter_tensors()),
+                                                      policy.adapter_config())
+        assert loaded.version == version
+    outs = engine.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=4, ignore_eos=True, lora_name="policy")])
+    ours = policy.token_logprobs([PROMPTS[0]], [outs[0].token_ids])
+    base = PolicyModel.from_config(config).token_logprobs([PROMPTS[0]], [outs[0].token_ids])
+    assert max_gap(rollout_logprobs(outs), ours) < 1e-4 < max_gap(rollout_logprobs(outs), base)
