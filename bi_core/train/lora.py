@@ -207,6 +207,8 @@ def build(config, engine, factory, cfg: dict | None, tensors: dict[str, torch.Te
             raise ConfigError("lora.max_loras", "the trainer's adapter mirrors a rollout engine that serves adapters: "
                               "build the policy from that engine's config (lora.max_loras > 0, its lora.max_rank)")
         return None, {}, {}
+    if not (dtype.is_floating_point and dtype.itemsize >= 2):
+        raise _bad(f"lora_dtype must be a floating dtype of 16 bits or more (float32, bfloat16...: the trainable A and B), got {dtype}")
     if cfg is None and tensors is not None:
         raise _bad("lora_tensors without lora: give the adapter's adapter_config dict as lora")
     # one slot: every training row is on the adapter; the rank padding (R) is the engine's, so its blocks

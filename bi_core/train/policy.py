@@ -227,7 +227,8 @@ class PolicyModel(nn.Module):
         """The trained adapter's ``adapter_config.json`` (PEFT's), for ``engine.load_lora_adapter``."""
         if self._adapter is None:
             raise ValueError("adapter_config: this policy trains no LoRA adapter (build it with lora=...)")
-        return self._adapter.config(self.config.model.path)
+        path = self.config.model.path
+        return self._adapter.config(None if path is None else str(path))
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The trained adapter's A and B in PEFT's names (``base_model.model.<module>.lora_A.weight``),

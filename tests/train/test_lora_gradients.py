@@ -114,6 +114,9 @@ def test_adapter_config_errors_name_the_problem(tmp_path):
         PolicyModel.from_config(config, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": True})
     with pytest.raises(ConfigError, match=r"lora_tensors: no tensors for \['model.layers.1.self_attn.q_proj'"):
         PolicyModel.from_config(config, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, lora_tensors={})
+    with pytest.raises(ConfigError, match="lora_dtype must be"):
+        PolicyModel.from_config(config, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+                                lora_dtype=torch.int32)
     off = _config(tmp_path / "ckpt", max_loras=0)
     with pytest.raises(ConfigError, match="lora.max_loras"):
         PolicyModel.from_config(off, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
