@@ -6,6 +6,10 @@ trainer computes the rollout's bits) and for transformers' own Qwen3.5 forward a
 
     python examples/grpo_on_policy.py                                   # CPU, tiny random model
     python examples/grpo_on_policy.py --config configs/h100_invariant.yaml --rounds 5   # a GPU
+    python examples/grpo_on_policy.py --lora-rank 8     # LoRA: rollouts on adapter v, train, sync v+1
+
+With ``--lora-rank`` the trainer trains a LoRA adapter (every projection the engine adapts, base
+weights frozen) and each round syncs the adapter alone, as the engine's next version of it.
 
 On the CPU embedded default (the reference backend, which is not batch-invariant) both gaps are
 small but not 0; on ``cuda_hopper_invariant`` the policy's is 0. The reward is a toy, checkable
@@ -29,14 +33,24 @@ def reward(tokens: list[int]) -> float:
 
 
 def grpo(config: EngineConfig, *, rounds: int = 3, num_prompts: int = 4, n: int = 4, max_new_tokens: int = 16,
-         lr: float = 1e-3, strict: bool = False, registry=None, compare_transformers: bool = True) -> list[dict]:
+         lr: float = 1e-3, strict: bool = False, registry=None, compare_transformers: bool = True,
+         lora_rank: int = 0) -> list[dict]:
     """The loop; returns one dict per round. ``strict``: stop (``OnPolicyMismatch``) at the first
-    trainer logprob that is not the rollout's, bitwise."""
+    trainer logprob that is not the rollout's, bitwise. ``lora_rank`` > 0: train a LoRA adapter of
+    that rank (transformers' gap is then not computed: it would need PEFT on top)."""
+    lora = None
+    if lora_rank:
+        if not config.lora.max_loras:
+            config = config.replace(lora={"max_loras": 2, "max_rank": max(lora_rank, config.lora.max_rank)})
+        lora, compare_transformers = {"r": lora_rank, "lora_alpha": 2 * lora_rank, "target_modules": "all-linear"}, False
     engine = build_engine(config, registry)
-    policy = PolicyModel.from_config(config, registry, param_dtype=torch.float32)  # fp32 master weights
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    policy = PolicyModel.from_config(config, registry, param_dtype=torch.float32, lora=lora)  # fp32 master weights
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    if lora:  # the adapter's version 1 (PEFT's initialisation: B = 0, the base model)
+        engine.load_lora_adapter("policy", tensors=policy.adapter_tensors(), config=policy.adapter_config())
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, n=n, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, n=n, ignore_eos=True,
+                            lora_name="policy" if lora else None)
     history = []
     for r in range(rounds):
         prompts = [torch.randint(0, 250, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen).tolist()
@@ -57,7 +71,10 @@ def grpo(config: EngineConfig, *, rounds: int = 3, num_prompts: int = 4, n: int 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        engine.update_weights(policy.state_dict())  # fp32 masters, rounded to the engine's dtype as .to() rounds
+        if lora:  # the adapter alone, as the name's next version
+            engine.load_lora_adapter("policy", tensors=policy.adapter_tensors(), config=policy.adapter_config())
+        else:
+            engine.update_weights(policy.state_dict())  # fp32 masters, rounded to the engine's dtype as .to() rounds
         history.append(row)
         print(f"round {r}: max|train - rollout| = {row['gap']:.3g}"
               + (f"  (transformers as the trainer: {row['transformers_gap']:.3g})" if compare_transformers else "")
@@ -74,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--strict", action="store_true", help="stop at the first token off the rollout's bits")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0: full weights)")
     a = ap.parse_args(argv)
     grpo(EngineConfig.from_yaml(a.config), rounds=a.rounds, num_prompts=a.prompts, n=a.n,
-         max_new_tokens=a.max_new_tokens, lr=a.lr, strict=a.strict)
+         max_new_tokens=a.max_new_tokens, lr=a.lr, strict=a.strict, lora_rank=a.lora_rank)
     return 0
 
 

@@ -19,6 +19,10 @@ def to_transformers(policy, dtype: torch.dtype | None = None) -> torch.nn.Module
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
+    if policy._adapter is not None:
+        raise ValueError("to_transformers: the policy trains a LoRA adapter; give transformers its base weights "
+                         "(policy.base_state_dict()) and the adapter through PEFT (policy.save_adapter(dir), then "
+                         "PeftModel.from_pretrained(model, dir))")
     args = policy.args
     fields = {k: v for k, v in args.to_hf_text_config().items() if k != "model_type"}
     cls, conf = (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig) if args.is_moe else (Qwen3_5ForCausalLM,

@@ -55,7 +55,7 @@ class TrainContext:
     num_blocks: int  # KV pages the batch needs (plus one scratch page)
     logits_all_rows: bool = False
     step_tensors: dict = attrs.field(factory=dict)
-    lora_slots: None = None  # the model reads it (ForwardContext's): the trainer runs the base weights only
+    lora_slots: torch.Tensor | None = None  # [T] (ForwardContext's): the adapter's slot per row (PolicyModel.plan)
 
 
 def _check(prompts: list[list[int]], completions: list[list[int]], vocab_size: int, max_len: int) -> None:

@@ -22,6 +22,21 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+         silu_mul: bool) -> torch.Tensor:
+    """``y + (x @ a[s].T) @ b[s].T`` per row of slot ``s`` (``-1``: none), then SwiGLU's
+    ``silu(gate) * up`` for a fused ``[gate; up]`` projection (``ops/lora.py``)."""
+    out = y
+    for s in slots.unique().tolist():
+        if s >= 0:
+            rows = (slots == s).nonzero()[:, 0]
+            out = out.index_add(0, rows, (x[rows] @ a[s].t()) @ b[s].t())
+    if not silu_mul:
+        return out
+    gate, up = out.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_1p(x, weight, eps)
 

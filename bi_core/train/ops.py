@@ -130,6 +130,26 @@ def _joined(parts) -> torch.Tensor | Fp8Activation:
     return parts[0] if len(parts) == 1 else Fp8Activation(*parts)
 
 
+class TrainLora:
+    """The lora op (``ops/lora.py``): the engine's kernels on a copy of the base output (they add
+    into it in place), the delta's mathematics in the backward; ``a`` and ``b`` are the stacks the
+    policy builds from its adapter's A and B (``train/lora.py``), so those get the gradients."""
+
+    def __init__(self, impl, spec) -> None:
+        self.impl, self.silu_mul = impl, spec.silu_mul
+
+    def forward(self, y, x, a, b, slots, ranks=None):
+        kernels = lambda y_, x_, a_, b_: self.impl.forward(y_.clone(), x_, a_, b_, slots, ranks)
+        mathematics = lambda y_, x_, a_, b_: math.lora(y_, x_, a_, b_, slots, self.silu_mul)
+        if self.silu_mul or not y._is_view():
+            return _call(kernels, mathematics, y, x, a, b)
+        # y is columns of a wider buffer (``Linear(out=...)``: official FP8's GDN in_proj | in_proj_ba),
+        # which the caller reads: the sum goes back into it, as the engine's kernel adds in place
+        # (from a copy, so the Function's saved input is not the tensor written)
+        y.copy_(_call(kernels, mathematics, y.clone(), x, a, b))
+        return y
+
+
 class TrainNorm:
     def __init__(self, impl, spec) -> None:
         self.impl, self.eps = impl, spec.eps
@@ -269,7 +289,7 @@ class HeadLogprobFn(torch.autograd.Function):
 
 
 WRAPPERS = {"linear": TrainLinear, "norm": TrainNorm, "topk": TrainTopK, "attention": TrainAttention,
-            "gdn": TrainGdn, "sampling": TrainSampler}
+            "gdn": TrainGdn, "sampling": TrainSampler, "lora": TrainLora}
 
 
 class TrainFactory:

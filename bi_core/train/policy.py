@@ -11,6 +11,7 @@ layout of the batch that reproduces the engine's arithmetic per token (``train/l
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import attrs
 import torch
@@ -29,6 +30,7 @@ from bi_core.policies.apply import applied
 from bi_core.quant.params import SCALE_SUFFIX, is_fp8
 from bi_core.runtime.build import prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.scheduler import resolve_chunk_size
+from bi_core.train import lora as adapters
 from bi_core.train import ops
 from bi_core.train.layout import TrainContext, plan_train
 from bi_core.train.weights import FusionPlan, fuse, fuse_fp8, fusion_plan, unfuse
@@ -69,10 +71,15 @@ class PolicyLayer(nn.Module):
     inputs are kept for the backward, which recomputes the layer's mathematics (``ops.math_mode``)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], plan: FusionPlan, engine_layer: DecoderLayer,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, lora: adapters.LayerAdapter | None = None,
+                 lora_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__()
         for name, t in tensors.items():
             _attach(self, name, t)
+        for name, (a, b) in (lora_tensors or {}).items():  # PEFT's module tree: q_proj.lora_A.weight
+            _attach(self, f"{name}.lora_A.weight", a)
+            _attach(self, f"{name}.lora_B.weight", b)
+        self._lora = lora
         self._plan, self._dtype = plan, compute_dtype
         self._meta = dict(engine_layer.named_parameters())  # shapes, and FP8 parameters' formats
         object.__setattr__(self, "_engine_layer", engine_layer)  # not a submodule: its parameters are meta
@@ -97,6 +104,8 @@ class PolicyLayer(nn.Module):
         return out
 
     def run(self, x, residual, ctx: TrainContext, caches: ModelCaches):
+        if self._lora is not None:
+            self._lora.fill(_tensors(self))  # the adapter's stacks from A and B (differentiable)
         return functional_call(self._engine_layer, self.engine_params(), (x, residual, ctx, caches))
 
     def forward(self, x, residual, ctx: TrainContext, caches: ModelCaches):
@@ -122,7 +131,8 @@ class _Checkpointed(torch.autograd.Function):
         layer, saved = fctx.layer, fctx.saved_tensors
         x = saved[0].detach().requires_grad_()
         residual = saved[1].detach().requires_grad_() if fctx.has_residual else None
-        params = list(layer.parameters())
+        needs = fctx.needs_input_grad[5:]  # frozen parameters (a LoRA trainer's base weights) get none
+        params = [p for p, n in zip(layer.parameters(), needs) if n]
         with torch.enable_grad(), ops.math_mode():
             h, r = layer.run(x, residual, fctx.ctx, fctx.caches)
         inputs = [x] + ([residual] if residual is not None else []) + params
@@ -130,15 +140,24 @@ class _Checkpointed(torch.autograd.Function):
         grads = torch.autograd.grad([o for o, _ in outs], inputs, [g for _, g in outs], allow_unused=True)
         gx, grads = grads[0], grads[1:]
         g_res = grads[0] if residual is not None else None
-        return (None, None, None, gx, g_res, *grads[1 if residual is not None else 0:])
+        rest = iter(grads[1 if residual is not None else 0:])
+        return (None, None, None, gx, g_res, *(next(rest) if n else None for n in needs))
 
 
 class PolicyModel(nn.Module):
     """Qwen3.5 (dense or MoE) as a trainable module: ``token_logprobs(prompts, completions)`` gives
     every completion token's logprob, differentiable; on the invariant backend, bitwise what the
-    engine with the same config and weights reported when it sampled those tokens."""
+    engine with the same config and weights reported when it sampled those tokens.
 
-    def __init__(self, config: EngineConfig, registry=None, *, param_dtype: torch.dtype | None = None) -> None:
+    ``lora``: PEFT's adapter_config dict (``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``):
+    the policy trains that adapter (its A and B in ``lora_dtype``, from ``lora_tensors`` in PEFT's
+    names or PEFT's initialisation seeded by ``lora_seed``), the base weights frozen; its logprobs
+    are those of the engine's requests on that adapter (the config's ``lora`` section: the rollout
+    engine's). A config with ``lora.max_loras`` > 0 and no ``lora``: those of its requests without one."""
+
+    def __init__(self, config: EngineConfig, registry=None, *, param_dtype: torch.dtype | None = None,
+                 lora: dict | None = None, lora_tensors: dict[str, torch.Tensor] | None = None, lora_seed: int = 0,
+                 lora_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if config.parallel.tensor_parallel_size != 1:
             raise ConfigError("parallel.tensor_parallel_size", "the trainer's forward runs on one GPU; build it from "
@@ -154,9 +173,11 @@ class PolicyModel(nn.Module):
         self.config, self.args, self._policy = config, args, policy
         self.device, self.dtype = factory.base["device"], factory.base["dtype"]
         param_dtype = param_dtype or self.dtype
-        engine = Qwen35Model(args, ops.TrainFactory(factory, lambda spec: ReferenceMoEImpl()), self.dtype,
-                             torch.device("meta"), with_mtp=False)
+        train_factory = ops.TrainFactory(factory, lambda spec: ReferenceMoEImpl())
+        engine = Qwen35Model(args, train_factory, self.dtype, torch.device("meta"), with_mtp=False)
         object.__setattr__(self, "_engine", engine)
+        self._adapter, layer_lora, lora_init = adapters.build(config, engine, train_factory, lora, lora_tensors,
+                                                              lora_seed, lora_dtype)
         plan = fusion_plan(args)
         hf = _initial_weights(config, args, factory, index, param_dtype)
         self.model = _Node()
@@ -166,7 +187,11 @@ class PolicyModel(nn.Module):
             _attach(self, "lm_head.weight", hf.pop("lm_head.weight"))
         self.model.layers = nn.ModuleList(
             PolicyLayer({n[len(f"model.layers.{i}."):]: t for n, t in hf.items() if n.startswith(f"model.layers.{i}.")},
-                        plan.layer(i), engine.layers[i], self.dtype) for i in range(args.num_hidden_layers))
+                        plan.layer(i), engine.layers[i], self.dtype, layer_lora.get(i), lora_init.get(i))
+            for i in range(args.num_hidden_layers))
+        if self._adapter is not None:  # the base weights are frozen: only A and B train
+            for name, p in self.named_parameters():
+                p.requires_grad_(adapters.is_adapter_param(name))
         registry_strategy = registry.strategies[config.strategy.name]
         limits = [m.attn.decode_query_len for m in engine.modules() if getattr(m, "attn", None) is not None]
         self._shape = _Shape(
@@ -192,8 +217,34 @@ class PolicyModel(nn.Module):
 
     def plan(self, prompts, completions) -> TrainContext:
         s = self._shape
-        return plan_train(prompts, completions, chunk_size=s.chunk_size, decode_tokens=s.decode_tokens,
-                          block_size=s.block_size, vocab_size=s.vocab_size, max_len=s.max_len, device=self.device)
+        ctx = plan_train(prompts, completions, chunk_size=s.chunk_size, decode_tokens=s.decode_tokens,
+                         block_size=s.block_size, vocab_size=s.vocab_size, max_len=s.max_len, device=self.device)
+        if self._adapter is not None:  # every row on the adapter's slot (0: the trainer's only one)
+            ctx.lora_slots = torch.zeros_like(ctx.input_ids)
+        return ctx
+
+    def adapter_config(self) -> dict:
+        """The trained adapter's ``adapter_config.json`` (PEFT's), for ``engine.load_lora_adapter``."""
+        if self._adapter is None:
+            raise ValueError("adapter_config: this policy trains no LoRA adapter (build it with lora=...)")
+        path = self.config.model.path
+        return self._adapter.config(None if path is None else str(path))
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The trained adapter's A and B in PEFT's names (``base_model.model.<module>.lora_A.weight``),
+        detached copies: ``engine.load_lora_adapter(name, tensors=..., config=adapter_config())``
+        serves them as the name's next version."""
+        self.adapter_config()  # (refuses a policy without one)
+        return {adapters.PREFIX + n: p.detach().clone() for n, p in self.named_parameters()
+                if adapters.is_adapter_param(n)}
+
+    def save_adapter(self, path) -> Path:
+        """The adapter as PEFT's ``save_pretrained`` writes it (the engine's and PEFT's loaders read it)."""
+        return adapters.save_adapter(path, self.adapter_config(), self.adapter_tensors())
+
+    def base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict without the adapter's tensors: the base weights, in Hugging Face names."""
+        return {n: t for n, t in self.state_dict().items() if not adapters.is_adapter_param(n)}
 
     def forward(self, ctx: TrainContext, temperature: float = 1.0) -> torch.Tensor:
         """The logprobs of every completion token of the planned batch, flat ``[sum C]``, under the

@@ -41,3 +41,13 @@ def test_the_example_runs_on_the_embedded_default(capsys):
     assert _example().main(["--config", str(EXAMPLE.parents[1] / "configs" / "cpu_reference.yaml"), "--rounds", "1",
                             "--prompts", "2", "--n", "2", "--max-new-tokens", "4"]) == 0
     assert "round 0: max|train - rollout|" in capsys.readouterr().out
+
+
+def test_the_example_trains_a_lora_adapter(capsys):
+    """``--lora-rank``: rollouts on the adapter's version v, a step on A and B, the adapter synced."""
+    module = _example()
+    config = EngineConfig.from_yaml(EXAMPLE.parents[1] / "configs" / "cpu_reference.yaml")
+    rows = module.grpo(config, rounds=2, num_prompts=2, n=2, max_new_tokens=4, lr=1e-2, lora_rank=4)
+    assert len(rows) == 2 and "transformers_gap" not in rows[0]
+    assert all(r["gap"] < 1e-4 for r in rows)  # the reference backend: close; round 1 on the synced version 2
+    assert "round 1: max|train - rollout|" in capsys.readouterr().out
