@@ -207,6 +207,9 @@ def build(config, engine, factory, cfg: dict | None, tensors: dict[str, torch.Te
             raise ConfigError("lora.max_loras", "the trainer's adapter mirrors a rollout engine that serves adapters: "
                               "build the policy from that engine's config (lora.max_loras > 0, its lora.max_rank)")
         return None, {}, {}
+    if lo.experts:  # its MoE rows (base ones too) run another arithmetic the trainer does not mirror
+        raise ConfigError("lora.experts", "the trainer does not train or mirror adapters on the MoE experts and the "
+                          "shared expert: build the policy from a config with lora.experts: false")
     if not (dtype.is_floating_point and dtype.itemsize >= 2):
         raise _bad(f"lora_dtype must be a floating dtype of 16 bits or more (float32, bfloat16...: the trainable A and B), got {dtype}")
     if cfg is None and tensors is not None:

@@ -120,6 +120,9 @@ def test_adapter_config_errors_name_the_problem(tmp_path):
     off = _config(tmp_path / "ckpt", max_loras=0)
     with pytest.raises(ConfigError, match="lora.max_loras"):
         PolicyModel.from_config(off, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    experts = _config(save_checkpoint(make_hf_model("moe"), tmp_path / "moe"), experts=True)
+    with pytest.raises(ConfigError, match="lora.experts.*does not train or mirror"):  # never a silent partial adapter
+        PolicyModel.from_config(experts, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
     fresh = PolicyModel.from_config(config, lora={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
     assert fresh.adapter_config()["target_modules"] == "all-linear"
     assert all(torch.count_nonzero(t) == 0 for n, t in fresh.adapter_tensors().items() if "lora_B" in n)  # PEFT's init
