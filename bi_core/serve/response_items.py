@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
-    from bi_core.serve.responses import ResponsesRequest
     from bi_core.serve.server import Choice
 
 
@@ -18,23 +17,18 @@ if TYPE_CHECKING:
 class ResponseHead:
     """What a response says beside its output: the request's settings, its id and creation time."""
 
-    req: ResponsesRequest
+    settings: dict  # the request's settings a response echoes (``responses.echoed_settings``)
     id: str
     model: str | None
     created_at: int
 
     def body(self, status: str, output: list[dict], usage: dict | None) -> dict:
         """The ``response`` object at ``status`` (in_progress, completed, incomplete)."""
-        req = self.req
         return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
                 "status": status,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "error": None, "output": output, "instructions": req.instructions, "metadata": req.metadata or {},
-                "tools": [t.model_dump() for t in req.tools or []], "tool_choice": req.tool_choice or "auto",
-                "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-                "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "previous_response_id": None,
-                "reasoning": req.reasoning, "store": False, "text": req.text or {"format": {"type": "text"}},
-                "truncation": "disabled", "user": req.user, "usage": usage}
+                "error": None, "output": output, **self.settings, "previous_response_id": None, "store": False,
+                "truncation": "disabled", "usage": usage}
 
 
 def usage(c: Choice) -> dict:

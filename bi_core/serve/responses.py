@@ -198,7 +198,7 @@ async def create_response(server: Server, req: ResponsesRequest, request: Reques
     queue, choices = await server.start(jobs, "input")
     rid = f"resp_{uuid.uuid4().hex}"
     server.track({rid: choices})
-    head = ResponseHead(req, rid, chat.model, int(time.time()))
+    head = ResponseHead(echoed_settings(req), rid, chat.model, int(time.time()))
     if req.stream:
         return stream_response(server, queue, choices, turn, head)
     try:
@@ -206,3 +206,12 @@ async def create_response(server: Server, req: ResponsesRequest, request: Reques
     finally:
         server.untrack([rid])
     return whole_response(turn, head, choices[0])
+
+
+def echoed_settings(req: ResponsesRequest) -> dict:
+    """The request's settings as a response object repeats them (OpenAI's field names)."""
+    return {"instructions": req.instructions, "metadata": req.metadata or {},
+            "tools": [t.model_dump() for t in req.tools or []], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "reasoning": req.reasoning,
+            "text": req.text or {"format": {"type": "text"}}, "user": req.user}

@@ -133,7 +133,7 @@ def _joined(parts) -> torch.Tensor | Fp8Activation:
 class TrainLora:
     """The lora op (``ops/lora.py``): the engine's kernels on a copy of the base output (they add
     into it in place), the delta's mathematics in the backward; ``a`` and ``b`` are the stacks the
-    policy builds from its adapter's A and B (``train/lora.py``), so those get the gradients."""
+    policy builds from its adapter's A and B (``train/adapter.py``), so those get the gradients."""
 
     def __init__(self, impl, spec) -> None:
         self.impl, self.silu_mul = impl, spec.silu_mul

@@ -30,7 +30,7 @@ from bi_core.policies.apply import applied
 from bi_core.quant.params import SCALE_SUFFIX, is_fp8
 from bi_core.runtime.build import prepare, resolve_max_model_len, resolve_model
 from bi_core.runtime.scheduler import resolve_chunk_size
-from bi_core.train import lora as adapters
+from bi_core.train import adapter as adapters
 from bi_core.train import ops
 from bi_core.train.layout import TrainContext, plan_train
 from bi_core.train.weights import FusionPlan, fuse, fuse_fp8, fusion_plan, unfuse

@@ -131,7 +131,7 @@ def test_events_end_in_the_non_streamed_response_however_the_text_is_cut(answer,
     from bi_core.runtime.sequence import RequestOutput
     from bi_core.serve.chat import ChatTurn
     from bi_core.serve.response_items import ResponseHead
-    from bi_core.serve.responses import ResponsesRequest
+    from bi_core.serve.responses import ResponsesRequest, echoed_settings
     from bi_core.serve.responses_stream import ResponseEvents, whole_response
     from bi_core.serve.server import Choice
 
@@ -140,7 +140,7 @@ def test_events_end_in_the_non_streamed_response_however_the_text_is_cut(answer,
     out = RequestOutput(request_id=0, prompt_token_ids=[1, 2], token_ids=[5] * 9, text=answer, token_logprobs=[],
                         logprobs=None, finish_reason=finish)
     choice = Choice(0, 2, 0, output=out)
-    head = ResponseHead(req, "resp_x", "tiny", 0)
+    head = ResponseHead(echoed_settings(req), "resp_x", "tiny", 0)
     whole = whole_response(turn, head, choice)
     for size in range(1, 8):
         events, parser = ResponseEvents(head), turn.parser()
@@ -176,7 +176,7 @@ def test_an_engine_failure_is_an_error_event_and_the_stream_ends():
     from bi_core.serve.chat import ChatTurn
     from bi_core.serve.client import Delta
     from bi_core.serve.response_items import ResponseHead
-    from bi_core.serve.responses import ResponsesRequest
+    from bi_core.serve.responses import ResponsesRequest, echoed_settings
     from bi_core.serve.responses_stream import stream_response
     from bi_core.serve.server import Choice
 
@@ -200,7 +200,7 @@ def test_an_engine_failure_is_an_error_event_and_the_stream_ends():
         queue = asyncio.Queue()
         queue.put_nowait((0, Delta([5], [0.0], [], "Thinking")))
         queue.put_nowait((0, Delta([5], [0.0], [], "a", output=failed)))
-        response = stream_response(server, queue, [Choice(0, 2, 0)], turn, ResponseHead(req, "resp_x", "tiny", 0))
+        response = stream_response(server, queue, [Choice(0, 2, 0)], turn, ResponseHead(echoed_settings(req), "resp_x", "tiny", 0))
         return [chunk async for chunk in response.body_iterator]
 
     chunks = asyncio.run(run())
