@@ -23,18 +23,18 @@ VOCAB = 248320
 ADAPTERS = [(f"r{r}_{i}", r) for r in (16, 64) for i in range(4)]  # 8 adapters: 4 of rank 16, 4 of rank 64
 
 
-def lora_config(backend="cuda_hopper_invariant", graphs=True, invariant=True, dtype="bfloat16"):
+def lora_config(backend="cuda_hopper_invariant", graphs=True, invariant=True, dtype="bfloat16", experts=False):
     return EngineConfig.from_dict(tiny_config(
         model={"random": {"preset": "qwen3.5-35b-a3b", "seed": 0, "num_hidden_layers": 4}, "dtype": dtype,
                "device": "cuda", "max_model_len": 2048},
         backend=backend, policy={"batch_invariant": invariant}, graph={"enabled": graphs, "warmup": False},
         scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096}, cache={"num_blocks": 4096},
-        lora={"max_loras": 8, "max_rank": 64}))
+        lora={"max_loras": 8, "max_rank": 64, "experts": experts}))
 
 
-def loaded(config):
+def loaded(config, adapters=ADAPTERS):
     eng = build_engine(config)
-    for seed, (name, r) in enumerate(ADAPTERS):
+    for seed, (name, r) in enumerate(adapters):
         cfg, tensors = random_adapter(eng, r=r, seed=seed, scale=1.0)
         eng.load_lora_adapter(name, tensors=tensors, config=cfg)
     return eng
@@ -45,10 +45,10 @@ def prompts(n, seed=0):
     return [torch.randint(0, VOCAB, (m,), generator=g).tolist() for m in torch.randint(1, 200, (n,), generator=g)]
 
 
-def run(eng, needle, lora, fillers):
+def run(eng, needle, lora, fillers, adapters=ADAPTERS):
     """The needle's (tokens, logprobs) on adapter ``lora`` among ``fillers`` on random adapters or none."""
     pick = random.Random(len(fillers))
-    names = [None] + [name for name, _ in ADAPTERS]
+    names = [None] + [name for name, _ in adapters]
 
     def params(name):
         return SamplingParams(max_new_tokens=16, temperature=0.7, seed=3, ignore_eos=True, logprobs=0, lora_name=name)
@@ -77,6 +77,22 @@ def test_adapter_request_bitwise_alone_and_among_8_adapters(lora):
     default = loaded(lora_config("cuda_default", invariant=False))
     d_alone = run(default, needle, lora, [])
     assert any(run(default, needle, lora, prompts(n, seed=n)) != d_alone for n in (17, 63))
+
+
+def test_expert_adapter_request_bitwise_alone_and_among_expert_adapters():
+    """lora.experts: adapters on the routed experts and the shared expert as well (every module the
+    engine adapts). Negative control: the needle's adapter without its expert tensors differs."""
+    experts = [(f"e{i}", 16) for i in range(4)]
+    needle = torch.randint(0, VOCAB, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+    eng = loaded(lora_config(experts=True), experts)
+    cfg, tensors = random_adapter(eng, r=16, seed=0, scale=1.0)
+    eng.load_lora_adapter("e0_attn", tensors={k: v for k, v in tensors.items() if ".mlp." not in k},
+                          config={k: v for k, v in cfg.items() if k != "target_parameters"})
+    alone = run(eng, needle, "e0", [], experts)
+    assert eng.runner.main_graphs.num_replays[1] > 0
+    for n in (5, 31):
+        assert run(eng, needle, "e0", prompts(n, seed=n), experts) == alone, n
+    assert run(eng, needle, "e0_attn", [], experts)[1] != alone[1]
 
 
 def test_graph_replay_equals_eager_with_adapters():
