@@ -64,9 +64,12 @@ def hf_gdn(model, which: str):
     behind a kernel wrapper, a global imported from fla, each GDN module's attribute), so "torch"
     replaces every one of them for the block: the module's globals named ``chunk_gated_delta_rule``
     or ``torch_chunk_gated_delta_rule`` and any module attribute of those names."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
     names = ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule")
-    saved = [(m, n, getattr(m, n)) for n in names if hasattr(m, n)]
+    # the modules that define the model's classes (qwen3_5_moe for the MoE checkpoints, qwen3_5 for dense)
+    defining = {sys.modules[type(mod).__module__] for mod in model.modules()}
+    defining = [d for d in defining if hasattr(d, "torch_chunk_gated_delta_rule")]
+    m = defining[0]
+    saved = [(d, n, getattr(d, n)) for d in defining for n in names if hasattr(d, n)]
     saved += [(mod, n, getattr(mod, n)) for mod in model.modules() for n in names if hasattr(mod, n)]
     if which == "torch":
         torch_fn = _innermost(m.torch_chunk_gated_delta_rule)
@@ -75,7 +78,7 @@ def hf_gdn(model, which: str):
         if not _said:  # once: the log names what transformers' backward ran
             _said.append(True)
             print(f"transformers' forward + backward GDN: {torch_fn.__module__}.{torch_fn.__qualname__} "
-                  f"(in place of {sorted({n for _, n, _ in saved})} on {len(saved)} owners)", flush=True)
+                  f"(in place of {sorted({n for _, n, _ in saved})} in {sorted(d.__name__ for d in defining)})", flush=True)
     try:
         yield
     finally:
