@@ -14,19 +14,20 @@ DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj
 
 
 def make_adapter(hf_model, path: Path, *, r: int = 8, alpha: float = 16.0, seed: int = 1, rslora: bool = False,
-                 targets: list[str] | None = None, rank_pattern: dict | None = None):
+                 targets: list[str] | None = None, rank_pattern: dict | None = None, params: list[str] | None = None,
+                 scale: float = 0.3):
     """A PEFT LoRA on ``hf_model`` with random A and B (PEFT starts B at zero), saved to ``path``;
-    returns the PeftModel."""
+    returns the PeftModel. ``params``: PEFT's ``target_parameters`` (the MoE experts' fused ones)."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or DENSE_TARGETS, lora_dropout=0.0,
-                     use_rslora=rslora, rank_pattern=rank_pattern or {})
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=DENSE_TARGETS if targets is None else targets,
+                     lora_dropout=0.0, use_rslora=rslora, rank_pattern=rank_pattern or {}, target_parameters=params)
     peft_model = get_peft_model(hf_model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 / p.shape[-1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
     peft_model.save_pretrained(str(path))
     return peft_model.eval()
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_fixtures import hf_greedy, make_hf_model, save_checkpoint  # noqa: E402
-from lora_fixtures import engine_config, save_adapter  # noqa: E402
+from lora_fixtures import engine_config, make_adapter, save_adapter  # noqa: E402
 from test_peft_conformance import PROMPTS, STEPS, first_logits_and_outputs, rel_err  # noqa: E402
 
 from bi_core import EngineConfig, SamplingParams, build_engine  # noqa: E402
@@ -23,20 +23,8 @@ SHARED = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.dow
 
 
 def expert_adapter(hf_model, path: Path, *, targets, params, r: int = 4, alpha: float = 8.0, seed: int = 1):
-    """A PEFT LoRA on the shared expert (``targets``) and the experts' parameters (``params``),
-    random A and B, saved with PEFT's save_pretrained; returns the PeftModel."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, target_parameters=params, lora_dropout=0.0)
-    peft_model = get_peft_model(hf_model, cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
-    peft_model.save_pretrained(str(path))
-    return peft_model.eval()
+    """A PEFT LoRA on the shared expert (``targets``) and the experts' parameters (``params``)."""
+    return make_adapter(hf_model, path, r=r, alpha=alpha, seed=seed, targets=targets, params=params, scale=0.5)
 
 
 @pytest.mark.parametrize("targets,params", [(SHARED, EXPERT_PARAMS), (["q_proj"], EXPERT_PARAMS[1:]),
