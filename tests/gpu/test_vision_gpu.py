@@ -111,19 +111,27 @@ def test_image_requests_decode_steps_replay_graphs_with_the_eager_bits():
 
 
 def test_tower_embeddings_bitwise_among_other_images_and_default_is_not():
+    """Needles from 4 patches (1 token) to 784 (196 tokens): alone, a small image's GEMMs have a
+    few rows, where cuBLAS picks other kernels (split-K) than in a batch of thousands of rows; the
+    default tower must differ for some needle, the invariant one for none."""
+    needles = [image(g, 3 + i) for i, g in enumerate([(1, 2, 2), (1, 4, 4), (1, 8, 8), (1, 28, 28)])]
+
     def mismatches(backend: str) -> int:
         eng = build_engine(vision_config(backend, graphs=False))
         tower, device = eng.runner.vision, eng.device
-        needle = image((1, 28, 28), 3)
         others = [image(g, 10 + i) for i, g in enumerate(GRIDS * 4)]
+        bad = 0
         with torch.inference_mode():
-            alone = tower(needle["pixel_values"].to(device), [needle["grid_thw"]])
-            bad = 0
-            for k in (1, 5, 16):
-                batch = others[:k] + [needle] + others[k:2 * k]
-                out = tower(torch.cat([x["pixel_values"] for x in batch]).to(device), [x["grid_thw"] for x in batch])
-                start = sum(x["pixel_values"].shape[0] for x in others[:k]) // 4
-                bad += not torch.equal(out[start:start + alone.shape[0]], alone)
+            for needle in needles:
+                alone = tower(needle["pixel_values"].to(device), [needle["grid_thw"]])
+                for k in (1, 5, 16):
+                    batch = others[:k] + [needle] + others[k:2 * k]
+                    out = tower(torch.cat([x["pixel_values"] for x in batch]).to(device),
+                                [x["grid_thw"] for x in batch])
+                    start = sum(x["pixel_values"].shape[0] for x in others[:k]) // 4
+                    bad += not torch.equal(out[start:start + alone.shape[0]], alone)
+        del eng
+        torch.cuda.empty_cache()
         return bad
 
     assert mismatches("cuda_hopper_invariant") == 0
