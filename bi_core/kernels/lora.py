@@ -18,8 +18,12 @@ def _lora_rows_kernel(X, W, SLOTS, Y, RANKS, K, N, PART, stride_x, stride_ws, st
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(SLOTS + t)
+    if slot < 0:  # a row without an adapter reads nothing: the shrink writes its zeros, the expand nothing
+        if not ADD:
+            tl.store(Y + t * stride_y + cols, tl.zeros((BLOCK_N,), dtype=Y.dtype.element_ty), mask=cols < N)
+        return
     valid = slot >= 0
-    # a row without an adapter reads nothing and (ADD) writes nothing: its bounds become 0
+    # a row without an adapter reads nothing (the shrink writes its zeros): its bounds become 0
     k_end, n_end = tl.where(valid, K, 0), tl.where(valid, N, 0)
     safe = tl.maximum(slot, 0).to(tl.int64)
     base = W + safe * stride_ws

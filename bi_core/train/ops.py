@@ -197,17 +197,17 @@ class TopKFn(torch.autograd.Function):
 
 
 class TrainMoE:
-    def __init__(self, impl, spec, reference) -> None:
-        self.impl, self.spec, self.reference = impl, spec, reference
+    def __init__(self, impl, spec) -> None:
+        self.impl, self.spec = impl, spec
 
     def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, **fp8):
         shared = () if shared_logits is None else (shared_logits,)
         if not fp8:
-            return _call(self.impl.forward, self.reference.forward, x, topk_weights, topk_ids, w13, w2, *shared)
+            return _call(self.impl.forward, math.moe, x, topk_weights, topk_ids, w13, w2, *shared)
         # block-FP8 experts (``w13.dense``, ``w2.dense``: their bf16 weights, as TrainLinear._fp8)
         fp8 = {k: v for k, v in fp8.items() if v is not None}
         kernels = lambda x_, w_, ids_, _13, _2, *s_: self.impl.forward(x_, w_, ids_, w13, w2, *s_, **fp8)
-        return _call(kernels, self.reference.forward, x, topk_weights, topk_ids, w13.dense, w2.dense, *shared)
+        return _call(kernels, math.moe, x, topk_weights, topk_ids, w13.dense, w2.dense, *shared)
 
 
 class TrainAttention:
@@ -289,24 +289,22 @@ class HeadLogprobFn(torch.autograd.Function):
 
 
 WRAPPERS = {"linear": TrainLinear, "norm": TrainNorm, "topk": TrainTopK, "attention": TrainAttention,
-            "gdn": TrainGdn, "sampling": TrainSampler, "lora": TrainLora}
+            "gdn": TrainGdn, "sampling": TrainSampler, "lora": TrainLora,
+            "moe": TrainMoE}
 
 
 class TrainFactory:
     """An op factory whose impls train: the wrapped factory selects and builds each impl (its
     policy, its backend order, its refusals), this one wraps it (once per impl)."""
 
-    def __init__(self, factory, reference_moe: Callable) -> None:
+    def __init__(self, factory) -> None:
         self.inner, self.base = factory, factory.base
-        self._reference_moe = reference_moe
         self._wrapped: dict[int, object] = {}
 
     def build(self, op: str, spec):
         impl = self.inner.build(op, spec)
         if id(impl) not in self._wrapped:
-            if op == "moe":
-                self._wrapped[id(impl)] = TrainMoE(impl, spec, self._reference_moe(spec))
-            elif op in WRAPPERS:
+            if op in WRAPPERS:
                 self._wrapped[id(impl)] = WRAPPERS[op](impl, spec)
             else:
                 raise NotImplementedError(f"op {op!r} has no training form (the trainer runs as one rank)")

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from bi_core.backends.reference.moe import ReferenceMoEImpl
 from bi_core.config import EngineConfig
 from bi_core.errors import ConfigError, RequestError
 from bi_core.models.loader import load_weights
@@ -173,7 +172,7 @@ class PolicyModel(nn.Module):
         self.config, self.args, self._policy = config, args, policy
         self.device, self.dtype = factory.base["device"], factory.base["dtype"]
         param_dtype = param_dtype or self.dtype
-        train_factory = ops.TrainFactory(factory, lambda spec: ReferenceMoEImpl())
+        train_factory = ops.TrainFactory(factory)
         engine = Qwen35Model(args, train_factory, self.dtype, torch.device("meta"), with_mtp=False)
         object.__setattr__(self, "_engine", engine)
         self._adapter, layer_lora, lora_init = adapters.build(config, engine, train_factory, lora, lora_tensors,
