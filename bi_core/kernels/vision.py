@@ -12,9 +12,9 @@ import triton.language as tl
 
 from bi_core.kernels.common import dot_mode, mma
 
-BLOCK_M = 64  # query rows per program
+BLOCK_M = 128  # query rows per program
 BLOCK_N = 64  # key rows per step
-NUM_WARPS, NUM_STAGES = 4, 2  # the launch's (fixed like the tiles; dev/probes/vision_attention_tune.py times others)
+NUM_WARPS, NUM_STAGES = 8, 3  # the launch's (fixed like the tiles; dev/probes/vision_attention_tune.py times others)
 LOG2E = 1.4426950408889634
 
 

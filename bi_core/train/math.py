@@ -37,32 +37,46 @@ def lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slo
     return F.silu(gate) * up
 
 
+_GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.10
+
+
 def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         shared_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum (the shared expert, stacked last, gated by ``shared_logits``), as
     the reference MoE computes it, in a form whose backward stays cheap: (token, slot) pairs sorted
-    by expert, one contiguous block of rows per expert, the stacks split by ``unbind`` (one
-    gradient buffer per stack; indexing ``w13[e]`` under autograd would zero-fill a whole stack's
-    gradient per expert, and writing per-expert outputs into a ``[T, top_k, H]`` buffer in place
-    would clone it per expert: 9.9 s of an 8-layer 35B-A3B step's backward on 2026-12-07)."""
+    by expert into one contiguous block of rows per expert, the blocks through ``grouped_mm`` (bf16,
+    as transformers' MoE trains) or one expert at a time from ``unbind`` views. Indexing ``w13[e]``
+    under autograd would zero-fill a whole stack's gradient per expert, and writing each expert's
+    outputs into a ``[T, top_k, H]`` buffer in place would clone it per expert: 9.9 s of an
+    8-layer 35B-A3B step's backward on 2026-12-07."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    rows = x[order // top_k]
-    w13s, w2s = w13.unbind(0), w2.unbind(0)
-    blocks, start = [], 0
-    for e, count in enumerate(counts):
-        if count:
-            blocks.append(F.linear(silu_mul_linear(rows[start:start + count], w13s[e]), w2s[e]))
-            start += count
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    y = _expert_blocks(x[order // top_k], counts, w13, w2, grouped=_GROUPED_MM is not None and x.dtype == torch.bfloat16)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = torch.cat(blocks)[inverse].view(num_tokens, top_k, -1) * topk_weights.to(x.dtype)[..., None]
+    y = y[inverse].view(num_tokens, top_k, -1) * topk_weights.to(x.dtype)[..., None]
     out = y.float().sum(dim=1).to(x.dtype)
     if shared_logits is None:
         return out
-    return out + torch.sigmoid(shared_logits[:, None]) * F.linear(silu_mul_linear(x, w13s[-1]), w2s[-1])
+    return out + torch.sigmoid(shared_logits[:, None]) * F.linear(silu_mul_linear(x, w13[-1]), w2[-1])
+
+
+def _expert_blocks(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   grouped: bool) -> torch.Tensor:
+    """Rows sorted by expert (``counts[e]`` of expert ``e``) through their experts' SwiGLU MLPs."""
+    if grouped:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = _GROUPED_MM(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return _GROUPED_MM(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    w13s, w2s = w13.unbind(0), w2.unbind(0)
+    blocks, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            blocks.append(F.linear(silu_mul_linear(rows[start:start + count], w13s[e]), w2s[e]))
+            start += count
+    return torch.cat(blocks)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

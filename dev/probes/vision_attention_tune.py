@@ -18,19 +18,19 @@ import torch.nn.functional as F
 
 from bi_core.kernels import vision as kv
 
-CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3),
            (64, 32, 4, 3), (128, 128, 8, 2)]
 HEADS, DIM = 16, 72
 
 
-def timed(fn, repeats: int = 10) -> float:
-    fn()
+def timed(fn, *args, repeats: int = 10) -> float:
+    fn(*args)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        fn(*args)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
@@ -44,12 +44,12 @@ def attention_table() -> None:
         cu = [i * length for i in range(images + 1)]
         scale = DIM**-0.5
         qs, ks, vs = (x.view(images, length, HEADS, DIM).transpose(1, 2) for x in (q, k, v))
-        sdpa = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scale))
+        sdpa = timed(F.scaled_dot_product_attention, qs, ks, vs, None, 0.0, False, scale)
         print(f"\n{images} images x {length} tokens: SDPA {sdpa:.3f} ms")
         for bm, bn, warps, stages in CONFIGS:
             kv.BLOCK_M, kv.BLOCK_N, kv.NUM_WARPS, kv.NUM_STAGES = bm, bn, warps, stages
             try:
-                ms = timed(lambda: kv.vision_attention(q, k, v, cu, scale))
+                ms = timed(kv.vision_attention, q, k, v, cu, scale)
                 full = kv.vision_attention(q, k, v, cu, scale)
                 one = kv.vision_attention(q[length:2 * length], k[length:2 * length], v[length:2 * length],
                                           [0, length], scale)
@@ -76,13 +76,14 @@ def tower_profiles(depth: int) -> None:
         for grid, n in (((1, 28, 28), 8), ((1, 64, 64), 2)):
             x = torch.randn(n * grid[1] * grid[2], tower.args.patch_dim, device="cuda")
             with torch.inference_mode():
-                ms = timed(lambda: tower(x, [grid] * n), repeats=5)
+                ms = timed(tower, x, [grid] * n, repeats=5)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     tower(x, [grid] * n)
                     torch.cuda.synchronize()
             print(f"\n{backend}, {n} x {grid}: {ms:.2f} ms")
             print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=70))
-        del eng, tower
+        del eng
+        tower = None
         torch.cuda.empty_cache()
 
 
