@@ -1,7 +1,8 @@
 """Who may call which route: SGLang's two keys and its two levels, plus a rule for servers that
 listen beyond loopback.
 
-- ``/health*`` and ``/metrics`` answer anyone (probes and scrapers carry no secret), as SGLang's.
+- ``/health*``, ``/ping`` and ``/metrics`` answer anyone (probes and scrapers carry no secret), as
+  SGLang's (``/ping``: vLLM's and SageMaker's health probe, outside vLLM's ``/v1`` key check).
 - The control routes (``CONTROL_PATHS``: weight updates, sleep and wake, pause and resume, aborts,
   cache resets, weight-update groups, ``/collective_rpc``) need ``serve.admin_api_key`` when it is
   set (``serve.api_key`` is then not enough), else ``serve.api_key`` when that is set: SGLang's
@@ -25,7 +26,7 @@ import attrs
 
 from bi_core.serve.api_errors import ApiError
 
-OPEN_PATHS = ("/health", "/metrics")  # prefixes, as SGLang's (/health_generate too)
+OPEN_PATHS = ("/health", "/ping", "/metrics")  # prefixes, as SGLang's (/health_generate too)
 CONTROL_PATHS = frozenset({
     "/pause", "/resume", "/abort_requests", "/reset_prefix_cache", "/sleep", "/wake_up",
     "/init_weight_transfer_engine", "/update_weights", "/pause_generation", "/continue_generation", "/abort_request",

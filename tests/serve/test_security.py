@@ -55,6 +55,7 @@ def test_which_key_opens_which_route():
     admin_only = Guard("10.1.2.3", admin_api_key="a")  # generation stays open, control needs the key
     assert [status(admin_only, other), status(admin_only, control), status(admin_only, control, "Bearer a")] == \
         [200, 401, 200]
+    assert [status(g, p) for g in (keyed, both) for p in ("/ping", "/metrics", "/health")] == [200] * 6
     e = wide.check(control, None)
     assert e.body["error"]["code"] == "control_routes_disabled" and "serve.allow_unauthenticated_control" in \
         e.body["error"]["message"] and "0.0.0.0" in e.body["error"]["message"]
