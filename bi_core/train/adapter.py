@@ -8,7 +8,8 @@ rank and part columns, so the same kernel blocks), one slot filled from A and B 
 loader fills it (``round(A)``, ``round(B * scale)`` in the model dtype), every row on that slot.
 The lora op's backward differentiates ``y + (x A^T) B^T`` (``train/math.py``), so A and B get
 gradients through the stacks. ``adapter_tensors`` and ``adapter_config`` give the adapter back in
-PEFT's names, as the engine's ``load_lora_adapter`` takes it."""
+PEFT's names, as the engine's ``load_lora_adapter`` takes it. With ``lora.experts`` the MoE
+layers' expert stacks are filled so too (``train/expert_adapter.py``)."""
 
 from __future__ import annotations
 
