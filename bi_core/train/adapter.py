@@ -8,7 +8,8 @@ rank and part columns, so the same kernel blocks), one slot filled from A and B 
 loader fills it (``round(A)``, ``round(B * scale)`` in the model dtype), every row on that slot.
 The lora op's backward differentiates ``y + (x A^T) B^T`` (``train/math.py``), so A and B get
 gradients through the stacks. ``adapter_tensors`` and ``adapter_config`` give the adapter back in
-PEFT's names, as the engine's ``load_lora_adapter`` takes it."""
+PEFT's names, as the engine's ``load_lora_adapter`` takes it. With ``lora.experts`` the MoE
+layers' expert stacks are filled so too (``train/expert_adapter.py``)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ import attrs
 import torch
 
 from bi_core.errors import ConfigError
-from bi_core.lora.peft import _KEY, _refusals
+from bi_core.lora.experts import ExpertTarget
+from bi_core.lora.peft import _KEY, _PARAM_MODULE, _refusals
 from bi_core.lora.targets import LoraTarget, Part
 from bi_core.models.loader import _normalise
+from bi_core.train import expert_adapter
+from bi_core.train.expert_adapter import ExpertPart, expert_parts
 
 PREFIX = "base_model.model."  # PEFT's names of a CausalLM's modules
 
@@ -37,6 +41,8 @@ class AdapterSpec:
     rslora: bool
     target_modules: list[str] | str
     modules: dict[str, tuple[str, Part]]  # Hugging Face module name -> (engine projection, its part)
+    experts: dict[str, ExpertPart] = attrs.Factory(dict)  # lora.experts: PEFT module name -> its expert part
+    target_parameters: list[str] | None = None
 
     @property
     def scale(self) -> float:
@@ -47,7 +53,13 @@ class AdapterSpec:
         """PEFT's ``adapter_config.json`` of the adapter."""
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
                 "r": self.r, "lora_alpha": self.alpha, "use_rslora": self.rslora, "lora_dropout": 0.0,
-                "bias": "none", "target_modules": self.target_modules, "init_lora_weights": True}
+                "bias": "none", "target_modules": self.target_modules, "init_lora_weights": True,
+                **({"target_parameters": self.target_parameters} if self.target_parameters else {})}
+
+    def shapes(self) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+        """PEFT module name -> the shapes of its A and B."""
+        dense = {hf: ((self.r, p.in_features), (p.rows[1] - p.rows[0], self.r)) for hf, (_, p) in self.modules.items()}
+        return dense | {name: (p.a_shape, p.b_shape) for name, p in self.experts.items()}
 
 
 def _bad(msg: str) -> ConfigError:
@@ -57,6 +69,8 @@ def _bad(msg: str) -> ConfigError:
 def _matches(name: str, targets: list[str] | str) -> bool:
     """PEFT's rule: a string is a regex on the full module name, a list of module-name suffixes;
     ``all-linear``: every projection the engine adapts."""
+    if targets is None:  # (target_parameters alone)
+        return False
     if targets == "all-linear":
         return True
     if isinstance(targets, str):
@@ -84,22 +98,29 @@ def adapter_spec(cfg: dict, targets: dict[str, LoraTarget], max_rank: int,
                         "the rollout's (use 0)")
     if len(set((cfg.get("rank_pattern") or {}).values()) - {r}):
         problems.append("rank_pattern: the trainer trains one rank on every module (r)")
-    if tm is None and named:
-        tm = sorted({n.rsplit(".", 1)[-1] for n in named})
+    tp = cfg.get("target_parameters") or None
+    named_modules = {n for n in (named or ()) if _PARAM_MODULE.search(n) is None}
+    if tm is None and named_modules:
+        tm = sorted({n.rsplit(".", 1)[-1] for n in named_modules})
     if isinstance(tm, (list, tuple, set)):
         tm = sorted(str(t) for t in tm)
-    if not (isinstance(tm, str) or (isinstance(tm, list) and tm)):
+    if not (isinstance(tm, str) or (isinstance(tm, list) and tm) or (tm is None and tp)):
         problems.append(f"target_modules must be a list of module names or a regex string, got {tm!r}")
-    modules = {}
+    modules, experts = {}, {}
     if not problems:
-        modules = {hf: (module, part) for module, t in targets.items() for hf, part in t.parts.items()
+        dense = {k: t for k, t in targets.items() if isinstance(t, LoraTarget)}
+        modules = {hf: (module, part) for module, t in dense.items() for hf, part in t.parts.items()
                    if _matches(hf, tm)}
-        if not modules:
-            names = sorted({hf.rsplit(".", 1)[-1] for t in targets.values() for hf in t.parts})
+        experts = expert_parts(cfg, tm, targets, r, _matches)
+        if tp and not any(p.kind.startswith("experts.") for p in experts.values()):
+            problems.append(f"target_parameters {tp}: no MoE expert parameter here (expert adapters train with "
+                            "lora.experts: true on a MoE model)")
+        elif not modules and not experts:
+            names = sorted({hf.rsplit(".", 1)[-1] for t in dense.values() for hf in t.parts})
             problems.append(f"target_modules {tm!r} match no projection the engine adapts ({', '.join(names)})")
     if problems:
         raise _bad("; ".join(problems))
-    return AdapterSpec(r, float(alpha), bool(cfg.get("use_rslora")), tm, modules)
+    return AdapterSpec(r, float(alpha), bool(cfg.get("use_rslora")), tm, modules, experts, tp)
 
 
 def initial_tensors(spec: AdapterSpec, tensors: dict[str, torch.Tensor] | None, seed: int, dtype: torch.dtype,
@@ -109,10 +130,9 @@ def initial_tensors(spec: AdapterSpec, tensors: dict[str, torch.Tensor] | None, 
     if tensors is None:
         gen = torch.Generator().manual_seed(seed)
         out = {}
-        for hf, (_, part) in sorted(spec.modules.items()):
-            bound = 1.0 / math.sqrt(part.in_features)  # kaiming_uniform_(a=sqrt(5)), as PEFT and nn.Linear
-            a = torch.empty(spec.r, part.in_features).uniform_(-bound, bound, generator=gen)
-            out[hf] = (a, torch.zeros(part.rows[1] - part.rows[0], spec.r))
+        for hf, (a_shape, b_shape) in sorted(spec.shapes().items()):
+            bound = 1.0 / math.sqrt(a_shape[1])  # kaiming_uniform_(a=sqrt(5)), as PEFT and nn.Linear
+            out[hf] = (torch.empty(a_shape).uniform_(-bound, bound, generator=gen), torch.zeros(b_shape))
         return {k: (a.to(dtype=dtype, device=device), b.to(dtype=dtype, device=device)) for k, (a, b) in out.items()}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -120,15 +140,14 @@ def initial_tensors(spec: AdapterSpec, tensors: dict[str, torch.Tensor] | None, 
         if m is None:
             raise _bad(f"lora_tensors: {key!r} is not a LoRA A/B weight in PEFT's names")
         pairs.setdefault(_normalise(m["module"]), {})[m["ab"]] = t
-    missing, extra = sorted(set(spec.modules) - set(pairs)), sorted(set(pairs) - set(spec.modules))
-    problems = ([f"no tensors for {missing}"] if missing else []) + ([f"{extra} are not in target_modules"]
+    shapes = spec.shapes()
+    missing, extra = sorted(set(shapes) - set(pairs)), sorted(set(pairs) - set(shapes))
+    problems = ([f"no tensors for {missing}"] if missing else []) + ([f"{extra} are not in target_modules (or target_parameters)"]
                                                                      if extra else [])
     for hf, ab in sorted(pairs.items()):
-        if hf not in spec.modules:
+        if hf not in shapes:
             continue
-        part = spec.modules[hf][1]
-        want = {"A": (spec.r, part.in_features), "B": (part.rows[1] - part.rows[0], spec.r)}
-        for k, shape in want.items():
+        for k, shape in zip("AB", shapes[hf]):
             if k not in ab or tuple(ab[k].shape) != shape:
                 got = tuple(ab[k].shape) if k in ab else "missing"
                 problems.append(f"{hf}.lora_{k}: {got}, expected {shape}")
@@ -171,6 +190,7 @@ class LayerAdapter:
     targets: list[tuple[LoraTarget, list[tuple[str, Part]]]]
     scale: float
     dtype: torch.dtype
+    experts: list[tuple[ExpertTarget, list[tuple[str, str]]]] = attrs.Factory(list)  # (rel name, kind)
 
     def fill(self, params: dict[str, torch.Tensor]) -> None:
         """Each covered projection's slot-0 stacks from the layer's ``<part>.lora_A/B.weight``."""
@@ -178,6 +198,10 @@ class LayerAdapter:
             if parts:
                 target.a, target.b = stacks(target, [(p, params[f"{rel}.lora_A.weight"], params[f"{rel}.lora_B.weight"])
                                                      for rel, p in parts], self.scale, self.dtype)
+        for target, parts in self.experts:
+            if parts:
+                expert_adapter.fill(target, [(kind, params[f"{rel}.lora_A.weight"], params[f"{rel}.lora_B.weight"])
+                                             for rel, kind in parts], self.scale, self.dtype)
 
 
 def materialize(targets: dict[str, LoraTarget], rank: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -185,6 +209,9 @@ def materialize(targets: dict[str, LoraTarget], rank: int, dtype: torch.dtype, d
     projections the adapter does not cover add exact zeros there, as in the engine's slot."""
     ranks = torch.full((1,), rank, dtype=torch.int32, device=device)
     for t in targets.values():
+        if isinstance(t, ExpertTarget):
+            expert_adapter.materialize(t, device)
+            continue
         t.a = torch.zeros((1, *t.a.shape[1:]), dtype=dtype, device=device)
         t.b = torch.zeros((1, *t.b.shape[1:]), dtype=dtype, device=device)
         t.ranks = ranks
@@ -207,15 +234,13 @@ def build(config, engine, factory, cfg: dict | None, tensors: dict[str, torch.Te
             raise ConfigError("lora.max_loras", "the trainer's adapter mirrors a rollout engine that serves adapters: "
                               "build the policy from that engine's config (lora.max_loras > 0, its lora.max_rank)")
         return None, {}, {}
-    if lo.experts:  # its MoE rows (base ones too) run another arithmetic the trainer does not mirror
-        raise ConfigError("lora.experts", "the trainer does not train or mirror adapters on the MoE experts and the "
-                          "shared expert: build the policy from a config with lora.experts: false")
     if not (dtype.is_floating_point and dtype.itemsize >= 2):
         raise _bad(f"lora_dtype must be a floating dtype of 16 bits or more (float32, bfloat16...: the trainable A and B), got {dtype}")
     if cfg is None and tensors is not None:
         raise _bad("lora_tensors without lora: give the adapter's adapter_config dict as lora")
     # one slot: every training row is on the adapter; the rank padding (R) is the engine's, so its blocks
-    targets = attach(engine, factory, 1, lo.max_rank)
+    # (lora.experts: the MoE layers' expert stacks too; attach_experts refuses FP8 experts by name)
+    targets = attach(engine, factory, 1, lo.max_rank, experts=lo.experts)
     named = {_normalise(m["module"]) for m in map(_KEY.match, tensors or {}) if m is not None}
     spec = adapter_spec(cfg, targets, lo.max_rank, named) if cfg is not None else None
     compute, device = factory.base["dtype"], factory.base["device"]
@@ -226,7 +251,13 @@ def build(config, engine, factory, cfg: dict | None, tensors: dict[str, torch.Te
     for module, t in targets.items():
         i = int(module.split(".")[1])  # layers.<i>.
         hf_prefix = f"model.layers.{i}."
-        parts = [(hf[len(hf_prefix):], p) for hf, p in t.parts.items() if hf in init]
-        layers.setdefault(i, LayerAdapter([], spec.scale if spec else 1.0, compute)).targets.append((t, parts))
+        layer = layers.setdefault(i, LayerAdapter([], spec.scale if spec else 1.0, compute))
+        if isinstance(t, ExpertTarget):
+            parts = [(hf[len(hf_prefix):], p.kind) for hf, p in (spec.experts if spec else {}).items()
+                     if p.module == module]
+            layer.experts.append((t, parts))
+        else:
+            parts = [(hf[len(hf_prefix):], p) for hf, p in t.parts.items() if hf in init]
+            layer.targets.append((t, parts))
         inits.setdefault(i, {}).update({rel: init[hf_prefix + rel] for rel, _ in parts})
     return spec, layers, inits

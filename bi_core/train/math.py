@@ -79,6 +79,70 @@ def _expert_blocks(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, 
     return torch.cat(blocks)
 
 
+def moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+             w2: torch.Tensor, shared_logits: torch.Tensor | None, routed: tuple[torch.Tensor, ...],
+             pairs: torch.Tensor, shared: tuple[torch.Tensor, ...] | None = None,
+             slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe`` with expert adapters (``ops/moe.py`` ``ExpertLora``), as the reference's ``with_lora``:
+    per (token, slot) pair its expert's gate|up output plus its delta (stack row ``pairs[p]`` of
+    ``routed``'s a13/b13), SiLU-and-mul, the down output plus its delta (a2/b2); the shared
+    expert's pair (stacked last) takes ``shared``'s stacks at row ``slots[t]``; then the combine."""
+    num_tokens, top_k = topk_ids.shape
+    ids = topk_ids if shared_logits is None else torch.cat(
+        [topk_ids, torch.full((num_tokens, 1), w13.shape[0] - 1, dtype=topk_ids.dtype, device=x.device)], 1)
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    grouped = _GROUPED_MM is not None and x.dtype == torch.bfloat16
+    xp = x.repeat_interleave(k, dim=0)
+    g = _add_rows(_gemm_blocks(xp[order], counts, w13, grouped)[inverse], xp, routed[0], routed[1], pairs)
+    if shared is not None:
+        g = _shared_rows(g.view(num_tokens, k, -1), x, shared[0], shared[1], slots).reshape(flat.shape[0], -1)
+    gate, up = g.chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    y = _add_rows(_gemm_blocks(h[order], counts, w2, grouped)[inverse], h, routed[2], routed[3], pairs)
+    y = y.view(num_tokens, k, -1)
+    if shared is not None:
+        y = _shared_rows(y, h.view(num_tokens, k, -1)[:, top_k], shared[2], shared[3], slots)
+    out = (y[:, :top_k] * topk_weights.to(x.dtype)[..., None]).float().sum(dim=1).to(x.dtype)
+    if shared_logits is None:
+        return out
+    return out + torch.sigmoid(shared_logits[:, None]) * y[:, top_k]
+
+
+def _gemm_blocks(rows: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows sorted by expert (``counts[e]`` of expert ``e``) times their expert's ``w[e].T``."""
+    if grouped:
+        return _GROUPED_MM(rows, w.transpose(1, 2), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    ws, blocks, start = w.unbind(0), [], 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            blocks.append(F.linear(rows[start:start + count], ws[e]))
+            start += count
+    return torch.cat(blocks)
+
+
+def _add_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``y + (x a[i].T) b[i].T`` on the rows of stack row ``i = index[row]`` (-1: none); the stacks
+    read through ``unbind`` (indexing them per row would zero-fill a stack's gradient each time)."""
+    a_s, b_s = a.unbind(0), b.unbind(0)
+    rows, deltas = [], []
+    for s in index.unique().tolist():
+        if s >= 0:
+            r = (index == s).nonzero()[:, 0]
+            rows.append(r)
+            deltas.append(F.linear(F.linear(x[r], a_s[s]), b_s[s]))
+    return y.index_add(0, torch.cat(rows), torch.cat(deltas)) if rows else y
+
+
+def _shared_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor):
+    """``y [T, k, N]`` with the shared expert's delta added to its pair (the last) of each token."""
+    return torch.cat([y[:, :-1], _add_rows(y[:, -1], x, a, b, slots)[:, None]], dim=1)
+
+
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_1p(x, weight, eps)
 

@@ -19,6 +19,7 @@ import torch
 from bi_core.backends.reference.attention import Rope
 from bi_core.ops.activation import Fp8Activation
 from bi_core.ops.gdn import GdnWeights
+from bi_core.ops.moe import ExpertLora
 from bi_core.ops.sampling import at_temperature
 from bi_core.train import math
 
@@ -200,14 +201,38 @@ class TrainMoE:
     def __init__(self, impl, spec) -> None:
         self.impl, self.spec = impl, spec
 
-    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, **fp8):
+    def forward(self, x, topk_weights, topk_ids, w13, w2, shared_logits=None, *, lora: ExpertLora | None = None,
+                **fp8):
         shared = () if shared_logits is None else (shared_logits,)
+        if lora is not None:  # (dense experts only: lora/experts.py refuses FP8 ones)
+            return self._lora(x, topk_weights, topk_ids, w13, w2, shared_logits, lora)
         if not fp8:
             return _call(self.impl.forward, math.moe, x, topk_weights, topk_ids, w13, w2, *shared)
         # block-FP8 experts (``w13.dense``, ``w2.dense``: their bf16 weights, as TrainLinear._fp8)
         fp8 = {k: v for k, v in fp8.items() if v is not None}
         kernels = lambda x_, w_, ids_, _13, _2, *s_: self.impl.forward(x_, w_, ids_, w13, w2, *s_, **fp8)
         return _call(kernels, math.moe, x, topk_weights, topk_ids, w13.dense, w2.dense, *shared)
+
+    def _lora(self, x, topk_weights, topk_ids, w13, w2, shared_logits, lora: ExpertLora):
+        """The engine's kernels on the step's expert adapters; the backward differentiates
+        ``math.moe_lora``, so the stacks (built from the policy's A and B) get gradients."""
+        n = 4 if lora.shared is None else 8
+
+        def split(rest):
+            stacks, logits = rest[:n], rest[n:]
+            return stacks[:4], (tuple(stacks[4:]) or None), (logits[0] if logits else None)
+
+        def kernels(x_, w_, ids_, w13_, w2_, *rest):
+            routed, sh, logits = split(rest)
+            return self.impl.forward(x_, w_, ids_, w13_, w2_, logits,
+                                     lora=ExpertLora(*routed, pairs=lora.pairs, shared=sh, slots=lora.slots))
+
+        def mathematics(x_, w_, ids_, w13_, w2_, *rest):
+            routed, sh, logits = split(rest)
+            return math.moe_lora(x_, w_, ids_, w13_, w2_, logits, routed, lora.pairs, sh, lora.slots)
+        stacks = (lora.a13, lora.b13, lora.a2, lora.b2, *(lora.shared or ()))
+        logits = () if shared_logits is None else (shared_logits,)
+        return _call(kernels, mathematics, x, topk_weights, topk_ids, w13, w2, *stacks, *logits)
 
 
 class TrainAttention:

@@ -69,16 +69,27 @@ def _adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((path / "adapter_config.json").read_text()), load_file(str(path / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("kind,checkpoint", [("dense", True), ("dense", False), ("moe", True)])
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+SHARED = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+
+
+@pytest.mark.parametrize("kind,checkpoint", [("dense", True), ("dense", False), ("moe", True), ("experts", True),
+                                             ("experts", False), ("down-only", False)])
 def test_adapter_gradients_match_peft_in_float64(tmp_path, kind, checkpoint):
+    """``experts``: adapters on the routed experts' fused parameters (PEFT's target_parameters) and
+    the shared expert (lora.experts); ``down-only``: experts.down_proj alone (PEFT's other name)."""
     from peft import PeftModel
 
-    hf = make_hf_model(kind)
+    hf = make_hf_model("dense" if kind == "dense" else "moe")
     ckpt = save_checkpoint(hf, tmp_path / "ckpt", experts="fused")
-    targets = None if kind == "dense" else ["q_proj", "o_proj", "in_proj_qkv", "out_proj", "shared_expert_gate"]
-    peft_model = make_adapter(hf, tmp_path / "adapter", r=4, alpha=8.0, targets=targets)
+    targets, params = {"dense": (None, None), "moe": (["q_proj", "o_proj", "in_proj_qkv", "out_proj",
+                                                       "shared_expert_gate"], None),
+                       "experts": (["q_proj", "shared_expert_gate", *SHARED], EXPERT_PARAMS),
+                       "down-only": (["q_proj"], EXPERT_PARAMS[1:])}[kind]
+    peft_model = make_adapter(hf, tmp_path / "adapter", r=4, alpha=8.0, targets=targets, params=params)
+    kind = "dense" if kind == "dense" else "moe"
     cfg, tensors = _adapter(tmp_path / "adapter")
-    policy = PolicyModel.from_config(_config(ckpt), lora=cfg, lora_tensors=tensors)
+    policy = PolicyModel.from_config(_config(ckpt, experts=params is not None), lora=cfg, lora_tensors=tensors)
     policy.checkpoint_layers = checkpoint
     weights = [torch.randn(len(c), generator=torch.Generator().manual_seed(i)) for i, c in enumerate(COMPLETIONS)]
     ours = policy.token_logprobs(PROMPTS, COMPLETIONS)
@@ -120,9 +131,17 @@ def test_adapter_config_errors_name_the_problem(tmp_path):
     off = _config(tmp_path / "ckpt", max_loras=0)
     with pytest.raises(ConfigError, match="lora.max_loras"):
         PolicyModel.from_config(off, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
-    experts = _config(save_checkpoint(make_hf_model("moe"), tmp_path / "moe"), experts=True)
-    with pytest.raises(ConfigError, match="lora.experts.*does not train or mirror"):  # never a silent partial adapter
-        PolicyModel.from_config(experts, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    moe = _config(save_checkpoint(make_hf_model("moe"), tmp_path / "moe"))
+    with pytest.raises(ConfigError, match=r"target_parameters \['mlp.experts.down_proj'\].*lora.experts: true"):
+        PolicyModel.from_config(moe, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                           "target_parameters": ["mlp.experts.down_proj"]})  # never silently dropped
+    from helpers import tiny_config
+
+    fp8 = EngineConfig.from_dict(tiny_config(model={"random": {"preset": "tiny-moe-b128", "seed": 1},
+                                                    "quantization": "fp8"},
+                                             lora={"max_loras": 2, "max_rank": 8, "experts": True}))
+    with pytest.raises(ConfigError, match="lora.experts.*FP8 MoE experts"):
+        PolicyModel.from_config(fp8, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
     fresh = PolicyModel.from_config(config, lora={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
     assert fresh.adapter_config()["target_modules"] == "all-linear"
     assert all(torch.count_nonzero(t) == 0 for n, t in fresh.adapter_tensors().items() if "lora_B" in n)  # PEFT's init

@@ -112,3 +112,48 @@ def test_moe_lora_trainer_is_on_policy(device, preset, quantization):
     assert loaded.version == 2  # (the same tensors: a sync by tensors the engine takes)
     with pytest.raises(OnPolicyMismatch):
         check_on_policy(want, PolicyModel.from_config(config, registry).token_logprobs(PROMPTS[1:], cs))
+
+
+def _without_experts(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The adapter without its expert parts (the routed experts' parameters, the shared expert)."""
+    keep = {k: v for k, v in tensors.items() if ".mlp.experts" not in k and ".shared_expert." not in k}
+    return {k: v for k, v in cfg.items() if k != "target_parameters"}, keep
+
+
+def test_expert_lora_trainer_is_on_policy_before_and_after_a_step(device):
+    """lora.experts: adapters on the routed experts' fused parameters (PEFT's target_parameters)
+    and the shared expert too: bitwise the rollout's logprobs; a step on every A and B (the
+    experts' included), the adapter synced by tensors as version 2, bitwise again. Negative
+    controls: the trainer without the adapter's expert parts, and on version 1 against version 2."""
+    registry = load_registry(extra_plugins=(TritonAnywhere(),))
+    config = _config(device, "tiny-moe").replace(lora={"experts": True})
+    engine = build_engine(config, registry)
+    cfg, tensors = random_adapter(engine, r=4, seed=5, scale=2.0)
+    assert cfg["target_parameters"] and any(".shared_expert." in k for k in tensors)
+    engine.load_lora_adapter("policy", tensors=tensors, config=cfg)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=13, ignore_eos=True, lora_name="policy")
+    outs = engine.generate(PROMPTS, [params] * 2)
+    cs, want = [o.token_ids for o in outs], rollout_logprobs(outs)
+    policy = PolicyModel.from_config(config, registry, lora=cfg, lora_tensors=tensors)
+    lps = policy.token_logprobs(PROMPTS, cs)
+    assert all(torch.equal(torch.tensor(w), lp.detach()) for w, lp in zip(want, lps))  # bitwise
+    partial = PolicyModel.from_config(config, registry, lora=_without_experts(cfg, tensors)[0],
+                                      lora_tensors=_without_experts(cfg, tensors)[1])
+    with pytest.raises(OnPolicyMismatch):
+        check_on_policy(want, partial.token_logprobs(PROMPTS, cs))
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    loss, _ = policy_loss(lps, want, torch.tensor([1.0, -1.0]))
+    loss.backward()
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    assert any(".mlp.experts.base_layer.lora_B" in n for n in grads)
+    assert all(g is not None and torch.count_nonzero(g) > 0 for n, g in grads.items() if "mlp.experts" in n)
+    opt.step()
+    loaded = engine.load_lora_adapter("policy", tensors=policy.adapter_tensors(), config=policy.adapter_config())
+    assert loaded.version == 2
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=12, ignore_eos=True, lora_name="policy")
+    outs = engine.generate(PROMPTS, [params] * 2)
+    cs, want = [o.token_ids for o in outs], rollout_logprobs(outs)
+    check_on_policy(want, policy.token_logprobs(PROMPTS, cs))  # bitwise
+    old = PolicyModel.from_config(config, registry, lora=cfg, lora_tensors=tensors)
+    with pytest.raises(OnPolicyMismatch):  # negative control: the trainer on version 1
+        check_on_policy(want, old.token_logprobs(PROMPTS, cs))
