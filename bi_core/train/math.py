@@ -66,17 +66,8 @@ def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13
 def _expert_blocks(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    grouped: bool) -> torch.Tensor:
     """Rows sorted by expert (``counts[e]`` of expert ``e``) through their experts' SwiGLU MLPs."""
-    if grouped:
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate, up = _GROUPED_MM(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return _GROUPED_MM(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-    w13s, w2s = w13.unbind(0), w2.unbind(0)
-    blocks, start = [], 0
-    for e, count in enumerate(counts.tolist()):
-        if count:
-            blocks.append(F.linear(silu_mul_linear(rows[start:start + count], w13s[e]), w2s[e]))
-            start += count
-    return torch.cat(blocks)
+    gate, up = _gemm_blocks(rows, counts, w13, grouped).chunk(2, dim=-1)
+    return _gemm_blocks(F.silu(gate) * up, counts, w2, grouped)
 
 
 def moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
