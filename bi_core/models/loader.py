@@ -33,8 +33,13 @@ from bi_core.quant.fp8_numerics import FP8
 from bi_core.quant.params import is_block_scale, is_fp8
 
 log = logging.getLogger(__name__)
-IGNORED_PREFIXES = ("model.visual.", "visual.")
+IGNORED_PREFIXES = ("model.visual.", "visual.")  # the vision tower's: a source keeps them apart (``visual``)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "conv1d.bias")
+
+
+def _visual_name(key: str) -> str:
+    """A vision tower tensor's name after its prefix (``model.visual.`` or ``visual.``)."""
+    return next(key[len(p):] for p in IGNORED_PREFIXES if key.startswith(p))
 
 
 def read_config(path: str | Path) -> dict:
@@ -69,10 +74,14 @@ class CheckpointIndex:
             raise CheckpointError(f"no *.safetensors files in {self.path}")
         self.where: dict[str, tuple[Path, str]] = {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype, from the headers
+        self.visual: dict[str, tuple[Path, str]] = {}  # the vision tower's, by name after model.visual.
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    if key.startswith(IGNORED_PREFIXES) or key.endswith(IGNORED_SUFFIXES):
+                    if key.startswith(IGNORED_PREFIXES):
+                        self.visual[_visual_name(key)] = (f, key)
+                        continue
+                    if key.endswith(IGNORED_SUFFIXES):
                         continue
                     name = _normalise(key)
                     info = st.get_slice(key)
@@ -89,10 +98,22 @@ class CheckpointIndex:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise CheckpointError(f"tensor {name} is missing from checkpoint {self.path}")
-        f, key = self.where[name]
+        return self._read(*self.where[name])
+
+    def get_visual(self, name: str) -> torch.Tensor:
+        return self._read(*self.visual[name])
+
+    def visual_shape(self, name: str) -> tuple[int, ...]:
+        f, key = self.visual[name]
+        return tuple(self._handle(f).get_slice(key).get_shape())
+
+    def _read(self, f: Path, key: str) -> torch.Tensor:
+        return self._handle(f).get_tensor(key)
+
+    def _handle(self, f: Path):
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f].get_tensor(key)
+        return self._handles[f]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.meta[name][0]
@@ -106,18 +127,27 @@ class CheckpointIndex:
 
 class TensorDict:
     """Named tensors in memory (a trainer's ``state_dict``, or ``(name, tensor)`` pairs) as a
-    source like :class:`CheckpointIndex`: names normalised, vision tensors ignored."""
+    source like :class:`CheckpointIndex`: names normalised, the vision tower's kept apart."""
 
     def __init__(self, tensors, label: str = "the given tensors") -> None:
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         self.path = label
         self.tensors: dict[str, torch.Tensor] = {}
+        self.visual: dict[str, torch.Tensor] = {}  # by name after model.visual.
         for name, t in items:
             if not isinstance(name, str) or not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"weights must be (name, tensor) pairs, got ({type(name).__name__}, "
                                       f"{type(t).__name__})")
-            if not (name.startswith(IGNORED_PREFIXES) or name.endswith(IGNORED_SUFFIXES)):
+            if name.startswith(IGNORED_PREFIXES):
+                self.visual[_visual_name(name)] = t
+            elif not name.endswith(IGNORED_SUFFIXES):
                 self.tensors[_normalise(name)] = t
+
+    def get_visual(self, name: str) -> torch.Tensor:
+        return self.visual[name]
+
+    def visual_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.visual[name].shape)
 
     def names(self) -> list[str]:
         return list(self.tensors)

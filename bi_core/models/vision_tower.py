@@ -244,39 +244,6 @@ def checkpoint_names(args: VisionArgs) -> dict[str, str]:
     return names
 
 
-VISUAL_PREFIXES = ("model.visual.", "visual.")
-
-
-@torch.no_grad()
-def load_vision_weights(tower: VisionTower, path) -> None:
-    """Copy ``model.visual.*`` (or ``visual.*``) of the checkpoint at ``path`` into ``tower``; the
-    Conv3d patch weight ``[hidden, C, T, P, P]`` is the linear's ``[hidden, C*T*P*P]``."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    found: dict[str, tuple[Path, str]] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                for prefix in VISUAL_PREFIXES:
-                    if key.startswith(prefix):
-                        found[key[len(prefix):]] = (f, key)
-    params = dict(tower.named_parameters())
-    for ours, theirs in checkpoint_names(tower.args).items():
-        if theirs not in found:
-            raise CheckpointError(f"tensor model.visual.{theirs} is missing from checkpoint {path} (the vision "
-                                  "tower's; a text-only engine needs model.vision.enabled: false)")
-        f, key = found[theirs]
-        with safe_open(str(f), framework="pt") as st:
-            t = st.get_tensor(key)
-        p = params[ours]
-        if t.numel() != p.numel() or (t.dim() == p.dim() and tuple(t.shape) != tuple(p.shape)):
-            raise CheckpointError(f"model.visual.{theirs}: shape {tuple(t.shape)}, the config's vision_config "
-                                  f"gives {tuple(p.shape)}")
-        p.copy_(t.reshape(p.shape))
-
-
 @torch.no_grad()
 def init_random_vision(tower: VisionTower, seed: int) -> None:
     """Random weights drawn on the tower's device: linears ~ N(0, 1/fan_in), biases and the

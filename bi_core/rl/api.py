@@ -13,6 +13,7 @@ import torch
 
 from bi_core.errors import RequestError
 from bi_core.models.loader import CheckpointIndex, TensorDict, apply_update, check_update
+from bi_core.models.vision_weights import apply_vision_update, check_vision_update
 from bi_core.rl.collective_rpc import collective_rpc
 from bi_core.rl.tensors import LOAD_FORMATS, deserialize_named_tensors
 
@@ -51,11 +52,12 @@ class RolloutAPI:
         is_path = isinstance(weights, (str, Path))
         source = CheckpointIndex(weights) if is_path else TensorDict(weights)
         steps = check_update(self.model, source)  # raises before any request is aborted or any rank is sent to
+        vision = check_vision_update(self.runner.vision, source, in_memory=not is_path)
         for rid in list(self.requests):
             self.abort(rid)
         if self._driver is not None:  # tensor parallel: the aborts go first, then every rank takes its shard
             self._driver.send_update(str(weights) if is_path else source, [st.name for st in steps], self.device)
-        count = apply_update(self.model, source, steps)
+        count = apply_update(self.model, source, steps) + apply_vision_update(self.runner.vision, source, vision)
         self.after_weight_update(flush_cache, version)
         self.weight_sync.landed(steps)
         return count

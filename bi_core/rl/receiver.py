@@ -24,6 +24,7 @@ import torch
 
 from bi_core.errors import BiEngineError, CheckpointError, RequestError
 from bi_core.models.loader import TensorDict, apply_update, check_update
+from bi_core.models.vision_weights import apply_vision_update, check_vision_update
 from bi_core.parallel import lockstep
 from bi_core.rl.coverage import Coverage
 from bi_core.rl.joining import Join
@@ -218,6 +219,8 @@ class WeightSync:
                 applied += mine
                 try:
                     apply_update(e.model, part, mine)
+                    tower = e.runner.vision
+                    apply_vision_update(tower, part, check_vision_update(tower, part, in_memory=True))
                 except (RuntimeError, BiEngineError) as err:
                     failure = BiEngineError(f"{WHAT}: copying bucket {i + 1} of {len(layout)} into the model: {err}")
         try:
@@ -250,6 +253,7 @@ class WeightSync:
                                    "would mix two models. Pause with mode 'abort' or 'wait' first (a request kept "
                                    "by mode 'keep' has started), or let them finish")
             source = TensorDict([(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in zip(*meta)])
+            check_vision_update(self.engine.runner.vision, source, in_memory=True)
             return meta, check_update(self.engine.model, source), None
         except BiEngineError as err:
             kind = RequestError if isinstance(err, RequestError) else CheckpointError

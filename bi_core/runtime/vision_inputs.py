@@ -167,7 +167,8 @@ def build_vision(config, factory, world: int, text, device=None):
     ``explain`` builds it on the meta device)."""
     from bi_core.errors import ConfigError
     from bi_core.models.loader import read_config
-    from bi_core.models.vision_tower import VisionTower, init_random_vision, load_vision_weights
+    from bi_core.models.vision_tower import VisionTower, init_random_vision
+    from bi_core.models.vision_weights import load_vision_weights
 
     want = config.vision.enabled
     if want is False:

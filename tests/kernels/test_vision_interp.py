@@ -96,7 +96,8 @@ def _tower(path, dtype, device):
     from triton_anywhere import TritonAnywhere
 
     from bi_core.models.loader import read_config
-    from bi_core.models.vision_tower import VisionArgs, VisionTower, load_vision_weights
+    from bi_core.models.vision_tower import VisionArgs, VisionTower
+    from bi_core.models.vision_weights import load_vision_weights
     from bi_core.plugins import load_registry
     from bi_core.policies import make_policy
     from bi_core.selector import OpFactory

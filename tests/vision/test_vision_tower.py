@@ -10,7 +10,8 @@ from vl_fixtures import make_hf_vl_model, random_pixels
 
 from bi_core.errors import CheckpointError
 from bi_core.models.loader import read_config
-from bi_core.models.vision_tower import VisionArgs, VisionTower, load_vision_weights
+from bi_core.models.vision_tower import VisionArgs, VisionTower
+from bi_core.models.vision_weights import load_vision_weights
 from bi_core.plugins import load_registry
 from bi_core.policies import make_policy
 from bi_core.selector import OpFactory
