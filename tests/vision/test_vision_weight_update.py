@@ -78,3 +78,18 @@ def test_a_text_only_engine_leaves_vision_tensors_out_and_says_so(checkpoints, c
     with caplog.at_level(logging.INFO, logger="bi_core.models.vision_weights"):
         assert eng.update_weights(visual) == 0
     assert f"{len(visual)} vision tower tensors (model.visual.*) not loaded" in caplog.text
+
+
+def test_the_sync_groups_checks_cover_the_tower(checkpoints):
+    """``update_weights_from_distributed`` checks the metadata before the handshake: a bad vision
+    tensor is its refusal (the transfer itself is tests/rl/test_weight_sync.py's)."""
+    a, _, visual, _ = checkpoints
+    eng = engine_for(a)
+    name = "model.visual.blocks.0.attn.qkv.weight"
+    shape = list(visual[name].shape)
+    for names, shapes, match in (([name], [shape[:1]], "shape"),
+                                 (["model.visual.blocks.0.attn.nope"], [shape], "unknown vision tensor names")):
+        _, steps, refusal = eng.weight_sync._check(names, ["float32"], shapes, None)
+        assert steps is None and refusal is not None and match in str(refusal)
+    _, steps, refusal = eng.weight_sync._check([name], ["float32"], [shape], None)
+    assert refusal is None
