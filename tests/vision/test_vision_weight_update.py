@@ -6,6 +6,9 @@ dtypes are refused before anything changes; a text-only engine leaves them out a
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +96,48 @@ def test_the_sync_groups_checks_cover_the_tower(checkpoints):
         assert steps is None and refusal is not None and match in str(refusal)
     _, steps, refusal = eng.weight_sync._check([name], ["float32"], [shape], None)
     assert refusal is None
+
+
+def _vision_trainer(conn, port: int, path: str) -> None:
+    """A trainer process: the checkpoint's vision tensors, sent over a gloo sync group."""
+    from safetensors.torch import load_file
+
+    from bi_core.rl import WeightSender
+
+    pairs = [(k, v) for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(str(f)).items()
+             if ".visual." in k or k.startswith("visual.")]
+    sender = WeightSender("127.0.0.1", port, 2, timeout_s=20.0, device="cpu")
+    conn.send(("hello",))
+
+    def request_update(names, dtypes, shapes, **extra):
+        conn.send((names, dtypes, shapes))
+        return conn.recv()
+
+    sender.send(pairs, request_update, bucket_mb=0.05)
+    conn.send(("done",))
+
+
+def test_a_trainer_sync_over_the_group_reaches_the_tower(checkpoints):
+    a, c, _, pixels = checkpoints
+    started_on_c = image_answer(engine_for(c), pixels)
+    eng = engine_for(a)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_vision_trainer, args=(theirs, port, str(c)), daemon=True)
+    proc.start()
+    try:
+        eng.init_weights_update_group("127.0.0.1", port, 1, 2, timeout_s=20.0)
+        assert mine.poll(60) and mine.recv() == ("hello",)
+        assert mine.poll(60)
+        names, dtypes, shapes = mine.recv()
+        mine.send(eng.update_weights_from_distributed(names, dtypes, shapes))
+        assert mine.poll(60) and mine.recv() == ("done",)
+        eng.destroy_weights_update_group()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert image_answer(eng, pixels) == started_on_c
