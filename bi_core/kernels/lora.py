@@ -22,15 +22,12 @@ def _lora_rows_kernel(X, W, SLOTS, Y, RANKS, K, N, PART, stride_x, stride_ws, st
         if not ADD:
             tl.store(Y + t * stride_y + cols, tl.zeros((BLOCK_N,), dtype=Y.dtype.element_ty), mask=cols < N)
         return
-    valid = slot >= 0
-    # a row without an adapter reads nothing (the shrink writes its zeros): its bounds become 0
-    k_end, n_end = tl.where(valid, K, 0), tl.where(valid, N, 0)
-    safe = tl.maximum(slot, 0).to(tl.int64)
+    safe = slot.to(tl.int64)
     base = W + safe * stride_ws
     ks = tl.arange(0, BLOCK_K)
     # RANKED 1 (the shrink: W = A, its rows are R) / 2 (the expand: W = B, its K is R): the slot's
     # rank columns of each PART-wide part only; the rest are zeros, so skipping them changes no bit
-    col_ok = cols[:, None] < n_end
+    col_ok = cols[:, None] < N
     rank = PART
     if RANKED != 0:
         rank = tl.load(RANKS + safe)
@@ -39,7 +36,7 @@ def _lora_rows_kernel(X, W, SLOTS, Y, RANKS, K, N, PART, stride_x, stride_ws, st
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        k_ok = kk < k_end
+        k_ok = kk < K
         if RANKED == 2:
             k_ok = k_ok & ((kk % PART) < rank)
         x = tl.load(X + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -49,9 +46,9 @@ def _lora_rows_kernel(X, W, SLOTS, Y, RANKS, K, N, PART, stride_x, stride_ws, st
     delta = tl.sum(acc, axis=1).to(Y.dtype.element_ty)
     out = Y + t * stride_y + cols
     if ADD:  # y + delta in the activation dtype (one rounding of the float32 sum, as torch adds)
-        y = tl.load(out, mask=cols < n_end, other=0.0)
-        tl.store(out, (y.to(tl.float32) + delta.to(tl.float32)).to(Y.dtype.element_ty), mask=cols < n_end)
-    else:  # the shrink: zeros for a row without an adapter
+        y = tl.load(out, mask=cols < N, other=0.0)
+        tl.store(out, (y.to(tl.float32) + delta.to(tl.float32)).to(Y.dtype.element_ty), mask=cols < N)
+    else:  # the shrink
         tl.store(out, delta, mask=cols < N)
 
 

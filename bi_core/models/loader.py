@@ -33,13 +33,13 @@ from bi_core.quant.fp8_numerics import FP8
 from bi_core.quant.params import is_block_scale, is_fp8
 
 log = logging.getLogger(__name__)
-IGNORED_PREFIXES = ("model.visual.", "visual.")  # the vision tower's: a source keeps them apart (``visual``)
+VISUAL_PREFIXES = ("model.visual.", "visual.")  # the vision tower's: a source keeps them apart (``visual``)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "conv1d.bias")
 
 
 def _visual_name(key: str) -> str:
     """A vision tower tensor's name after its prefix (``model.visual.`` or ``visual.``)."""
-    return next(key[len(p):] for p in IGNORED_PREFIXES if key.startswith(p))
+    return next(key[len(p):] for p in VISUAL_PREFIXES if key.startswith(p))
 
 
 def read_config(path: str | Path) -> dict:
@@ -78,7 +78,7 @@ class CheckpointIndex:
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    if key.startswith(IGNORED_PREFIXES):
+                    if key.startswith(VISUAL_PREFIXES):
                         self.visual[_visual_name(key)] = (f, key)
                         continue
                     if key.endswith(IGNORED_SUFFIXES):
@@ -138,7 +138,7 @@ class TensorDict:
             if not isinstance(name, str) or not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"weights must be (name, tensor) pairs, got ({type(name).__name__}, "
                                       f"{type(t).__name__})")
-            if name.startswith(IGNORED_PREFIXES):
+            if name.startswith(VISUAL_PREFIXES):
                 self.visual[_visual_name(name)] = t
             elif not name.endswith(IGNORED_SUFFIXES):
                 self.tensors[_normalise(name)] = t

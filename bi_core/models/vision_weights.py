@@ -72,4 +72,3 @@ def load_vision_weights(tower: VisionTower, path) -> None:
 
     source = CheckpointIndex(path)
     apply_vision_update(tower, source, check_vision_update(tower, source, in_memory=False, complete=True))
-

@@ -219,8 +219,9 @@ class WeightSync:
                 applied += mine
                 try:
                     apply_update(e.model, part, mine)
-                    tower = e.runner.vision
-                    apply_vision_update(tower, part, check_vision_update(tower, part, in_memory=True))
+                    if e.runner.vision is not None:  # (checked with the metadata: this maps the names)
+                        apply_vision_update(e.runner.vision, part, check_vision_update(e.runner.vision, part,
+                                                                                       in_memory=True))
                 except (RuntimeError, BiEngineError) as err:
                     failure = BiEngineError(f"{WHAT}: copying bucket {i + 1} of {len(layout)} into the model: {err}")
         try:

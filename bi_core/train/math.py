@@ -43,31 +43,13 @@ _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.10
 def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         shared_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum (the shared expert, stacked last, gated by ``shared_logits``), as
-    the reference MoE computes it, in a form whose backward stays cheap: (token, slot) pairs sorted
-    by expert into one contiguous block of rows per expert, the blocks through ``grouped_mm`` (bf16,
-    as transformers' MoE trains) or one expert at a time from ``unbind`` views. Indexing ``w13[e]``
-    under autograd would zero-fill a whole stack's gradient per expert, and writing each expert's
-    outputs into a ``[T, top_k, H]`` buffer in place would clone it per expert: 9.9 s of an
-    8-layer 35B-A3B step's backward on 2026-12-07."""
-    num_tokens, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0])
-    y = _expert_blocks(x[order // top_k], counts, w13, w2, grouped=_GROUPED_MM is not None and x.dtype == torch.bfloat16)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = y[inverse].view(num_tokens, top_k, -1) * topk_weights.to(x.dtype)[..., None]
-    out = y.float().sum(dim=1).to(x.dtype)
-    if shared_logits is None:
-        return out
-    return out + torch.sigmoid(shared_logits[:, None]) * F.linear(silu_mul_linear(x, w13[-1]), w2[-1])
-
-
-def _expert_blocks(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   grouped: bool) -> torch.Tensor:
-    """Rows sorted by expert (``counts[e]`` of expert ``e``) through their experts' SwiGLU MLPs."""
-    gate, up = _gemm_blocks(rows, counts, w13, grouped).chunk(2, dim=-1)
-    return _gemm_blocks(F.silu(gate) * up, counts, w2, grouped)
+    the reference MoE computes it, in a form whose backward stays cheap: (token, slot) pairs, the
+    shared expert's included, sorted by expert into one contiguous block of rows per expert, the
+    blocks through ``grouped_mm`` (bf16, as transformers' MoE trains) or one expert at a time from
+    ``unbind`` views. (Indexing ``w13[e]`` under autograd would zero-fill a whole stack's gradient
+    per expert; writing each expert's outputs into a ``[T, top_k, H]`` buffer in place would clone
+    it per expert.)"""
+    return _moe(x, topk_weights, topk_ids, w13, w2, shared_logits)
 
 
 def moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -77,7 +59,11 @@ def moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     """``moe`` with expert adapters (``ops/moe.py`` ``ExpertLora``), as the reference's ``with_lora``:
     per (token, slot) pair its expert's gate|up output plus its delta (stack row ``pairs[p]`` of
     ``routed``'s a13/b13), SiLU-and-mul, the down output plus its delta (a2/b2); the shared
-    expert's pair (stacked last) takes ``shared``'s stacks at row ``slots[t]``; then the combine."""
+    expert's pair (each token's last) takes ``shared``'s stacks at row ``slots[t]``; then the combine."""
+    return _moe(x, topk_weights, topk_ids, w13, w2, shared_logits, (routed, pairs, shared, slots))
+
+
+def _moe(x, topk_weights, topk_ids, w13, w2, shared_logits, lora=None) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     ids = topk_ids if shared_logits is None else torch.cat(
         [topk_ids, torch.full((num_tokens, 1), w13.shape[0] - 1, dtype=topk_ids.dtype, device=x.device)], 1)
@@ -88,16 +74,15 @@ def moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     grouped = _GROUPED_MM is not None and x.dtype == torch.bfloat16
-    xp = x.repeat_interleave(k, dim=0)
-    g = _add_rows(_gemm_blocks(xp[order], counts, w13, grouped)[inverse], xp, routed[0], routed[1], pairs)
-    if shared is not None:
-        g = _shared_rows(g.view(num_tokens, k, -1), x, shared[0], shared[1], slots).reshape(flat.shape[0], -1)
+    g = _gemm_blocks(x[order // k], counts, w13, grouped)[inverse]  # [T * k, 2I], pairs in (token, slot) order
+    if lora is not None:
+        g = _deltas(g, x.repeat_interleave(k, dim=0), lora, 0, k)
     gate, up = g.chunk(2, dim=-1)
     h = F.silu(gate) * up
-    y = _add_rows(_gemm_blocks(h[order], counts, w2, grouped)[inverse], h, routed[2], routed[3], pairs)
+    y = _gemm_blocks(h[order], counts, w2, grouped)[inverse]
+    if lora is not None:
+        y = _deltas(y, h, lora, 2, k)
     y = y.view(num_tokens, k, -1)
-    if shared is not None:
-        y = _shared_rows(y, h.view(num_tokens, k, -1)[:, top_k], shared[2], shared[3], slots)
     out = (y[:, :top_k] * topk_weights.to(x.dtype)[..., None]).float().sum(dim=1).to(x.dtype)
     if shared_logits is None:
         return out
@@ -116,6 +101,19 @@ def _gemm_blocks(rows: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, grou
     return torch.cat(blocks)
 
 
+def _deltas(y: torch.Tensor, inputs: torch.Tensor, lora, first: int, k: int) -> torch.Tensor:
+    """``y`` (one row a pair) plus the adapters' deltas of the pairs' ``inputs``: the routed stacks
+    ``first``, ``first + 1`` (a13/b13 or a2/b2) at row ``pairs[p]``, the shared expert's (its pair,
+    each token's last) at row ``slots[t]``."""
+    routed, pairs, shared, slots = lora
+    y = _add_rows(y, inputs, routed[first], routed[first + 1], pairs)
+    if shared is None:
+        return y
+    y3, x3 = y.view(-1, k, y.shape[-1]), inputs.view(-1, k, inputs.shape[-1])
+    last = _add_rows(y3[:, -1], x3[:, -1], shared[first], shared[first + 1], slots)
+    return torch.cat([y3[:, :-1], last[:, None]], dim=1).reshape(y.shape)
+
+
 def _add_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``y + (x a[i].T) b[i].T`` on the rows of stack row ``i = index[row]`` (-1: none); the stacks
     read through ``unbind`` (indexing them per row would zero-fill a stack's gradient each time)."""
@@ -127,11 +125,6 @@ def _add_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             rows.append(r)
             deltas.append(F.linear(F.linear(x[r], a_s[s]), b_s[s]))
     return y.index_add(0, torch.cat(rows), torch.cat(deltas)) if rows else y
-
-
-def _shared_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor):
-    """``y [T, k, N]`` with the shared expert's delta added to its pair (the last) of each token."""
-    return torch.cat([y[:, :-1], _add_rows(y[:, -1], x, a, b, slots)[:, None]], dim=1)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
